@@ -1,0 +1,42 @@
+"""The ``kvpilot`` console script: a thin dispatcher. Each subcommand's module is
+imported only when it runs, so ``kvpilot operator`` never imports torch."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("kvpilot.engine.generate_cli", "one-shot offline generation"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpilot", description="kvpilot: paged-KV LLM engine and Kubernetes operator")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Build only the chosen subcommand's parser when possible (avoids importing torch
+    # for the operator); fall back to the full parser for help and errors.
+    if argv and argv[0] in COMMANDS:
+        module = importlib.import_module(COMMANDS[argv[0]][0])
+        parser = argparse.ArgumentParser(prog=f"kvpilot {argv[0]}", description=COMMANDS[argv[0]][1])
+        module.add_arguments(parser)
+        return int(module.run(parser.parse_args(argv[1:])) or 0)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

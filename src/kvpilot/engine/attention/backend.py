@@ -1,0 +1,120 @@
+"""The attention-backend contract and a registry with lazy factories.
+
+A backend does two things per layer and step: write the step's new K/V into the paged
+cache at ``slot_mapping``, then compute attention for every query token over its
+sequence's cached context (the new tokens included, causally). The model runner builds
+one :class:`AttentionMetadata` per step; all layers share it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch description shared by all layers (tensors on the model device).
+
+    Sequences are ordered decodes first: the first ``num_decodes`` have one query each.
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64 flat slots; -1 = do not write (already cached).
+        query_start_loc: ``[num_seqs + 1]`` int32 cumulative query lengths.
+        seq_lens: ``[num_seqs]`` int32 context length after this step.
+        block_tables: ``[num_seqs, max_blocks]`` int32, zero-padded.
+        query_start_loc_cpu, seq_lens_cpu: the same as Python lists (no device sync).
+        max_query_len, max_seq_len: maxima over the batch.
+    """
+
+    num_decodes: int
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+
+@dataclass
+class LayerKVCache:
+    """One layer's paged cache and its quantization scales.
+
+    Attributes:
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        k_scale, v_scale: fp32 0-d tensors; 1.0 for unquantized dtypes.
+    """
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+
+class AttentionBackend(ABC):
+    """Writes K/V into the paged cache and computes paged attention."""
+
+    name: str = ""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store ``k``/``v`` at ``meta.slot_mapping`` (mutates ``kv``), then attend.
+
+        Args:
+            q: ``[num_tokens, num_heads, head_dim]``.
+            k, v: ``[num_tokens, num_kv_heads, head_dim]``.
+            scale: softmax scale (usually ``head_dim ** -0.5``).
+        Returns:
+            ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+        """
+
+
+# name -> "module:Class", imported on first use so CPU installs never import triton.
+ATTENTION_BACKENDS = {
+    "torch": "kvpilot.engine.attention.torch_backend:TorchAttentionBackend",
+}
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """``auto`` = triton on CUDA (when registered), torch elsewhere.
+
+    Raises:
+        ValueError: an unknown backend name.
+    """
+    if name == "auto":
+        return "triton" if device.type == "cuda" and "triton" in ATTENTION_BACKENDS else "torch"
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(ATTENTION_BACKENDS)}")
+    return name
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Instantiate the backend ``name`` (after resolving ``auto``)."""
+    resolved = resolve_backend_name(name, device)
+    module, cls = ATTENTION_BACKENDS[resolved].split(":")
+    try:
+        backend_cls = getattr(importlib.import_module(module), cls)
+    except ImportError as e:
+        raise ValueError(f"attention backend {resolved!r} is not available here: {e}") from e
+    return backend_cls(device)

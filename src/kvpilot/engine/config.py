@@ -1,0 +1,158 @@
+"""Engine arguments (the ``kvpilot serve`` / ``generate`` flags) and their resolution.
+
+:class:`EngineArgs` is what a user asks for; the engine resolves ``auto`` values
+against the hardware and the model once, at start-up, and keeps the result frozen in
+:class:`ResolvedConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+KV_CACHE_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...] | list[str]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """User-facing engine settings; names match vLLM's flags.
+
+    Attributes:
+        model: GGUF file, HF folder or ``embedded://smollm2-135m-instruct`` (default).
+        dtype: activation/weight dtype; ``auto`` = float32 on CPU, bfloat16 on CUDA.
+        kv_cache_dtype: ``auto`` (= dtype) or one of :data:`KV_CACHE_DTYPES`.
+        kv_cache_memory: GiB for the KV cache on CPU.
+        gpu_memory_utilization: share of GPU memory the engine may use in all (CUDA).
+        num_gpu_blocks_override: exact number of KV blocks (wins over both above).
+        max_model_len: context limit; default min(model's, KV pool's).
+        load_format: ``auto`` (real weights) or ``dummy`` (random weights, for benchmarks).
+    """
+
+    model: str | None = None
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory: float = 1.0
+    attention_backend: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _choice("--dtype", self.dtype, ["auto", *DTYPES])
+        _choice("--kv-cache-dtype", self.kv_cache_dtype, ["auto", *KV_CACHE_DTYPES])
+        _choice("--device", self.device, DEVICES)
+        _choice("--load-format", self.load_format, LOAD_FORMATS)
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"--block-size must be a power of two in [1, 128]; got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"--kv-cache-memory must be > 0 GiB; got {self.kv_cache_memory}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"--num-gpu-blocks-override must be >= 1; got {self.num_gpu_blocks_override}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1; got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1; got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2; got {self.max_model_len}")
+
+    # ------------------------------------------------------------------ CLI
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = EngineArgs()
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=None, help="GGUF file, HF folder or embedded://smollm2-135m-instruct (default)")
+        g.add_argument("--served-model-name", default=None, help="model id reported by the API (default: the model's name)")
+        g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's own)")
+        g.add_argument("--dtype", default=d.dtype, choices=["auto", *DTYPES])
+        g.add_argument("--device", default=d.device, choices=DEVICES)
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", *KV_CACHE_DTYPES])
+        g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running requests at most")
+        g.add_argument("--max-model-len", type=int, default=None, help="context length limit (prompt + output)")
+        g.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=d.enable_prefix_caching,
+            help="reuse KV of shared prefixes (radix cache)",
+        )
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact KV block count")
+        g.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory, help="KV cache GiB on CPU")
+        g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"])
+        g.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS)
+        g.add_argument("--seed", type=int, default=d.seed, help="seed for unseeded sampling")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """What the engine actually runs with, after ``auto`` values are resolved."""
+
+    device: torch.device
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    kv_cache_dtype_name: str
+    attention_backend: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    served_model_name: str
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA device; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> tuple[torch.dtype, str]:
+    if name == "auto":
+        return dtype, str(dtype).removeprefix("torch.")
+    canonical = "fp8_e4m3" if name == "fp8" else name
+    return KV_CACHE_DTYPES[name], canonical

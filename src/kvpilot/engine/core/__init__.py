@@ -1,0 +1,1 @@
+"""Scheduling core: plain Python, no device calls (block pool, radix cache, scheduler)."""

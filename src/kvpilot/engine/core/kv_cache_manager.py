@@ -1,0 +1,203 @@
+"""Block tables for requests: prefix matching, admission, growth, publishing and freeing.
+
+The manager owns the :class:`BlockPool` and, with prefix caching on, the
+:class:`RadixCache`. Symmetric pairs: ``can_admit``/``admit``, ``grow``, ``free``.
+
+Capacity seen by the scheduler is ``num_free + num_cached``: cached blocks whose
+ref count is 0 are evicted (LRU, leaves first) only when the free list runs dry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvpilot.engine.core.block_pool import BlockPool, OutOfBlocksError
+from kvpilot.engine.core.radix_cache import RadixCache, RadixNode
+from kvpilot.engine.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates KV blocks to requests.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        enable_prefix_caching: keep computed full blocks in a radix tree for reuse.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.pool = BlockPool(num_blocks)
+        self.radix: RadixCache | None = RadixCache(self.pool, block_size) if enable_prefix_caching else None
+
+    # ------------------------------------------------------------ accounting
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.radix is not None
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Evictable blocks: in the prefix cache, held by no request."""
+        return self.radix.num_cached if self.radix is not None else 0
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation can get now: free plus evictable."""
+        return self.pool.num_free + self.num_cached_blocks
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks held by requests, 0..1 (evictable cached blocks count as free)."""
+        return self.pool.num_used / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    # ------------------------------------------------------------- matching
+    def match_prefix(self, request: Request) -> tuple[list[RadixNode], int]:
+        """Cached full blocks for the request's tokens and how many tokens to skip.
+
+        Returns ``(nodes, num_hit_tokens)``. At least one token is always left to
+        compute, so a full hit reports ``num_tokens - 1`` (the last token is recomputed
+        for its logits; its KV is already cached). Does not mutate anything.
+        """
+        if self.radix is None or request.num_tokens == 0:
+            return [], 0
+        nodes = self.radix.match(request.token_ids, request.cache_salt)
+        return nodes, min(len(nodes) * self.block_size, request.num_tokens - 1)
+
+    # ------------------------------------------------------------ admission
+    def can_admit(self, request: Request, nodes: list[RadixNode], reserve_blocks: int = 0) -> bool:
+        """Whether blocks for the request's *whole* current token list fit, leaving
+        ``reserve_blocks`` available afterwards. Matched blocks that are now evictable
+        stop being evictable once locked, so they are subtracted."""
+        needed = self.blocks_for(request.num_tokens) - len(nodes)
+        relocked = sum(1 for n in nodes if self.pool.ref_counts[n.block_id] == 0)
+        return self.num_available_blocks - relocked - needed >= reserve_blocks
+
+    def admit(self, request: Request, nodes: list[RadixNode], num_hit_tokens: int) -> None:
+        """Lock the matched blocks and allocate the rest of the token list.
+
+        Mutates ``request.block_ids``, ``num_computed_tokens``, ``num_prefix_kv_tokens``,
+        ``num_published_blocks`` and ``last_node``. Call only after :meth:`can_admit`.
+        """
+        assert not request.block_ids, f"{request.request_id} already holds blocks"
+        for node in nodes:
+            if self.pool.incref(node.block_id) == 1:
+                assert self.radix is not None
+                self.radix.on_referenced(node.block_id)
+        if self.radix is not None:
+            self.radix.touch(nodes)
+        new_blocks = self._allocate(self.blocks_for(request.num_tokens) - len(nodes))
+        request.block_ids = [n.block_id for n in nodes] + new_blocks
+        request.num_computed_tokens = num_hit_tokens
+        request.num_prefix_kv_tokens = len(nodes) * self.block_size
+        request.num_published_blocks = len(nodes)
+        if self.radix is not None:
+            request.last_node = nodes[-1] if nodes else self.radix.root(request.cache_salt)
+
+    def grow(self, request: Request, num_new_tokens: int) -> bool:
+        """Make room for ``num_new_tokens`` more computed tokens. False if out of blocks
+        (nothing is allocated then)."""
+        needed = self.blocks_for(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
+        if needed <= 0:
+            return True
+        if needed > self.num_available_blocks:
+            return False
+        request.block_ids.extend(self._allocate(needed))
+        return True
+
+    def _allocate(self, n: int) -> list[int]:
+        if n <= 0:
+            return []
+        short = n - self.pool.num_free
+        if short > 0:
+            if self.radix is None or self.radix.num_cached < short:
+                raise OutOfBlocksError(f"need {n} blocks, {self.num_available_blocks} available")
+            self.pool.release(self.radix.evict(short))
+        return self.pool.take(n)
+
+    # ----------------------------------------------------------- publishing
+    def publish(self, request: Request) -> None:
+        """Insert the request's newly computed full blocks into the radix tree.
+
+        A block is published only once every token in it has its KV written
+        (``num_computed_tokens`` covers it). If an identical block was published first
+        by another request, this request switches to that block and frees its own copy,
+        so each prefix is cached once and referenced chains stay contiguous.
+        """
+        radix = self.radix
+        if radix is None:
+            return
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens, request.num_tokens) // bs
+        parent = request.last_node
+        assert parent is not None
+        for i in range(request.num_published_blocks, num_full):
+            own = request.block_ids[i]
+            node, inserted = radix.insert(parent, tuple(request.token_ids[i * bs : (i + 1) * bs]), own)
+            if not inserted and node.block_id != own:
+                if self.pool.incref(node.block_id) == 1:
+                    radix.on_referenced(node.block_id)
+                request.block_ids[i] = node.block_id
+                self._decref([own])
+            parent = node
+        request.num_published_blocks = max(request.num_published_blocks, num_full)
+        request.last_node = parent
+
+    # -------------------------------------------------------------- freeing
+    def free(self, request: Request) -> None:
+        """Drop the request's references. Published blocks stay cached (evictable);
+        the rest return to the free list. Tail blocks are released first."""
+        if self.radix is not None and request.num_published_blocks:
+            nodes = [self.radix.node_of(b) for b in request.block_ids[: request.num_published_blocks]]
+            self.radix.touch([n for n in nodes if n is not None])
+        self._decref(reversed(request.block_ids))
+        request.block_ids = []
+        request.num_published_blocks = 0
+        request.last_node = None
+        request.num_prefix_kv_tokens = 0
+
+    def _decref(self, block_ids: Iterable[int]) -> None:
+        for b in block_ids:
+            if self.pool.decref(b) == 0 and not (self.radix is not None and self.radix.on_unreferenced(b)):
+                self.pool.release([b])
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every unreferenced cached block. Returns how many were dropped."""
+        if self.radix is None:
+            return 0
+        dropped = self.radix.reset()
+        self.pool.release(dropped)
+        return len(dropped)
+
+    # ------------------------------------------------------------ integrity
+    def check_integrity(self, live_requests: Iterable[Request] = ()) -> None:
+        """Assert ``free + cached + used == total`` and that ref counts equal the number
+        of live requests holding each block. Raises AssertionError."""
+        pool = self.pool
+        free = pool.free_block_ids()
+        assert len(free) == len(set(free)), "duplicate block on the free list"
+        assert pool.num_free + self.num_cached_blocks + pool.num_used == self.num_blocks, (
+            f"free {pool.num_free} + cached {self.num_cached_blocks} + used {pool.num_used} "
+            f"!= total {self.num_blocks}"
+        )
+        holders = [0] * self.num_blocks
+        for req in live_requests:
+            assert len(req.block_ids) == len(set(req.block_ids)), f"{req.request_id} holds a block twice"
+            for b in req.block_ids:
+                holders[b] += 1
+        assert holders == pool.ref_counts, "ref counts differ from the block tables of live requests"
+        assert sum(1 for c in pool.ref_counts if c > 0) == pool.num_used
+        for b in free:
+            assert pool.ref_counts[b] == 0
+            assert self.radix is None or not self.radix.contains(b), f"free block {b} is in the tree"
+        if self.radix is not None:
+            self.radix.check_integrity()

@@ -1,0 +1,213 @@
+"""Radix prefix cache over full KV blocks (RadixAttention at block granularity).
+
+The tree's edges are whole blocks of token ids, so every node owns exactly one KV block::
+
+    root[salt] ──(t0..t15)──> n0 ──(t16..t31)──> n1 ──(t32..t47)──> n2
+                                 └─(u16..u31)──> n3
+
+A path from a root spells a prefix whose length is a multiple of ``block_size``; the
+block of each node holds the KV of its 16 tokens *at those positions*. Roots are per
+``cache_salt``, so requests with different salts never share KV.
+
+Contract:
+- :meth:`match` never mutates (not even LRU times); callers lock what they use by taking
+  a reference on the block in the :class:`BlockPool` and then calling :meth:`touch`.
+- A node is evictable when its block has ``ref_count == 0`` and it has no children;
+  eviction is LRU over such leaves, so a chain is trimmed from its tail. Because a
+  request holds every block of its prefix, a referenced node's ancestors are referenced
+  too, and no locked node or ancestor of one can ever be evicted.
+- Blocks are inserted only after their KV has been written (the scheduler publishes a
+  block once ``num_computed_tokens`` covers it), so a match never returns unwritten KV.
+
+Design after SGLang's ``RadixCache`` (lock counts, LRU leaf eviction) with vLLM's
+full-block granularity (``docs/design/prefix_caching.md``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from kvpilot.engine.core.block_pool import BlockPool
+
+
+class RadixNode:
+    """One block of the tree: ``key`` is its ``block_size`` token ids."""
+
+    __slots__ = ("block_id", "children", "key", "last_access", "parent")
+
+    def __init__(self, key: tuple[int, ...], block_id: int, parent: RadixNode | None) -> None:
+        self.key = key
+        self.block_id = block_id
+        self.parent = parent
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.last_access = 0
+
+    def __repr__(self) -> str:
+        return f"RadixNode(block={self.block_id}, children={len(self.children)}, t={self.last_access})"
+
+
+class RadixCache:
+    """Prefix tree of published blocks with LRU leaf eviction.
+
+    Args:
+        pool: the block pool whose reference counts decide what is locked.
+        block_size: tokens per block (the edge length).
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self._roots: dict[str | None, RadixNode] = {}
+        self._node_of_block: dict[int, RadixNode] = {}
+        self._heap: list[tuple[int, int]] = []  # (last_access, block_id); lazily invalidated
+        self._clock = 0
+        self.num_cached = 0  # blocks in the tree with ref_count == 0 (evictable)
+
+    # ----------------------------------------------------------------- queries
+    def match(self, token_ids: Sequence[int], salt: str | None = None) -> list[RadixNode]:
+        """Longest cached prefix of ``token_ids`` in full blocks, as nodes root-first.
+
+        Does not mutate anything. ``len(result) * block_size`` tokens are cached.
+        """
+        node = self._roots.get(salt)
+        if node is None:
+            return []
+        bs = self.block_size
+        out: list[RadixNode] = []
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            child = node.children.get(tuple(token_ids[start : start + bs]))
+            if child is None:
+                break
+            out.append(child)
+            node = child
+        return out
+
+    def contains(self, block_id: int) -> bool:
+        return block_id in self._node_of_block
+
+    def node_of(self, block_id: int) -> RadixNode | None:
+        return self._node_of_block.get(block_id)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._node_of_block)
+
+    def root(self, salt: str | None) -> RadixNode:
+        """The sentinel root for ``salt`` (created on first use; owns no block)."""
+        node = self._roots.get(salt)
+        if node is None:
+            node = self._roots[salt] = RadixNode((), -1, None)
+        return node
+
+    # --------------------------------------------------------------- mutation
+    def touch(self, nodes: Sequence[RadixNode]) -> None:
+        """Mark ``nodes`` as used now (one tick of the logical LRU clock for all)."""
+        self._clock += 1
+        for node in nodes:
+            node.last_access = self._clock
+            self._maybe_push(node)
+
+    def insert(self, parent: RadixNode, key: tuple[int, ...], block_id: int) -> tuple[RadixNode, bool]:
+        """Publish ``block_id`` holding ``key`` under ``parent``.
+
+        Returns ``(node, inserted)``. If ``parent`` already has a child with this key the
+        existing node is returned with ``inserted=False`` and nothing changes: the caller
+        should switch to the existing block (deduplication).
+
+        The block must be referenced by the caller (it is the caller's own computed block).
+        """
+        if len(key) != self.block_size:
+            raise ValueError(f"key has {len(key)} tokens, block_size is {self.block_size}")
+        existing = parent.children.get(key)
+        if existing is not None:
+            return existing, False
+        if block_id in self._node_of_block:
+            raise AssertionError(f"block {block_id} is already in the tree")
+        if self.pool.ref_counts[block_id] <= 0:
+            raise AssertionError(f"inserting unreferenced block {block_id}")
+        node = RadixNode(key, block_id, parent)
+        self._clock += 1
+        node.last_access = self._clock
+        parent.children[key] = node
+        self._node_of_block[block_id] = node
+        return node, True
+
+    def on_unreferenced(self, block_id: int) -> bool:
+        """Called when ``block_id``'s ref count drops to 0. Returns True if it stays cached."""
+        node = self._node_of_block.get(block_id)
+        if node is None:
+            return False
+        self.num_cached += 1
+        self._maybe_push(node)
+        return True
+
+    def on_referenced(self, block_id: int) -> None:
+        """Called when a cached block's ref count rises from 0 (it is locked again)."""
+        if block_id in self._node_of_block:
+            self.num_cached -= 1
+
+    def evict(self, n: int) -> list[int]:
+        """Remove up to ``n`` unreferenced leaves, least recently used first.
+
+        Returns the evicted block ids; the caller puts them on the pool's free list.
+        """
+        evicted: list[int] = []
+        while len(evicted) < n and self._heap:
+            last_access, block_id = heapq.heappop(self._heap)
+            node = self._node_of_block.get(block_id)
+            if node is None or node.last_access != last_access or not self._is_evictable_leaf(node):
+                continue  # stale entry
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key]
+            del self._node_of_block[block_id]
+            self.num_cached -= 1
+            evicted.append(block_id)
+            if parent.block_id >= 0:
+                self._maybe_push(parent)
+        if len(self._heap) > 2 * len(self._node_of_block) + 64:
+            self._rebuild_heap()
+        return evicted
+
+    def reset(self) -> list[int]:
+        """Drop every unreferenced node (used when prefix caching is reset). Returns blocks."""
+        return self.evict(len(self._node_of_block))
+
+    # ---------------------------------------------------------------- helpers
+    def _is_evictable_leaf(self, node: RadixNode) -> bool:
+        return not node.children and self.pool.ref_counts[node.block_id] == 0
+
+    def _maybe_push(self, node: RadixNode) -> None:
+        if node.block_id >= 0 and self._is_evictable_leaf(node):
+            heapq.heappush(self._heap, (node.last_access, node.block_id))
+
+    def _rebuild_heap(self) -> None:
+        self._heap = [
+            (n.last_access, b) for b, n in self._node_of_block.items() if self._is_evictable_leaf(n)
+        ]
+        heapq.heapify(self._heap)
+
+    def check_integrity(self) -> None:
+        """Assert the tree's invariants (see the module docstring). Raises AssertionError."""
+        seen = 0
+        unreferenced = 0
+        for salt, root in self._roots.items():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                seen += 1
+                b = node.block_id
+                assert self._node_of_block.get(b) is node, f"block {b} not indexed (salt {salt!r})"
+                assert not self.pool.is_free(b), f"cached block {b} is also on the free list"
+                assert node.parent is not None and node.parent.children.get(node.key) is node
+                ref = self.pool.ref_counts[b]
+                if ref == 0:
+                    unreferenced += 1
+                elif node.parent.block_id >= 0:
+                    assert self.pool.ref_counts[node.parent.block_id] > 0, (
+                        f"block {b} is referenced but its parent {node.parent.block_id} is not"
+                    )
+                stack.extend(node.children.values())
+        assert seen == len(self._node_of_block), f"{seen} nodes reachable, {len(self._node_of_block)} indexed"
+        assert unreferenced == self.num_cached, f"num_cached={self.num_cached}, counted {unreferenced}"

@@ -1,0 +1,133 @@
+"""A request's scheduling state: tokens, progress, block table and finish status."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvpilot.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvpilot.engine.core.radix_cache import RadixNode
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, blocks released, will recompute
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI ``finish_reason`` (``stop``, ``length``, ``abort``) or None."""
+        return self.value if self.is_finished else None
+
+
+class Request:
+    """One sequence being generated.
+
+    There is no prefill or decode phase: ``num_computed_tokens`` (tokens whose KV is in
+    the cache) catches up with ``num_tokens`` (prompt + output so far). The request is
+    *prefilling* while more than one token is missing.
+
+    Attributes:
+        block_ids: the block table; block ``i`` holds positions ``[i*bs, (i+1)*bs)``.
+        num_prefix_kv_tokens: positions whose KV came from the prefix cache at the last
+            admission. A full-prompt hit recomputes the last prompt token for its logits,
+            but its KV is already there, so its slot mapping entry is -1 (skip the write
+            into a shared block).
+        num_published_blocks / last_node: how much of the block table is in the radix
+            tree, and the tree node of the last published block.
+        num_cached_tokens: prefix-cache hit at the first admission (reported as usage).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: Sequence[int] = (),
+        cache_salt: str | None = None,
+        arrival_time: float = 0.0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.cache_salt = cache_salt
+        self.arrival_time = arrival_time
+
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_prefix_kv_tokens = 0
+        self.block_ids: list[int] = []
+        self.num_published_blocks = 0
+        self.last_node: RadixNode | None = None
+
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0
+        # Per-step sampling results, filled by the engine for outputs.
+        self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        self.sampled_logprobs: list[float] = []
+        # Timestamps (seconds on the engine's clock).
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """Token-level stop checks after a token was appended (stop strings are checked
+        by the detokenizer). Returns the finished status, or None to continue."""
+        sp = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in sp.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if sp.max_tokens is not None and self.num_output_tokens >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_ids})"
+        )

@@ -1,0 +1,255 @@
+"""The engine: one ``step()`` = schedule -> execute -> sample -> update -> detokenize.
+
+Single-threaded by design; the server runs it in its own thread behind a queue
+(:mod:`kvpilot.engine.server.async_engine`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from kvpilot.engine.config import EngineArgs, ResolvedConfig
+from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+from kvpilot.engine.core.request import Request, RequestStatus
+from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig
+from kvpilot.engine.detokenizer import IncrementalDetokenizer
+from kvpilot.engine.model_runner import LoadedModel, ModelRunner, load_model
+from kvpilot.engine.outputs import (
+    FinishedRequestStats,
+    IterationStats,
+    RequestOutput,
+    SchedulerStats,
+    TokenLogprob,
+)
+from kvpilot.engine.sampler import Sampler
+from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def _eos_ids(model_eos: Sequence[int], tokenizer: object, source_path: object) -> tuple[int, ...]:
+    ids = list(model_eos)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if tok_eos is not None and tok_eos not in ids:
+        ids.append(tok_eos)
+    gen_cfg = getattr(source_path, "joinpath", None)
+    if gen_cfg is not None:
+        path = source_path.joinpath("generation_config.json")  # type: ignore[attr-defined]
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            for t in eos if isinstance(eos, list) else [eos] if eos is not None else []:
+                if t not in ids:
+                    ids.append(t)
+    return tuple(ids)
+
+
+class LLMEngine:
+    """Owns the scheduler, the model runner, the sampler and per-request detokenizers.
+
+    Args:
+        args: engine settings.
+        clock: seconds (monotonic); latencies in stats use it.
+        loaded: an already loaded model to share (its device and dtype must match
+            ``args``); loaded from ``args.model`` when None.
+    """
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        clock: Callable[[], float] = time.monotonic,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        self.args = args
+        self.clock = clock
+        self.loaded = loaded if loaded is not None else load_model(args)
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        source = self.loaded.source
+        self.eos_token_ids = _eos_ids(
+            self.model_config.eos_token_ids, self.tokenizer, source.path if source.kind == "hf" else None
+        )
+        self.runner = ModelRunner(args, self.loaded)
+        cfg: ResolvedConfig = self.runner.resolved
+        self.config = cfg
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=cfg.max_model_len,
+            ),
+            KVCacheManager(cfg.num_blocks, cfg.block_size, args.enable_prefix_caching),
+            clock,
+        )
+        self.sampler = Sampler(cfg.device, args.seed)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._prompt_len: dict[str, int] = {}
+        self.last_stats = IterationStats()
+        self._pending_stats = IterationStats()  # collects aborts between steps
+        self._stats_preemptions = 0
+        self._stats_prefix = (0, 0)
+
+    # ------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue one sequence (``params.n`` is handled by the caller's fan-out).
+
+        Raises:
+            InvalidRequestError: empty or too-long prompt, token ids outside the
+                vocabulary, duplicate id; the engine state is unchanged.
+        """
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+        req = Request(
+            request_id,
+            [int(t) for t in prompt_token_ids],
+            params,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+        )
+        self.scheduler.add_request(req)
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
+
+    def abort_request(self, request_ids: Sequence[str]) -> list[str]:
+        """Abort requests (unknown or finished ids are ignored); their blocks are freed
+        now. Returns the ids that were aborted."""
+        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        now = self.clock()
+        for req in done:
+            self._release(req)
+            self._pending_stats.finished.append(self._finished_stats(req, now))
+        return [r.request_id for r in done]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step. Returns outputs of requests that got tokens (or
+        finished). ``last_stats`` then holds this step's :class:`IterationStats`."""
+        stats, self._pending_stats = self._pending_stats, IterationStats()
+        self.last_stats = stats
+        sched_out = self.scheduler.schedule()
+        stats.num_batched_tokens = sched_out.num_batched_tokens
+        self._collect_scheduler_deltas(stats)
+        if sched_out.is_empty:
+            return []
+        logits = self.runner.execute(sched_out)
+        sampling = [it.request for it in sched_out.scheduled if it.sample]
+        sampled = self.sampler(logits, sampling) if sampling else None
+        tokens: list[int | None] = []
+        row_of: dict[str, int] = {}
+        k = 0
+        for it in sched_out.scheduled:
+            if it.sample:
+                assert sampled is not None
+                tokens.append(sampled.token_ids[k])
+                row_of[it.request.request_id] = k
+                k += 1
+            else:
+                tokens.append(None)
+        touched = self.scheduler.update(sched_out, tokens)
+        now = self.clock()
+        outputs = [self._make_output(req, sampled, row_of[req.request_id], now, stats) for req in touched]
+        return outputs
+
+    def _collect_scheduler_deltas(self, stats: IterationStats) -> None:
+        s = self.scheduler
+        stats.num_preemptions = s.num_preemptions_total - self._stats_preemptions
+        self._stats_preemptions = s.num_preemptions_total
+        q0, h0 = self._stats_prefix
+        stats.prefix_queries = s.prefix_stats.queries - q0
+        stats.prefix_hits = s.prefix_stats.hits - h0
+        self._stats_prefix = (s.prefix_stats.queries, s.prefix_stats.hits)
+
+    def _make_output(self, req: Request, sampled, row: int, now: float, stats: IterationStats) -> RequestOutput:
+        token = req.output_token_ids[-1]
+        # Timing.
+        stats.num_generation_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+            stats.time_to_first_token.append(now - req.arrival_time)
+            stats.num_prompt_tokens += req.num_prompt_tokens
+        else:
+            stats.inter_token_latency.append(now - (req.last_token_time or now))
+        req.last_token_time = now
+        # Logprobs.
+        new_lp = None
+        if req.sampling_params.logprobs is not None:
+            new_lp = [TokenLogprob(token, sampled.logprobs[row], sampled.top_logprobs[row] or [])]
+        # Text and stop strings. A stop token / EOS contributes no text.
+        detok = self._detok[req.request_id]
+        stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED and (
+            req.stop_reason is not None or token in req.eos_token_ids
+        )
+        if not stopped_by_token or req.sampling_params.include_stop_str_in_output:
+            matched = detok.add_tokens([token])
+            if matched is not None and not req.is_finished:
+                req.stop_reason = matched
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        finished = req.is_finished
+        out = RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[token],
+            new_text=detok.take_delta(finished),
+            new_logprobs=new_lp,
+            output_text=detok.output_text,
+            output_token_ids=req.output_token_ids,
+            finished=finished,
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+        if finished:
+            self._release(req)
+            stats.finished.append(self._finished_stats(req, now))
+        return out
+
+    def _finished_stats(self, req: Request, now: float) -> FinishedRequestStats:
+        queue = (req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time is not None else now - req.arrival_time
+        return FinishedRequestStats(
+            finish_reason=req.status.finish_reason or "abort",
+            e2e_latency=now - req.arrival_time,
+            queue_time=queue,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_generation_tokens=req.num_output_tokens,
+        )
+
+    def _release(self, req: Request) -> None:
+        self._detok.pop(req.request_id, None)
+        self.sampler.release(req.request_id)
+
+    # --------------------------------------------------------------- stats
+    def scheduler_stats(self) -> SchedulerStats:
+        s = self.scheduler
+        kv = s.kv
+        return SchedulerStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_waiting_tokens=s.num_waiting_tokens,
+            kv_cache_usage=kv.usage,
+            prefix_cache_hit_rate=s.prefix_stats.hit_rate,
+            num_blocks=kv.num_blocks,
+            num_free_blocks=kv.pool.num_free,
+            num_cached_blocks=kv.num_cached_blocks,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def served_model_name(self) -> str:
+        return self.config.served_model_name

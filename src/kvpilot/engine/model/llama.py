@@ -1,0 +1,211 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a packed varlen batch.
+
+Inputs are flat: ``input_ids`` and ``positions`` are ``[num_tokens]`` for the whole step
+(decodes and prefill chunks of many requests); attention goes through the pluggable
+backend and the paged KV cache. Q/K/V and gate/up projections are fused into single
+matrices when the weights are loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpilot.engine.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
+from kvpilot.engine.model.config import ModelConfig
+from kvpilot.engine.model.rotary import RotaryEmbedding, apply_rotary
+
+
+@dataclass
+class ForwardContext:
+    """What every layer needs for one step (passed explicitly, never global)."""
+
+    meta: AttentionMetadata
+    kv_caches: list[LayerKVCache]
+    backend: AttentionBackend
+    cos: torch.Tensor
+    sin: torch.Tensor
+    # FP8 scale calibration hook: (layer, k, v) -> None, set only until calibrated.
+    calibrate: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight``, computed in fp32 (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), ctx.cos, ctx.sin)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), ctx.cos, ctx.sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if ctx.calibrate is not None:
+            ctx.calibrate(self.layer_idx, k, v)
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# HF checkpoint names of the projections we fuse: (fused module, shard index).
+_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+_GATE_UP = {"gate_proj": 0, "up_proj": 1}
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head.
+
+    Args:
+        config: architecture.
+        max_positions: RoPE table length (the engine's ``max_model_len``).
+    """
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.max_positions = max_positions
+        self.rotary: RotaryEmbedding | None = None
+
+    def init_rotary(self, device: torch.device) -> None:
+        self.rotary = RotaryEmbedding(self.config, self.max_positions, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[LayerKVCache],
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor,
+        calibrate: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Run the step and return final hidden states of the rows in ``logits_indices``.
+
+        Args:
+            input_ids, positions: ``[num_tokens]`` int64.
+            logits_indices: ``[num_logits]`` rows whose next token is wanted.
+            calibrate: called per layer with the step's K/V before they are stored
+                (FP8 scale calibration from real data).
+        Returns:
+            ``[num_logits, hidden_size]`` (after the final norm).
+        Mutates the KV cache (this step's K/V are written).
+        """
+        assert self.rotary is not None, "call init_rotary() first"
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        ctx = ForwardContext(meta, kv_caches, backend, cos, sin, calibrate)
+        for layer in self.layers:
+            h = layer(h, ctx)
+        return self.norm(h[logits_indices])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> ``[n, vocab]`` fp32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...) in,
+        fusing q/k/v and gate/up.
+
+        Raises:
+            ValueError: an unexpected tensor name or shape, or a missing tensor.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        c = self.config
+        qkv_rows = [0, c.q_size, c.q_size + c.kv_size, c.q_size + 2 * c.kv_size]
+        inter = c.intermediate_size
+        for name, tensor in weights:
+            target, rows = self._map_name(name, qkv_rows, inter)
+            if target is None or (target == "lm_head.weight" and self.lm_head is None):
+                continue
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model ({target!r})")
+            dst = param.data if rows is None else param.data[rows[0] : rows[1]]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(target if rows is None else f"{target}[{rows[0]}:{rows[1]}]")
+        expected = set()
+        for pname in params:
+            if pname.endswith("qkv_proj.weight") or pname.endswith("qkv_proj.bias"):
+                expected |= {f"{pname}[{qkv_rows[i]}:{qkv_rows[i + 1]}]" for i in range(3)}
+            elif pname.endswith("gate_up_proj.weight"):
+                expected |= {f"{pname}[0:{inter}]", f"{pname}[{inter}:{2 * inter}]"}
+            else:
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
+
+    @staticmethod
+    def _map_name(name: str, qkv_rows: list[int], inter: int) -> tuple[str | None, tuple[int, int] | None]:
+        if "rotary_emb.inv_freq" in name:
+            return None, None
+        name = name.removeprefix("model.")
+        for proj, idx in _QKV.items():
+            if f"self_attn.{proj}." in name:
+                return name.replace(proj, "qkv_proj"), (qkv_rows[idx], qkv_rows[idx + 1])
+        for proj, idx in _GATE_UP.items():
+            if f"mlp.{proj}." in name:
+                return name.replace(proj, "gate_up_proj"), (idx * inter, (idx + 1) * inter)
+        return name, None

@@ -1,0 +1,238 @@
+"""The model runner: owns the device, the weights and the KV cache tensors.
+
+It turns a :class:`SchedulerOutput` into tensors, runs the model and returns logits for
+the requests that sample this step. It is the only engine component that touches the
+device (besides the sampler, which works on its logits).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpilot.engine.attention.backend import (
+    AttentionMetadata,
+    get_attention_backend,
+    resolve_backend_name,
+)
+from kvpilot.engine.config import (
+    EngineArgs,
+    ResolvedConfig,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
+from kvpilot.engine.core.scheduler import SchedulerOutput
+from kvpilot.engine.kv_cache import PagedKVCache, bytes_per_block, element_bytes
+from kvpilot.engine.model.config import ModelConfig
+from kvpilot.engine.model.llama import LlamaForCausalLM
+from kvpilot.engine.model.loader import (
+    GGUFModelFile,
+    ModelSource,
+    iter_weights,
+    load_model_config,
+    resolve_model,
+)
+from kvpilot.engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+def build_model(
+    config: ModelConfig,
+    source: ModelSource | None,
+    gguf_file: GGUFModelFile | None,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """Create the model on ``device`` in ``dtype`` and load its weights.
+
+    ``load_format="dummy"`` fills random weights (std 0.02; norms 1) instead, for
+    benchmarks of large shapes without a checkpoint.
+    """
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    if load_format == "dummy":
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(dtype))
+    else:
+        assert source is not None
+        model.load_weights(iter_weights(source, config, gguf_file))
+    model.init_rotary(device)
+    model.eval()
+    return model
+
+
+def num_kv_blocks(args: EngineArgs, config: ModelConfig, kv_dtype: torch.dtype, device: torch.device, weight_bytes: int, num_layers: int) -> int:
+    """Size the pool: the override, else ``--kv-cache-memory`` GiB on CPU, else on CUDA
+    ``total x --gpu-memory-utilization`` minus what is in use, minus an activation
+    estimate for one full step."""
+    per_block = bytes_per_block(num_layers, args.block_size, config.num_kv_heads, config.head_dim, kv_dtype)
+    if args.num_gpu_blocks_override is not None:
+        return args.num_gpu_blocks_override
+    if device.type != "cuda":
+        return max(1, int(args.kv_cache_memory * GIB) // per_block)
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    act_bytes = element_bytes(torch.float32) * args.max_num_batched_tokens * (
+        4 * config.hidden_size + 3 * config.intermediate_size + config.q_size + 2 * config.kv_size
+    ) + args.max_num_seqs * config.vocab_size * 4 * 3
+    budget = int(total * args.gpu_memory_utilization) - used - act_bytes
+    if budget < per_block:
+        raise ValueError(
+            f"no GPU memory left for the KV cache: total {total / GIB:.1f} GiB x utilization "
+            f"{args.gpu_memory_utilization} - in use {used / GIB:.1f} GiB (weights {weight_bytes / GIB:.1f} GiB) "
+            f"- activations {act_bytes / GIB:.2f} GiB; raise --gpu-memory-utilization"
+        )
+    return budget // per_block
+
+
+@dataclass
+class LoadedModel:
+    """Weights, tokenizer and architecture, loaded once and shareable between engines
+    that differ only in cache or scheduler settings (tests, side-by-side benchmarks)."""
+
+    source: ModelSource
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    model_max_len: int
+    load_seconds: float
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def load_model(args: EngineArgs) -> LoadedModel:
+    """Resolve ``args.model``, read its config and tokenizer, and load the weights.
+
+    Raises:
+        ModelNotFoundError, UnsupportedModelError: with what was found and what is supported.
+        ValueError: ``--max-model-len`` above the model's context.
+    """
+    t0 = time.monotonic()
+    source = resolve_model(args.model)
+    config, gguf_file = load_model_config(source)
+    tokenizer = load_tokenizer(source, args.tokenizer)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model_max = config.max_position_embeddings
+    if config.sliding_window:
+        model_max = min(model_max, config.sliding_window)
+    if args.max_model_len is not None and args.max_model_len > model_max:
+        raise ValueError(f"--max-model-len {args.max_model_len} is larger than the model's context ({model_max} tokens)")
+    model = build_model(config, source, gguf_file, model_max, dtype, device, args.load_format, args.seed)
+    return LoadedModel(source, config, model, tokenizer, device, dtype, model_max, time.monotonic() - t0)
+
+
+class ModelRunner:
+    """Loads the model, allocates the KV cache, and executes scheduler outputs."""
+
+    def __init__(self, args: EngineArgs, loaded: LoadedModel) -> None:
+        device, dtype, model_config = loaded.device, loaded.dtype, loaded.config
+        if (args.device != "auto" and torch.device(args.device).type != device.type) or (
+            args.dtype != "auto" and resolve_dtype(args.dtype, device) != dtype
+        ):
+            raise ValueError("the loaded model's device/dtype differ from these engine args")
+        kv_dtype, kv_name = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.model = loaded.model
+        num_blocks = num_kv_blocks(args, model_config, kv_dtype, device, loaded.weight_bytes, model_config.num_layers)
+        capacity = num_blocks * args.block_size
+        max_model_len = args.max_model_len or min(loaded.model_max_len, capacity)
+        self.kv_cache = PagedKVCache(
+            model_config.num_layers, num_blocks, args.block_size, model_config.num_kv_heads,
+            model_config.head_dim, kv_dtype, device,
+        )
+        backend_name = resolve_backend_name(args.attention_backend, device)
+        self.backend = get_attention_backend(backend_name, device)
+        self.resolved = ResolvedConfig(
+            device=device,
+            dtype=dtype,
+            kv_cache_dtype=kv_dtype,
+            kv_cache_dtype_name=kv_name,
+            attention_backend=backend_name,
+            num_blocks=num_blocks,
+            block_size=args.block_size,
+            max_model_len=max_model_len,
+            served_model_name=args.served_model_name or loaded.source.name,
+        )
+        logger.info(
+            "engine ready: %s %s on %s, weights %.0f MiB (loaded in %.1fs); KV cache %s, %d blocks x %d = %d tokens; attention %s",
+            self.resolved.served_model_name, dtype, device, loaded.weight_bytes / 2**20, loaded.load_seconds,
+            kv_name, num_blocks, args.block_size, capacity, backend_name,
+        )
+
+    # ------------------------------------------------------------- inputs
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flatten the step into ``input_ids``, ``positions``, attention metadata and the
+        rows whose logits are needed (the last token of each sampling request)."""
+        items = out.scheduled
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        logits_rows: list[int] = []
+        max_blocks = 1
+        for it in items:
+            n = it.num_tokens
+            ids.extend(it.token_ids)
+            positions.extend(range(it.start_position, it.start_position + n))
+            slots.extend(it.slot_mapping)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(it.start_position + n)
+            if it.sample:
+                logits_rows.append(qsl[-1] - 1)
+            max_blocks = max(max_blocks, len(it.block_ids))
+        tables = np.zeros((len(items), max_blocks), dtype=np.int32)
+        for i, it in enumerate(items):
+            tables[i, : len(it.block_ids)] = it.block_ids
+        dev = self.device
+        meta = AttentionMetadata(
+            num_decodes=out.num_decodes,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(it.num_tokens for it in items),
+            max_seq_len=max(seq_lens),
+        )
+        return (
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+            torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run one step. Returns logits ``[num_sampling_requests, vocab]`` fp32, in the
+        order of the sampling entries of ``out.scheduled``. Mutates the KV cache."""
+        input_ids, positions, meta, logits_rows = self.prepare_inputs(out)
+        calibrate = self.kv_cache.calibrate if self.kv_cache.needs_calibration else None
+        hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, self.backend, logits_rows, calibrate)
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,88 @@
+"""What the engine reports each step, per request, and its per-step statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of one generated token and the top alternatives (best first)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress after a step.
+
+    ``new_*`` fields are the delta of this step (for streaming); ``output_text`` and
+    ``output_token_ids`` are cumulative. ``finish_reason`` is ``stop``, ``length`` or
+    ``abort`` once ``finished``; ``stop_reason`` is the stop string or token id that
+    matched (None for EOS).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob] | None
+    output_text: str
+    output_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    queue_time: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """Deltas of one step, for metrics.
+
+    Attributes:
+        num_prompt_tokens: prompt tokens of requests that produced their first token.
+        num_generation_tokens: tokens generated this step.
+        time_to_first_token: seconds, one per first token.
+        inter_token_latency: seconds between consecutive tokens of a request.
+        num_preemptions: preemptions during this step.
+        prefix_queries, prefix_hits: prefix-cache tokens (first admissions only).
+    """
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_token: list[float] = field(default_factory=list)
+    inter_token_latency: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+    num_preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_batched_tokens: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    """Gauges sampled after a step."""
+
+    num_running: int
+    num_waiting: int
+    num_waiting_tokens: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int

@@ -1,0 +1,109 @@
+"""Per-request sampling parameters, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request parameter is out of range. ``param`` names the offending field.
+
+    The server maps this to HTTP 400 with the OpenAI error body.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _check(cond: bool, param: str, value: object, allowed: str) -> None:
+    if not cond:
+        raise InvalidRequestError(f"{param} must be {allowed}, got {value!r}", param=param)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Field names follow vLLM and the OpenAI API.
+
+    Attributes:
+        n: completions per prompt (the front end fans out; choice ``i`` uses ``seed + i``).
+        max_tokens: output tokens to generate at most; ``None`` = up to ``max_model_len``.
+        min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens exist.
+        temperature: 0 = greedy (argmax); otherwise logits are divided by it.
+        top_p: nucleus sampling mass in (0, 1].
+        top_k: keep the k most likely tokens; 0 or -1 = off.
+        min_p: drop tokens whose probability is below ``min_p`` x the top probability.
+        seed: per-request generator seed; the same seed gives the same tokens whatever
+            else is in the batch.
+        stop: strings that end generation; excluded from the text unless
+            ``include_stop_str_in_output``.
+        stop_token_ids: token ids that end generation (in addition to EOS).
+        ignore_eos: keep generating past EOS (benchmarks use this for fixed lengths).
+        presence_penalty, frequency_penalty: OpenAI-style, over output tokens, in [-2, 2].
+        repetition_penalty: CTRL/HF-style, over prompt and output tokens, > 0 (1 = off).
+        logprobs: ``None`` = none; k >= 0 = the sampled token's logprob plus the top k.
+        skip_special_tokens: drop special tokens from the detokenized text.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(s for s in self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        _check(1 <= self.n <= 128, "n", self.n, "an integer in [1, 128]")
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                self.min_tokens,
+                f"<= max_tokens ({self.max_tokens})",
+            )
+        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
+        _check(self.top_k >= -1, "top_k", self.top_k, "-1, 0 (off) or a positive integer")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "> 0")
+        if self.logprobs is not None:
+            _check(
+                0 <= self.logprobs <= self.MAX_LOGPROBS,
+                "logprobs",
+                self.logprobs,
+                f"an integer in [0, {self.MAX_LOGPROBS}]",
+            )
+        for s in self.stop:
+            _check(isinstance(s, str) and len(s) > 0, "stop", s, "a non-empty string")
+        for t in self.stop_token_ids:
+            _check(t >= 0, "stop_token_ids", t, "non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

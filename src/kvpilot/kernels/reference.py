@@ -1,0 +1,194 @@
+"""Torch reference implementations of the paged-KV operations.
+
+These are the test oracle for the Triton kernels and the engine's ``torch`` attention
+backend (CPU and CUDA). Layouts, shared by every backend::
+
+    key_cache, value_cache   [num_blocks, block_size, num_kv_heads, head_dim]
+    flat slot                block_id * block_size + offset_in_block
+    q                        [num_tokens, num_heads, head_dim]   (varlen, packed)
+    query_start_loc          [num_seqs + 1] int32, cumulative query lengths
+    seq_lens                 [num_seqs] int32, tokens in the cache per sequence
+                             *including* this step's (its queries are the last ones)
+    block_tables             [num_seqs, max_blocks_per_seq] int32 (padding is ignored)
+
+Quantized caches (FP8) hold ``x / scale`` clamped to the format's finite range; reads
+multiply by the per-layer scale. Accumulation is always in the query dtype or wider.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def quantize(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cast ``x`` to the cache dtype; for FP8 divide by ``scale`` and clamp to the finite
+    range first (casting above the max gives NaN, not saturation)."""
+    if not is_quantized(cache_dtype):
+        return x.to(cache_dtype)
+    finfo = torch.finfo(cache_dtype)
+    y = x.float() / scale if scale is not None else x.float()
+    return y.clamp_(finfo.min, finfo.max).to(cache_dtype)
+
+
+def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """Inverse of :func:`quantize` (up to rounding): cast to ``dtype`` and rescale."""
+    if not is_quantized(x.dtype):
+        return x.to(dtype)
+    y = x.to(torch.float32)
+    if scale is not None:
+        y = y * scale
+    return y.to(dtype)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Write each token's K/V into its slot. Mutates ``key_cache`` and ``value_cache``.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``.
+        slot_mapping: ``[num_tokens]`` int64; a negative slot skips that token.
+        k_scale, v_scale: fp32 scalars for quantized caches (ignored otherwise).
+    """
+    num_blocks, block_size, h, d = key_cache.shape
+    if key.shape[1:] != (h, d) or value.shape != key.shape:
+        raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match cache heads {h}x{d}")
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    kf = key_cache.view(num_blocks * block_size, h, d)
+    vf = value_cache.view(num_blocks * block_size, h, d)
+    kf.index_copy_(0, slot_mapping, quantize(key, key_cache.dtype, k_scale))
+    vf.index_copy_(0, slot_mapping, quantize(value, value_cache.dtype, v_scale))
+
+
+def gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype: torch.dtype, scale: torch.Tensor | None
+) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence, ``[length, num_kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    nb = -(-length // block_size)
+    out = cache[block_table[:nb].long()].flatten(0, 1)[:length]
+    return dequantize(out, dtype, scale)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence attending to its whole paged context.
+
+    Args:
+        q: ``[num_seqs, num_heads, head_dim]``.
+        block_tables: ``[num_seqs, max_blocks]`` int32.
+        seq_lens: ``[num_seqs]`` context lengths (>= 1) including the query token.
+    Returns:
+        ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
+    """
+    _, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    max_len = int(seq_lens.max())
+    pos = torch.arange(max_len, device=q.device)
+    blocks = block_tables[:, pos // block_size].long()  # [num_seqs, max_len]
+    slots = blocks * block_size + pos % block_size
+    kf = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    vf = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    k = dequantize(kf[slots], q.dtype, k_scale).transpose(1, 2)  # [S, Hkv, L, D]
+    v = dequantize(vf[slots], q.dtype, v_scale).transpose(1, 2)
+    mask = (pos[None, :] < seq_lens[:, None].to(pos.device))[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+    )
+    return out[:, :, 0, :]
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A chunk of new tokens of one sequence: each attends to the cached prefix (no
+    mask) and to the chunk causally.
+
+    Args:
+        q: ``[chunk_len, num_heads, head_dim]``; its tokens sit at positions
+            ``seq_len - chunk_len .. seq_len - 1``.
+        block_table: ``[>= ceil(seq_len / block_size)]`` block ids.
+    Returns:
+        ``[chunk_len, num_heads, head_dim]``.
+    """
+    chunk, num_heads, _ = q.shape
+    num_kv_heads = key_cache.shape[2]
+    k = gather_kv(key_cache, block_table, seq_len, q.dtype, k_scale).transpose(0, 1)[None]
+    v = gather_kv(value_cache, block_table, seq_len, q.dtype, v_scale).transpose(0, 1)[None]
+    qh = q.transpose(0, 1)[None]  # [1, H, chunk, D]
+    gqa = num_heads != num_kv_heads
+    if chunk == seq_len:
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        q_pos = torch.arange(seq_len - chunk, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Varlen paged attention over a mixed batch of decodes and prefill chunks.
+
+    Sequence ``i`` owns queries ``q[query_start_loc[i]:query_start_loc[i+1]]``, the last
+    tokens of its ``seq_lens[i]``-token context. Single-token sequences are batched
+    through :func:`paged_decode_attention`; longer ones go one by one through
+    :func:`paged_prefill_attention`. Returns ``[num_tokens, num_heads, head_dim]``.
+    """
+    out = torch.empty_like(q)
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    qlens = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
+    decode_idx = [i for i, n in enumerate(qlens) if n == 1]
+    if decode_idx:
+        idx = torch.tensor(decode_idx, device=q.device)
+        tok = torch.tensor([qsl[i] for i in decode_idx], device=q.device)
+        out[tok] = paged_decode_attention(
+            q[tok], key_cache, value_cache, block_tables[idx], seq_lens[idx], scale, k_scale, v_scale
+        )
+    for i, n in enumerate(qlens):
+        if n > 1:
+            s = qsl[i]
+            out[s : s + n] = paged_prefill_attention(
+                q[s : s + n], key_cache, value_cache, block_tables[i], lens[i], scale, k_scale, v_scale
+            )
+    return out
