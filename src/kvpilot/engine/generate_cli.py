@@ -43,7 +43,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpilot generate: {e}", file=sys.stderr)
         return 2
     fields = {k: v for k, v in engine_args.__dict__.items() if k != "model"}
-    llm = LLM(engine_args.model, **fields)
+    try:
+        llm = LLM(engine_args.model, **fields)
+    except (FileNotFoundError, ValueError) as e:  # missing/unsupported model, bad sizes
+        print(f"kvpilot generate: {e}", file=sys.stderr)
+        return 2
     prompts = args.prompt
     if args.chat:
         prompts = [

@@ -1,0 +1,96 @@
+"""Engine-level request handling: bad input is refused with a clear error and the
+engine keeps serving (cases C04, C12), aborts free blocks, seeds reproduce."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def drain(engine):
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return outs
+
+
+def test_c04_empty_prompt_and_zero_max_tokens_are_refused_and_the_engine_keeps_serving(make_engine, tokenizer):
+    engine = make_engine()
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("empty", [], SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequestError, match="max_tokens must be an integer >= 1, got 0"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(InvalidRequestError, match=r"outside the vocabulary \[0, 49152\)"):
+        engine.add_request("oov", [1, 999999], SamplingParams(max_tokens=4))
+    engine.add_request("ok", tokenizer.encode("The capital of France is"), SamplingParams(max_tokens=4, temperature=0))
+    outs = drain(engine)
+    assert list(outs) == ["ok"] and outs["ok"].output_text.startswith(" Paris")
+    assert engine.scheduler.kv.pool.num_used == 0
+
+
+def test_c12_prompt_longer_than_the_pool_is_rejected_naming_both_numbers(make_engine, tokenizer):
+    engine = make_engine(num_gpu_blocks_override=8, max_model_len=128)  # 128-token pool
+    long_ids = tokenizer.encode("word " * 300)
+    with pytest.raises(InvalidRequestError) as e:
+        engine.add_request("long", long_ids, SamplingParams(max_tokens=4))
+    msg = str(e.value)
+    assert f"{len(long_ids)} tokens" in msg and "128 tokens" in msg
+    engine.add_request("next", tokenizer.encode("Hello"), SamplingParams(max_tokens=3, temperature=0))
+    assert drain(engine)["next"].num_output_tokens == 3
+
+
+def test_abort_releases_blocks_immediately(make_engine, tokenizer):
+    engine = make_engine()
+    engine.add_request("a", tokenizer.encode("Tell me a long story about"), SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.kv.pool.num_used > 0
+    assert engine.abort_request(["a", "missing"]) == ["a"]
+    assert engine.scheduler.kv.pool.num_used == 0
+    assert not engine.has_unfinished_requests()
+    engine.step()
+    assert engine.last_stats.finished[0].finish_reason == "abort"
+
+
+def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(make_engine, tokenizer):
+    ids = tokenizer.encode("My favourite animal is")
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
+    alone = make_engine()
+    alone.add_request("x", ids, params)
+    solo = drain(alone)["x"].output_token_ids
+    crowded = make_engine()
+    crowded.add_request("noise", tokenizer.encode("Some other text"), SamplingParams(max_tokens=12, temperature=1.0))
+    crowded.add_request("x", ids, params)
+    crowded.add_request("noise2", tokenizer.encode("More"), SamplingParams(max_tokens=5, temperature=0.7, seed=9))
+    assert drain(crowded)["x"].output_token_ids == solo
+
+
+def test_stop_string_ends_generation_and_is_not_in_the_text(make_engine, tokenizer):
+    engine = make_engine()
+    ids = tokenizer.encode("The capital of France is")
+    engine.add_request("s", ids, SamplingParams(max_tokens=16, temperature=0, stop=["answer"]))
+    out = drain(engine)["s"]
+    assert out.finish_reason == "stop" and out.stop_reason == "answer"
+    assert out.output_text == " Paris.\n\nThe "
+
+
+def test_logprobs_are_the_model_distribution(make_engine, tokenizer):
+    import math
+
+    engine = make_engine()
+    engine.add_request("l", tokenizer.encode("The capital of France is"), SamplingParams(max_tokens=3, temperature=0, logprobs=3))
+    lps = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            lps += o.new_logprobs
+    assert len(lps) == 3
+    for lp in lps:
+        assert lp.top[0][0] == lp.token_id  # greedy picks the top token
+        assert lp.logprob == pytest.approx(lp.top[0][1])
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+        assert sum(math.exp(v) for _, v in lp.top) <= 1.0 + 1e-5

@@ -1,0 +1,134 @@
+"""Model discovery and loading: GGUF (the embedded SmolLM2), HF folders (tiny random
+Llama and Qwen2 checkpoints written by transformers), and the errors for everything else."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kvpilot.engine.model.config import ModelConfig, UnsupportedModelError
+from kvpilot.engine.model.loader import (
+    EMBEDDED_MODEL_URI,
+    ModelNotFoundError,
+    gguf_hf_name,
+    resolve_model,
+    unpermute_rope_rows,
+)
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert script layout for Q/K rows (pairs adjacent dims per head)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("heads", [1, 3, 9])
+def test_unpermute_inverts_llama_cpp_layout(heads):
+    w = np.arange(heads * 8 * 5, dtype=np.float32).reshape(heads * 8, 5)
+    assert np.array_equal(unpermute_rope_rows(llama_cpp_permute(w, heads), heads), w)
+
+
+def test_gguf_names_map_to_hf_names():
+    assert gguf_hf_name("blk.12.attn_q.weight") == "model.layers.12.self_attn.q_proj.weight"
+    assert gguf_hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert gguf_hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert gguf_hf_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
+    assert gguf_hf_name("something.else") is None
+
+
+def test_embedded_model_config_is_read_from_gguf():
+    from kvpilot.engine.model.loader import load_model_config
+
+    source = resolve_model(None)
+    assert resolve_model(EMBEDDED_MODEL_URI) == source
+    cfg, _ = load_model_config(source)
+    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == ("llama", 30, 576, 9, 3)
+    assert (cfg.head_dim, cfg.vocab_size, cfg.rope_theta, cfg.max_position_embeddings) == (64, 49152, 100000.0, 8192)
+    assert cfg.tie_word_embeddings and cfg.eos_token_ids == (2,)
+
+
+def test_missing_and_unsupported_models_say_what_was_found(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no such file or folder"):
+        resolve_model(str(tmp_path / "nope"))
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelNotFoundError, match=r"weights.bin is a file but not a \.gguf"):
+        resolve_model(str(tmp_path / "weights.bin"))
+    with pytest.raises(ModelNotFoundError, match=r"holds \['weights.bin'\]; supported: a .gguf file"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(ModelNotFoundError, match="unknown embedded model"):
+        resolve_model("embedded://gpt-5")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    from kvpilot.engine.model.loader import load_model_config
+
+    with pytest.raises(ModelNotFoundError, match="not a readable GGUF file"):
+        load_model_config(resolve_model(f"file://{bad}"))
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+    (folder / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UnsupportedModelError, match=r"declares architectures \['BertModel'\]; supported: \['LlamaForCausalLM'"):
+        ModelConfig.from_hf_config(resolve_model(str(folder)).path)
+    with pytest.raises(ModelNotFoundError, match=r"no \*\.safetensors"):
+        (folder / "model.safetensors").unlink()
+        resolve_model(str(folder))
+
+
+def _tiny_hf_model(path, arch, tokenizer):
+    """Write a tiny random checkpoint with transformers (and the SmolLM2 tokenizer)."""
+    import transformers
+
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    if arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common, rope_theta=10000.0)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        cfg = transformers.LlamaConfig(
+            **common,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+        cls = transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # make the random model's choices well separated
+        for p in model.parameters():
+            p.mul_(4.0)
+    model.save_pretrained(str(path), safe_serialization=True)
+    tokenizer.save_pretrained(str(path))
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hf_folder_greedy_matches_transformers(tmp_path, tokenizer, arch):
+    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.sampling_params import SamplingParams
+
+    hf = _tiny_hf_model(tmp_path, arch, tokenizer)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_memory=0.05)
+    cfg = llm.engine.model_config
+    assert cfg.architecture == arch and cfg.attention_bias == (arch == "qwen2")
+    prompts = ["The capital of France is", "def f(x):", "One two three four five six seven eight nine ten eleven"]
+    results = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    for prompt, res in zip(prompts, results):
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        assert res.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist(), prompt
