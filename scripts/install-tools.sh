@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Installs the binaries the operator's tests need into .tools/bin (gitignored):
+#   helm      built from the Go module proxy (helm.sh/helm/v3/cmd/helm), pinned below
+#   promtool  from Debian's `prometheus` package (apt), linked into .tools/bin
+# Idempotent and fast when everything is already there (a version check per tool).
+# CI runs it as root on a clean machine, so apt-get is called directly when needed.
+# The Kubernetes JSON schemas used to validate rendered manifests come from the PyPI
+# package kubernetes-validate (a dev extra), so no schema download is needed here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+HELM_VERSION="v3.22.0"
+TOOLS_BIN="$PWD/.tools/bin"
+mkdir -p "$TOOLS_BIN"
+
+log() { echo "install-tools: $*" >&2; }
+
+find_go() {
+  if command -v go >/dev/null 2>&1; then command -v go
+  elif [ -x /usr/local/go/bin/go ]; then echo /usr/local/go/bin/go
+  else log "Go is required to build helm (looked on PATH and /usr/local/go/bin)"; exit 1
+  fi
+}
+
+install_helm() {
+  if [ -x "$TOOLS_BIN/helm" ] && "$TOOLS_BIN/helm" version --template '{{.Version}}' 2>/dev/null \
+      | grep -qx "$HELM_VERSION"; then
+    return
+  fi
+  local go; go="$(find_go)"
+  log "building helm $HELM_VERSION from the Go module proxy (a few minutes on a cold cache)"
+  # Version ldflags make `helm version` report the release instead of the module default.
+  GOBIN="$TOOLS_BIN" CGO_ENABLED=0 "$go" install -trimpath \
+    -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
+    "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+}
+
+install_promtool() {
+  if [ -x "$TOOLS_BIN/promtool" ] && "$TOOLS_BIN/promtool" --version >/dev/null 2>&1; then
+    return
+  fi
+  if ! command -v promtool >/dev/null 2>&1; then
+    log "installing Debian package prometheus (for promtool)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    # The package's service is not started in containers without systemd; we only need promtool.
+    apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  fi
+  ln -sf "$(command -v promtool)" "$TOOLS_BIN/promtool"
+}
+
+install_helm
+install_promtool
+log "ok: $("$TOOLS_BIN/helm" version --template '{{.Version}}'), promtool $("$TOOLS_BIN/promtool" --version 2>&1 | head -1 | awk '{print $3}')"

@@ -1,0 +1,162 @@
+"""The objects one InferenceDeployment owns: a Deployment, a Service, a
+PodDisruptionBudget and, where the Prometheus operator is installed, a PodMonitor.
+
+All share the InferenceDeployment's name (names are unique per kind), carry an owner
+reference with ``controller: true`` so deletion cascades, and are complete apply
+configurations: server-side apply with the ``kvpilot-operator`` field manager removes any
+field the operator applied before and no longer sends, so nothing is ever sent partially.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.operator import constants as c
+from kvpilot.operator.builders.labels import object_labels, selector_labels
+from kvpilot.operator.builders.pod import build_pod_template, startup_budget_seconds
+from kvpilot.operator.spec import InferenceSpec
+
+POD_MONITOR_API_VERSION = "monitoring.coreos.com/v1"
+SCRAPE_INTERVAL = "15s"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The InferenceDeployment the children belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        """An ownerReference: garbage collection deletes the child with its owner."""
+        return {
+            "apiVersion": c.API_VERSION,
+            "kind": c.KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@dataclass(frozen=True)
+class Children:
+    """Apply configurations, in apply order. ``pod_monitor`` None = not wanted."""
+
+    deployment: dict[str, Any]
+    service: dict[str, Any]
+    pod_disruption_budget: dict[str, Any]
+    pod_monitor: dict[str, Any] | None
+
+    def all(self) -> list[dict[str, Any]]:
+        objs = [self.deployment, self.service, self.pod_disruption_budget]
+        return objs + ([self.pod_monitor] if self.pod_monitor else [])
+
+
+def _metadata(owner: Owner) -> dict[str, Any]:
+    return {
+        "name": owner.name,
+        "namespace": owner.namespace,
+        "labels": object_labels(owner.name),
+        "ownerReferences": [owner.reference()],
+    }
+
+
+def build_deployment(owner: Owner, spec: InferenceSpec, replicas: int,
+                     default_image: str) -> dict[str, Any]:
+    """The engine Deployment with ``replicas`` pods.
+
+    Rolling updates add one pod before removing one (``maxUnavailable: 0``): capacity never
+    drops during a rollout, at the price of one spare pod's worth of resources (a GPU).
+    """
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(owner),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            "revisionHistoryLimit": 5,
+            "progressDeadlineSeconds": startup_budget_seconds(spec) + 300,
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": build_pod_template(owner.name, spec, default_image),
+        },
+    }
+
+
+def build_service(owner: Owner) -> dict[str, Any]:
+    """A ClusterIP Service on port 8000 in front of the ready engine pods."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(owner.name),
+            "ports": [{
+                "name": c.ENGINE_PORT_NAME,
+                "port": c.ENGINE_PORT,
+                "targetPort": c.ENGINE_PORT_NAME,
+                "protocol": "TCP",
+            }],
+        },
+    }
+
+
+def build_pod_disruption_budget(owner: Owner) -> dict[str, Any]:
+    """At most one engine pod evicted at a time (node drains, cluster upgrades). Pods that
+    are not ready may always be evicted, so a broken pod never blocks a drain."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(owner),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def build_pod_monitor(owner: Owner) -> dict[str, Any]:
+    """A Prometheus-operator PodMonitor scraping every engine pod's /metrics, with the
+    owner's name copied into the ``inference_deployment`` series label."""
+    owner_label = "__meta_kubernetes_pod_label_" + "".join(
+        ch if ch.isalnum() else "_" for ch in c.LABEL_OWNER
+    )
+    return {
+        "apiVersion": POD_MONITOR_API_VERSION,
+        "kind": "PodMonitor",
+        "metadata": _metadata(owner),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            "podMetricsEndpoints": [{
+                "port": c.ENGINE_PORT_NAME,
+                "path": c.METRICS_PATH,
+                "interval": SCRAPE_INTERVAL,
+                "relabelings": [{
+                    "sourceLabels": [owner_label],
+                    "targetLabel": c.SERIES_LABEL,
+                    "action": "replace",
+                }],
+            }],
+        },
+    }
+
+
+def build_children(owner: Owner, spec: InferenceSpec, replicas: int, default_image: str,
+                   pod_monitor: bool) -> Children:
+    """Everything one InferenceDeployment owns, for ``replicas`` engine pods."""
+    if replicas < 0:
+        raise ValueError(f"replicas must be >= 0; got {replicas}")
+    return Children(
+        deployment=build_deployment(owner, spec, replicas, default_image),
+        service=build_service(owner),
+        pod_disruption_budget=build_pod_disruption_budget(owner),
+        pod_monitor=build_pod_monitor(owner) if pod_monitor else None,
+    )

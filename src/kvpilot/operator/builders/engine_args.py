@@ -1,0 +1,46 @@
+"""The ``kvpilot serve`` command line of an engine pod, from the spec.
+
+Flag names are the engine's (vLLM-compatible, docs/architecture.md "CLI"). Every flag the
+spec controls is written explicitly, defaults included, so a pod's command line says
+exactly how it runs and a change of engine default never changes a running fleet silently.
+"""
+
+from __future__ import annotations
+
+from kvpilot.operator import constants as c
+from kvpilot.operator.spec import InferenceSpec
+
+ENGINE_COMMAND = ("kvpilot", "serve")
+
+
+def gpu_resource_names(spec: InferenceSpec) -> list[str]:
+    """The ``*/gpu`` resources (e.g. nvidia.com/gpu) the pod asks for, sorted."""
+    resources = spec.pod.resources
+    names = set(resources.get("limits") or {}) | set(resources.get("requests") or {})
+    return sorted(name for name in names if name.endswith("/gpu"))
+
+
+def uses_gpu(spec: InferenceSpec) -> bool:
+    """True when the pod asks for an accelerator: the engine then runs with ``--device cuda``."""
+    return bool(gpu_resource_names(spec))
+
+
+def engine_args(spec: InferenceSpec) -> list[str]:
+    """Arguments after ``kvpilot serve``; ``engine.extraArgs`` come last, unchanged."""
+    e = spec.engine
+    args = ["--host", "0.0.0.0", "--port", str(c.ENGINE_PORT), "--model", spec.model.model_arg]
+    if spec.model.served_model_name:
+        args += ["--served-model-name", spec.model.served_model_name]
+    args += [
+        "--device", "cuda" if uses_gpu(spec) else "cpu",
+        "--kv-cache-dtype", e.kv_cache_dtype,
+        "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+        "--max-num-seqs", str(e.max_num_seqs),
+        "--block-size", str(e.block_size),
+        "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
+    ]
+    if e.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", repr(e.gpu_memory_utilization)]
+    if e.max_model_len is not None:
+        args += ["--max-model-len", str(e.max_model_len)]
+    return args + list(e.extra_args)

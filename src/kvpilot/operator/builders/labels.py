@@ -1,0 +1,26 @@
+"""Labels and selectors of the objects built for one InferenceDeployment."""
+
+from __future__ import annotations
+
+from kvpilot.operator import constants as c
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The Deployment/Service/PDB selector. Stable for the object's lifetime: never add a
+    label here that can change (a version, a hash), or running pods are orphaned."""
+    return {c.LABEL_COMPONENT: c.ENGINE_COMPONENT, c.LABEL_OWNER: name}
+
+
+def object_labels(name: str) -> dict[str, str]:
+    """Labels on every child object and on the pods."""
+    return {
+        c.LABEL_NAME: c.ENGINE_NAME,
+        c.LABEL_INSTANCE: name,
+        c.LABEL_MANAGED_BY: c.FIELD_MANAGER,
+        **selector_labels(name),
+    }
+
+
+def selector_string(name: str) -> str:
+    """``selector_labels`` as the label-selector string the scale subresource reports."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))

@@ -1,0 +1,201 @@
+"""The engine pod template.
+
+Layout of one engine pod::
+
+    [init: model-download]  hf:// only: snapshot of ORG/NAME -> emptyDir /models
+    [engine]                kvpilot serve ... on :8000 (/health, /ready, /metrics)
+        /tmp    emptyDir   (root filesystem is read-only)
+        /cache  emptyDir   (HF, Triton and torch caches)
+        /models emptyDir (hf) | PVC read-only (pvc)
+        /dev/shm memory emptyDir (GPU pods: torch uses shared memory)
+
+Probes: a startup probe on /health that tolerates slow model loads (at least 10 minutes,
+or 5 x autoscaling.startupSeconds), liveness on /health, readiness on /ready (the engine
+answers 503 while loading or draining). On deletion a short preStop sleep lets the
+Service drop the pod before SIGTERM starts the engine's drain, and
+terminationGracePeriodSeconds bounds how long in-flight generations may still run.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from kvpilot.operator import constants as c
+from kvpilot.operator.builders.engine_args import ENGINE_COMMAND, engine_args, gpu_resource_names
+from kvpilot.operator.builders.labels import object_labels
+from kvpilot.operator.model_uri import MODELS_DIR
+from kvpilot.operator.spec import InferenceSpec
+
+# Numeric UID/GID of the `kvpilot` user in docker/engine.Dockerfile.
+ENGINE_UID = 10001
+DEFAULT_STARTUP_SECONDS = 120
+MIN_STARTUP_BUDGET_SECONDS = 600
+STARTUP_PERIOD_SECONDS = 10
+PRESTOP_SLEEP_SECONDS = 10
+CACHE_DIR = "/cache"
+# Downloads an hf:// repository's weights, config and tokenizer (not *.bin/*.pth copies).
+HF_DOWNLOAD_SCRIPT = (
+    "import sys\n"
+    "from huggingface_hub import snapshot_download\n"
+    "snapshot_download(repo_id=sys.argv[1], local_dir=sys.argv[2], allow_patterns=["
+    "'*.json', '*.safetensors', 'tokenizer*', '*.model', '*.txt', '*.gguf'])\n"
+)
+
+
+def startup_budget_seconds(spec: InferenceSpec) -> int:
+    """How long the startup probe waits for the first healthy answer."""
+    expected = spec.autoscaling.startup_seconds if spec.autoscaling else DEFAULT_STARTUP_SECONDS
+    return max(MIN_STARTUP_BUDGET_SECONDS, 5 * expected)
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _env(spec: InferenceSpec) -> list[dict[str, Any]]:
+    """Cache locations on writable volumes, then the user's env (a user entry replaces ours
+    of the same name: server-side apply refuses duplicate names)."""
+    env: dict[str, dict[str, Any]] = {
+        name: {"name": name, "value": value}
+        for name, value in (
+            ("HOME", "/tmp"),
+            ("XDG_CACHE_HOME", CACHE_DIR),
+            ("HF_HOME", f"{CACHE_DIR}/huggingface"),
+            ("TRITON_CACHE_DIR", f"{CACHE_DIR}/triton"),
+            ("TORCHINDUCTOR_CACHE_DIR", f"{CACHE_DIR}/torchinductor"),
+            ("PYTHONDONTWRITEBYTECODE", "1"),
+            ("PYTHONUNBUFFERED", "1"),
+        )
+    }
+    for item in spec.pod.env:
+        env[item["name"]] = copy.deepcopy(dict(item))
+    return list(env.values())
+
+
+def _volumes(spec: InferenceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(pod volumes, engine volume mounts)."""
+    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}]
+    if spec.model.scheme == "hf":
+        volumes.append({"name": "models", "emptyDir": {}})
+        mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
+    elif spec.model.scheme == "pvc":
+        volumes.append({
+            "name": "models",
+            "persistentVolumeClaim": {"claimName": spec.model.claim_name, "readOnly": True},
+        })
+        mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
+    if gpu_resource_names(spec):
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return volumes, mounts
+
+
+def _probe(path: str, period: int, timeout: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": c.ENGINE_PORT_NAME},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+        "successThreshold": 1,
+    }
+
+
+def _engine_container(spec: InferenceSpec, image: str, mounts: list[dict[str, Any]]) -> dict:
+    grace = spec.pod.termination_grace_period_seconds
+    startup_failures = math.ceil(startup_budget_seconds(spec) / STARTUP_PERIOD_SECONDS)
+    return {
+        "name": "engine",
+        "image": image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": list(ENGINE_COMMAND),
+        "args": engine_args(spec),
+        "ports": [{"name": c.ENGINE_PORT_NAME, "containerPort": c.ENGINE_PORT, "protocol": "TCP"}],
+        "env": _env(spec),
+        "resources": copy.deepcopy(dict(spec.pod.resources)),
+        "startupProbe": _probe(c.HEALTH_PATH, STARTUP_PERIOD_SECONDS, 5, startup_failures),
+        "livenessProbe": _probe(c.HEALTH_PATH, 15, 10, 4),
+        "readinessProbe": _probe(c.READY_PATH, 5, 3, 2),
+        "lifecycle": {
+            "preStop": {"exec": {"command": ["sleep", str(min(PRESTOP_SLEEP_SECONDS, grace // 3))]}}
+        },
+        "securityContext": _container_security(),
+        "volumeMounts": mounts,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+
+
+def _download_container(spec: InferenceSpec, image: str) -> dict[str, Any]:
+    dest = spec.model.model_arg
+    return {
+        "name": "model-download",
+        "image": image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["python3", "-c", HF_DOWNLOAD_SCRIPT, spec.model.hf_repo, dest],
+        "env": _env(spec),
+        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "cache", "mountPath": CACHE_DIR},
+            {"name": "models", "mountPath": MODELS_DIR},
+        ],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+
+
+def _tolerations(spec: InferenceSpec) -> list[dict[str, Any]]:
+    """The user's tolerations, plus ``<gpu resource>:NoSchedule`` for each GPU resource asked
+    for (GPU node pools are commonly tainted so that only GPU pods land there)."""
+    tolerations = [copy.deepcopy(dict(t)) for t in spec.pod.tolerations]
+    keys = {t.get("key") for t in tolerations}
+    for name in gpu_resource_names(spec):
+        if name not in keys:
+            tolerations.append({"key": name, "operator": "Exists", "effect": "NoSchedule"})
+    return tolerations
+
+
+def build_pod_template(name: str, spec: InferenceSpec, default_image: str) -> dict[str, Any]:
+    """The Deployment's ``spec.template`` for the InferenceDeployment ``name``."""
+    image = spec.engine.image or default_image
+    volumes, mounts = _volumes(spec)
+    annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(c.ENGINE_PORT),
+        "prometheus.io/path": c.METRICS_PATH,
+        **spec.pod.pod_annotations,
+    }
+    pod: dict[str, Any] = {
+        "enableServiceLinks": False,
+        # The engine never calls the Kubernetes API.
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": spec.pod.termination_grace_period_seconds,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": ENGINE_UID,
+            "runAsGroup": ENGINE_UID,
+            "fsGroup": ENGINE_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [_engine_container(spec, image, mounts)],
+        "volumes": volumes,
+    }
+    if spec.model.scheme == "hf":
+        pod["initContainers"] = [_download_container(spec, image)]
+    if spec.pod.service_account_name:
+        pod["serviceAccountName"] = spec.pod.service_account_name
+    if spec.pod.node_selector:
+        pod["nodeSelector"] = dict(spec.pod.node_selector)
+    if tolerations := _tolerations(spec):
+        pod["tolerations"] = tolerations
+    if spec.pod.affinity:
+        pod["affinity"] = copy.deepcopy(dict(spec.pod.affinity))
+    return {"metadata": {"labels": object_labels(name), "annotations": annotations}, "spec": pod}

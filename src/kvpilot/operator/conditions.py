@@ -1,0 +1,66 @@
+"""Status conditions (the metav1.Condition shape) as plain, immutable updates.
+
+A condition's ``lastTransitionTime`` changes only when its ``status`` changes; reason and
+message may change without a transition. Conditions of types this update does not touch
+are kept, so the reconcile loop and the autoscaler timer each own their types without
+erasing the other's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from kvpilot.operator.constants import CONDITION_TYPES
+
+STATUSES = ("True", "False", "Unknown")
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One condition to set. ``type`` in CONDITION_TYPES, ``status`` in STATUSES."""
+
+    type: str
+    status: str
+    reason: str
+    message: str
+
+    def __post_init__(self) -> None:
+        if self.type not in CONDITION_TYPES:
+            raise ValueError(f"condition type must be one of {CONDITION_TYPES}; got {self.type!r}")
+        if self.status not in STATUSES:
+            raise ValueError(f"condition status must be one of {STATUSES}; got {self.status!r}")
+        if not self.reason or not self.reason[0].isupper() or not self.reason.isalnum():
+            raise ValueError(f"condition reason must be CamelCase letters/digits; got {self.reason!r}")
+
+
+def set_conditions(existing: Iterable[Mapping[str, Any]] | None, updates: Iterable[Condition],
+                   now: datetime, generation: int | None) -> list[dict[str, Any]]:
+    """The full new ``status.conditions`` list (a merge patch replaces lists whole).
+
+    Returns a new list sorted in CONDITION_TYPES order; ``existing`` is not mutated.
+    """
+    by_type = {c["type"]: dict(c) for c in existing or () if c.get("type") in CONDITION_TYPES}
+    stamp = to_rfc3339(now)
+    for update in updates:
+        old = by_type.get(update.type)
+        new = {"type": update.type, "status": update.status, "reason": update.reason,
+               "message": update.message}
+        new["lastTransitionTime"] = (
+            old["lastTransitionTime"]
+            if old and old.get("status") == update.status and old.get("lastTransitionTime")
+            else stamp
+        )
+        if generation is not None:
+            new["observedGeneration"] = generation
+        by_type[update.type] = new
+    return [by_type[t] for t in CONDITION_TYPES if t in by_type]
+
+
+def to_rfc3339(now: datetime) -> str:
+    """``now`` (timezone-aware) as an RFC 3339 UTC timestamp with seconds precision."""
+    if now.tzinfo is None:
+        raise ValueError(f"timestamps must be timezone-aware; got naive {now!r}")
+    return now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,208 @@
+"""Kopf wiring: thin handlers over :func:`kvpilot.operator.reconcile.reconcile`.
+
+=====================================  ===============================================
+trigger                                handler
+=====================================  ===============================================
+InferenceDeployment create/update/     :func:`on_spec` - reconcile, write status, post
+resume                                 Events
+every ``--resync-seconds``             :func:`on_resync` - the same (repairs drift)
+engine Deployment event                :func:`on_deployment_event` - copy replica counts
+                                       and readiness into the owner's status
+InferenceDeployment delete             :func:`on_delete` - forget its metric series
+=====================================  ===============================================
+
+Errors carry retry intent: an invalid spec or an object the API refuses becomes a
+``kopf.PermanentError`` plus a ``Ready=False`` condition saying why (no crash loop, no
+retry until the spec changes); 409 conflicts and API outages become a
+``kopf.TemporaryError`` with a delay. Handlers return None, so Kopf stores nothing in
+``status`` (its progress lives in ``kvpilot.dev/`` annotations), and nothing here writes
+``spec``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import kopf
+
+from kvpilot.operator import constants as c
+from kvpilot.operator.api import (
+    ApiError,
+    ConflictError,
+    InvalidObjectError,
+    KubeApi,
+)
+from kvpilot.operator.metrics import OperatorMetrics
+from kvpilot.operator.options import OperatorOptions
+from kvpilot.operator.reconcile import ReconcileResult, Resource, reconcile
+from kvpilot.operator.spec import SpecError
+from kvpilot.operator.status import failure_status, workload_status
+
+EventPoster = Callable[[Mapping[str, Any], str, str, str], None]
+CONFLICT_RETRY_SECONDS = 2.0
+TRANSIENT_RETRY_SECONDS = 20.0
+
+
+def _utc_now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def post_kopf_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    """Post a Kubernetes Event through Kopf's queue (safe from sync handlers' threads)."""
+    kopf.event(body, type=type_, reason=reason, message=message)
+
+
+@dataclass(frozen=True)
+class OperatorContext:
+    """Everything handlers need, passed to Kopf as ``memo`` (copied per object).
+
+    Attributes:
+        api: the Kubernetes API (a fake in tests).
+        options: operator-wide settings.
+        metrics: the operator's Prometheus series.
+        clock: returns the current time (timezone-aware).
+        post_event: posts an Event on an object.
+    """
+
+    api: KubeApi
+    options: OperatorOptions
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    clock: Callable[[], datetime] = _utc_now
+    post_event: EventPoster = post_kopf_event
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """Kopf settings: our finalizer and annotations under kvpilot.dev, no peering objects
+    (one operator replica, Recreate strategy), bounded watch timeouts."""
+    settings.persistence.finalizer = c.FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=c.ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=c.ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.peering.standalone = True
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.execution.max_workers = 8
+
+
+def run_reconcile(ctx: OperatorContext, body: Mapping[str, Any], patch: kopf.Patch,
+                  requested: int | None = None, requested_reason: str = "") -> ReconcileResult:
+    """Reconcile one InferenceDeployment and put its status into Kopf's ``patch``.
+
+    Raises kopf.PermanentError (invalid spec, refused object: the failure is written to
+    status first) or kopf.TemporaryError (conflicts, API outages).
+    """
+    resource = Resource.from_body(body)
+    now = ctx.clock()
+    started = time.monotonic()
+
+    def fail(result: str, reason: str, exc: Exception) -> kopf.PermanentError:
+        ctx.metrics.count_reconcile(result, time.monotonic() - started)
+        message = str(exc)
+        patch.status.update(failure_status(reason, message, resource.status.get("conditions"),
+                                           resource.generation, now))
+        ctx.post_event(body, "Warning", reason, message)
+        return kopf.PermanentError(message)
+
+    try:
+        result = reconcile(ctx.api, resource, ctx.options, now, requested, requested_reason)
+    except SpecError as exc:
+        raise fail("invalid_spec", "InvalidSpec", exc) from exc
+    except InvalidObjectError as exc:
+        raise fail("apply_failed", "ApplyFailed", exc) from exc
+    except ConflictError as exc:
+        ctx.metrics.count_reconcile("conflict", time.monotonic() - started)
+        raise kopf.TemporaryError(f"{exc}; retrying", delay=CONFLICT_RETRY_SECONDS) from exc
+    except ApiError as exc:
+        ctx.metrics.count_reconcile("transient", time.monotonic() - started)
+        raise kopf.TemporaryError(str(exc), delay=TRANSIENT_RETRY_SECONDS) from exc
+
+    ctx.metrics.count_reconcile("success", time.monotonic() - started)
+    patch.status.update(result.status)
+    ctx.metrics.observe(resource.namespace, resource.name, result.status,
+                        resource.spec.get("autoscaling"))
+    if result.decision.is_scale:
+        ctx.metrics.count_scale(resource.namespace, resource.name,
+                                result.decision.current or 0, result.decision.replicas)
+    for event in result.events:
+        ctx.post_event(body, event.type, event.reason, event.message)
+    return result
+
+
+def on_spec(body: kopf.Body, patch: kopf.Patch, memo: OperatorContext, **_: Any) -> None:
+    """create / update / resume of an InferenceDeployment."""
+    run_reconcile(memo, body, patch)
+
+
+def on_resync(body: kopf.Body, patch: kopf.Patch, memo: OperatorContext, **_: Any) -> None:
+    """The slow periodic pass: re-applies the children (repairs manual edits and drift)."""
+    run_reconcile(memo, body, patch)
+
+
+def on_deployment_event(body: kopf.Body, type: str | None, memo: OperatorContext,
+                        **_: Any) -> None:
+    """An engine Deployment changed: refresh its owner's counts and conditions at once
+    (the resync timer would catch up anyway; this keeps ``kubectl get`` current)."""
+    if type == "DELETED":
+        return
+    labels = body.get("metadata", {}).get("labels") or {}
+    name, namespace = labels.get(c.LABEL_OWNER), body.get("metadata", {}).get("namespace")
+    if not name or not namespace:
+        return
+    try:
+        owner = memo.api.get(c.API_VERSION, c.KIND, namespace, name)
+        if owner is None:
+            return
+        current = owner.get("status") or {}
+        status = workload_status(name, body, None, current.get("conditions"), memo.clock())
+        changed = {k: v for k, v in status.items() if current.get(k) != v}
+        if changed and not _only_times_differ(changed, current):
+            memo.api.patch_status(namespace, name, status)
+        memo.metrics.observe(namespace, name, status, (owner.get("spec") or {}).get("autoscaling"))
+    except ApiError as exc:
+        # Not worth a retry loop: the resync timer and the next event repair it.
+        logging.getLogger(__name__).warning("status refresh for %s/%s failed: %s",
+                                            namespace, name, exc)
+
+
+def _only_times_differ(changed: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
+    """True when the only change is in conditions and only in their timestamps."""
+    if set(changed) != {"conditions"}:
+        return False
+
+    def strip(conds: Any) -> list[dict[str, Any]]:
+        return [{k: v for k, v in cond.items() if k != "lastTransitionTime"} for cond in conds or ()]
+
+    return strip(changed["conditions"]) == strip(current.get("conditions"))
+
+
+def on_delete(body: kopf.Body, memo: OperatorContext, **_: Any) -> None:
+    """Forget the resource's series. Optional: it never blocks deletion, and the children
+    go with the owner through garbage collection."""
+    meta = body.get("metadata", {})
+    memo.metrics.forget(meta.get("namespace", ""), meta.get("name", ""))
+
+
+def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
+    """Attach the handlers to ``registry`` (no module-level registration, so tests and
+    the process each build their own)."""
+    resource = (c.GROUP, c.VERSION, c.PLURAL)
+    kopf.on.startup(registry=registry, id="configure")(
+        lambda settings, **_: configure(settings)
+    )
+    for cause, decorator in (("create", kopf.on.create), ("update", kopf.on.update),
+                             ("resume", kopf.on.resume)):
+        decorator(*resource, registry=registry, id=f"reconcile-{cause}")(on_spec)
+    kopf.timer(*resource, registry=registry, id="resync", interval=options.resync_seconds,
+               initial_delay=options.resync_seconds)(on_resync)
+    kopf.on.event("apps", "v1", "deployments", registry=registry, id="engine-deployment",
+                  labels={c.LABEL_MANAGED_BY: c.FIELD_MANAGER})(on_deployment_event)
+    kopf.on.delete(*resource, registry=registry, id="forget", optional=True)(on_delete)

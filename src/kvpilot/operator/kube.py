@@ -1,0 +1,147 @@
+"""The real :class:`~kvpilot.operator.api.KubeApi`, over the official ``kubernetes``
+client's ApiClient (which owns authentication: in-cluster token, kubeconfig, exec plugins).
+
+Requests are generic (any kind, by apiVersion and kind) and bodies stay plain dicts:
+
+* ``apply``:        PATCH ``application/apply-patch+yaml`` (JSON is YAML), fieldManager
+                    ``kvpilot-operator``, force=true (we own what we apply)
+* ``patch_status``: PATCH ``application/merge-patch+json`` on ``.../status``
+* ``has_api``:      GET ``/apis/GROUP/VERSION`` (discovery), cached for DISCOVERY_TTL_SECONDS
+
+HTTP errors become :mod:`kvpilot.operator.api` errors: 409 ConflictError; 400/404/415/422
+on writes InvalidObjectError; 401/403, 429, 5xx and connection failures TransientApiError
+(a missing RBAC rule heals by itself once the chart is fixed).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import urllib3
+from kubernetes import client as k8s
+
+from kvpilot.operator import constants as c
+from kvpilot.operator.api import (
+    ApiError,
+    ConflictError,
+    InvalidObjectError,
+    TransientApiError,
+)
+
+PLURALS = {
+    "Deployment": "deployments",
+    "Service": "services",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "PodMonitor": "podmonitors",
+    c.KIND: c.PLURAL,
+}
+REQUEST_TIMEOUT_SECONDS = 30
+DISCOVERY_TTL_SECONDS = 300.0
+
+
+def resource_path(api_version: str, kind: str, namespace: str, name: str) -> str:
+    """REST path of a namespaced object: ``/api/v1/...`` for the core group."""
+    if kind not in PLURALS:
+        raise ValueError(f"kind {kind!r} is not one the operator writes; known: {sorted(PLURALS)}")
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    return f"{prefix}/namespaces/{namespace}/{PLURALS[kind]}/{name}"
+
+
+def _message(status: int, body: bytes, what: str) -> str:
+    try:
+        detail = json.loads(body).get("message") or body.decode(errors="replace")
+    except (ValueError, AttributeError):
+        detail = body.decode(errors="replace") if body else ""
+    return f"{what}: HTTP {status}: {detail}".strip()
+
+
+def raise_for_status(status: int, body: bytes, what: str, write: bool) -> None:
+    """Translate an HTTP status into the api module's errors (2xx returns)."""
+    if 200 <= status < 300:
+        return
+    message = _message(status, body, what)
+    if status == 409:
+        raise ConflictError(message, status)
+    if status in (401, 403):
+        raise TransientApiError(f"{message} (check the operator's RBAC rules)", status)
+    if status == 429 or status >= 500:
+        raise TransientApiError(message, status)
+    if write or status != 404:
+        raise InvalidObjectError(message, status)
+    raise ApiError(message, status)
+
+
+class KubernetesApi:
+    """KubeApi over a ``kubernetes.client.ApiClient``. Thread-safe as the client is."""
+
+    def __init__(self, api_client: k8s.ApiClient,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._client = api_client
+        self._clock = clock
+        self._discovery: dict[str, tuple[float, bool]] = {}
+
+    def _request(self, method: str, path: str, what: str, *, body: Any = None,
+                 query: list[tuple[str, str]] | None = None,
+                 content_type: str | None = None) -> tuple[int, bytes]:
+        headers = {"Accept": "application/json"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        try:
+            serialized = self._client.param_serialize(
+                method=method, resource_path=path, query_params=query or [],
+                header_params=headers, body=body, auth_settings=["BearerToken"],
+            )
+            response = self._client.call_api(
+                *serialized, _request_timeout=REQUEST_TIMEOUT_SECONDS
+            )
+            data = response.read() or b""
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        except k8s.exceptions.ApiException as exc:
+            raise_for_status(exc.status or 0, (exc.body or "").encode(), what, method != "GET")
+            raise
+        return response.status, data
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        what = f"get {kind} {namespace}/{name}"
+        status, data = self._request("GET", resource_path(api_version, kind, namespace, name), what)
+        if status == 404:
+            return None
+        raise_for_status(status, data, what, write=False)
+        return json.loads(data)
+
+    def apply(self, obj: Mapping[str, Any], force: bool = True) -> dict[str, Any]:
+        meta = obj["metadata"]
+        what = f"apply {obj['kind']} {meta['namespace']}/{meta['name']}"
+        path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        query = [("fieldManager", c.FIELD_MANAGER)] + ([("force", "true")] if force else [])
+        status, data = self._request("PATCH", path, what, body=dict(obj), query=query,
+                                     content_type="application/apply-patch+yaml")
+        raise_for_status(status, data, what, write=True)
+        return json.loads(data)
+
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        what = f"patch status of {c.KIND} {namespace}/{name}"
+        path = resource_path(c.API_VERSION, c.KIND, namespace, name) + "/status"
+        code, data = self._request("PATCH", path, what, body={"status": dict(status)},
+                                   query=[("fieldManager", c.FIELD_MANAGER)],
+                                   content_type="application/merge-patch+json")
+        raise_for_status(code, data, what, write=True)
+
+    def has_api(self, group_version: str, kind: str) -> bool:
+        key = f"{group_version}/{kind}"
+        cached = self._discovery.get(key)
+        if cached is not None and self._clock() - cached[0] < DISCOVERY_TTL_SECONDS:
+            return cached[1]
+        path = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
+        status, data = self._request("GET", path, f"discover {group_version}")
+        if status == 404:
+            found = False
+        else:
+            raise_for_status(status, data, f"discover {group_version}", write=False)
+            found = any(r.get("kind") == kind for r in json.loads(data).get("resources", ()))
+        self._discovery[key] = (self._clock(), found)
+        return found

@@ -1,0 +1,92 @@
+"""``kvpilot operator``: run the Kopf operator for InferenceDeployment resources.
+
+Flags (each also read from the environment variable in brackets, as the Helm chart sets):
+
+  --namespace NS            watch only NS; repeatable (default: the whole cluster)
+  --engine-image IMAGE      default engine image  [KVPILOT_ENGINE_IMAGE]
+  --pod-monitor MODE        auto | always | never  [KVPILOT_POD_MONITOR]
+  --resync-seconds S        period of the drift-repair reconcile (default 300)
+  --metrics-port P          operator metrics on 0.0.0.0:P/metrics (0 = off; default 9090)
+  --health-port P           Kopf liveness probe on 0.0.0.0:P/healthz (0 = off; default 8080)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from kvpilot.operator.options import POD_MONITOR_MODES, OperatorOptions
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = OperatorOptions()
+    parser.add_argument("--namespace", action="append", default=[], dest="namespaces",
+                        help="namespace to watch (repeatable); default: all namespaces")
+    parser.add_argument("--engine-image", default=os.environ.get("KVPILOT_ENGINE_IMAGE",
+                                                                 d.engine_image),
+                        help=f"engine image when a spec sets none (default {d.engine_image})")
+    parser.add_argument("--pod-monitor", choices=POD_MONITOR_MODES,
+                        default=os.environ.get("KVPILOT_POD_MONITOR", d.pod_monitor),
+                        help="create PodMonitors: auto = when the Prometheus operator's API exists")
+    parser.add_argument("--resync-seconds", type=float, default=d.resync_seconds,
+                        help="period of the drift-repair reconcile")
+    parser.add_argument("--metrics-port", type=int, default=9090,
+                        help="port of the operator's /metrics (0 = off)")
+    parser.add_argument("--health-port", type=int, default=8080,
+                        help="port of the liveness endpoint /healthz (0 = off)")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def options_from_args(args: argparse.Namespace) -> OperatorOptions:
+    """The frozen options; raises ValueError naming a bad flag value."""
+    return OperatorOptions(
+        engine_image=args.engine_image,
+        pod_monitor=args.pod_monitor,
+        resync_seconds=args.resync_seconds,
+        namespaces=tuple(args.namespaces),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so `kvpilot --help` stays fast and import errors name the extra.
+    try:
+        import kopf
+        from kubernetes import client as k8s
+        from kubernetes import config as k8s_config
+        from prometheus_client import start_http_server
+    except ImportError as exc:
+        raise SystemExit(f"kvpilot operator needs the operator extra: pip install "
+                         f"'kvpilot[operator]' ({exc})") from exc
+
+    from kvpilot.operator.handlers import OperatorContext, register
+    from kvpilot.operator.kube import KubernetesApi
+    from kvpilot.operator.metrics import OperatorMetrics
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        options = options_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"kvpilot operator: {exc}") from exc
+    try:
+        k8s_config.load_incluster_config()
+    except k8s_config.ConfigException:
+        k8s_config.load_kube_config()
+    metrics = OperatorMetrics()
+    if args.metrics_port:
+        start_http_server(args.metrics_port, registry=metrics.registry)
+    context = OperatorContext(api=KubernetesApi(k8s.ApiClient()), options=options, metrics=metrics)
+    registry = kopf.OperatorRegistry()
+    register(registry, options)
+    liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
+    asyncio.run(kopf.operator(
+        registry=registry,
+        memo=context,
+        clusterwide=not options.namespaces,
+        namespaces=options.namespaces,
+        liveness_endpoint=liveness,
+        standalone=True,
+    ))
+    return 0

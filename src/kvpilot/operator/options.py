@@ -1,0 +1,34 @@
+"""Operator-wide settings from the ``kvpilot operator`` flags (one frozen object, passed
+to every reconcile; no globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POD_MONITOR_MODES = ("auto", "always", "never")
+
+
+@dataclass(frozen=True)
+class OperatorOptions:
+    """Attributes:
+        engine_image: image for engine pods whose spec sets no ``engine.image``.
+        pod_monitor: ``auto`` creates a PodMonitor when the monitoring.coreos.com/v1 API
+            exists, ``always``/``never`` force it.
+        resync_seconds: period of the slow reconcile timer that repairs drift.
+        namespaces: namespaces to watch; empty = the whole cluster.
+    """
+
+    engine_image: str = "kvpilot/engine:0.1.0"
+    pod_monitor: str = "auto"
+    resync_seconds: float = 300.0
+    namespaces: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.pod_monitor not in POD_MONITOR_MODES:
+            raise ValueError(
+                f"pod_monitor must be one of {', '.join(POD_MONITOR_MODES)}; got {self.pod_monitor!r}"
+            )
+        if not self.engine_image:
+            raise ValueError("engine_image must be a non-empty image reference")
+        if self.resync_seconds < 10:
+            raise ValueError(f"resync_seconds must be >= 10; got {self.resync_seconds}")

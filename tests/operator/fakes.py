@@ -1,0 +1,129 @@
+"""An in-memory Kubernetes API for reconcile and handler tests.
+
+It keeps what a real API server keeps for our purposes: objects by (kind, namespace,
+name), a resourceVersion bumped on every write and honoured as a precondition (409),
+``metadata.generation`` bumped when ``spec`` changes, and the status subresource
+separate from the spec. Every call is recorded, so tests assert what was written.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from kvpilot.operator import constants as c
+from kvpilot.operator.api import ConflictError
+
+from .crdschema import merge_patch
+
+T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=timezone.utc)
+
+
+class Clock:
+    """A settable, timezone-aware clock."""
+
+    def __init__(self, start: datetime = T0) -> None:
+        self.now = start
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+class FakeKubeApi:
+    def __init__(self, apis: tuple[str, ...] = ()) -> None:
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.calls: list[tuple[Any, ...]] = []
+        self.apis = set(apis)
+        self.errors: dict[str, list[Exception]] = {}  # "apply:Deployment" -> errors to raise
+        self.before_apply: Callable[[Mapping[str, Any]], None] | None = None
+        self._rv = itertools.count(100)
+
+    # --------------------------------------------------------------- helpers for tests
+    def put(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Store an object as if someone else had created it."""
+        obj = copy.deepcopy(obj)
+        meta = obj.setdefault("metadata", {})
+        meta["resourceVersion"] = str(next(self._rv))
+        meta.setdefault("generation", 1)
+        self.objects[(obj["kind"], meta["namespace"], meta["name"])] = obj
+        return obj
+
+    def stored(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.objects.get((kind, namespace, name)))
+
+    def set_deployment_status(self, namespace: str, name: str, **status: Any) -> None:
+        obj = self.objects[("Deployment", namespace, name)]
+        obj["status"] = {"observedGeneration": obj["metadata"]["generation"], **status}
+        obj["metadata"]["resourceVersion"] = str(next(self._rv))
+
+    def fail_next(self, call: str, *errors: Exception) -> None:
+        self.errors.setdefault(call, []).extend(errors)
+
+    def writes(self) -> list[tuple[Any, ...]]:
+        return [call for call in self.calls if call[0] in ("apply", "patch_status")]
+
+    def _maybe_fail(self, call: str) -> None:
+        if self.errors.get(call):
+            raise self.errors[call].pop(0)
+
+    # --------------------------------------------------------------- KubeApi
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self.calls.append(("get", kind, namespace, name))
+        self._maybe_fail(f"get:{kind}")
+        return self.stored(kind, namespace, name)
+
+    def apply(self, obj: Mapping[str, Any], force: bool = True) -> dict[str, Any]:
+        obj = copy.deepcopy(dict(obj))
+        meta = obj["metadata"]
+        key = (obj["kind"], meta["namespace"], meta["name"])
+        self.calls.append(("apply", obj["kind"], meta["namespace"], meta["name"], obj))
+        if self.before_apply is not None:
+            self.before_apply(obj)
+        self._maybe_fail(f"apply:{obj['kind']}")
+        current = self.objects.get(key)
+        precondition = meta.pop("resourceVersion", None)
+        if precondition is not None and (
+            current is None or current["metadata"]["resourceVersion"] != precondition
+        ):
+            raise ConflictError(f"the object {key} has been modified", 409)
+        generation = 1
+        if current is not None:
+            generation = current["metadata"]["generation"]
+            if current.get("spec") != obj.get("spec"):
+                generation += 1
+        meta["generation"] = generation
+        meta["resourceVersion"] = str(next(self._rv))
+        meta.setdefault("uid", f"uid-{key[0].lower()}-{key[2]}")
+        if current is not None and "status" in current:
+            obj["status"] = current["status"]
+        self.objects[key] = obj
+        return copy.deepcopy(obj)
+
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        self.calls.append(("patch_status", c.KIND, namespace, name, copy.deepcopy(dict(status))))
+        self._maybe_fail(f"patch_status:{c.KIND}")
+        obj = self.objects[(c.KIND, namespace, name)]
+        obj["status"] = merge_patch(obj.get("status") or {}, dict(status))
+
+    def has_api(self, group_version: str, kind: str) -> bool:
+        self.calls.append(("has_api", group_version, kind))
+        return f"{group_version}/{kind}" in self.apis
+
+
+def inference(name: str = "chat", namespace: str = "llm", spec: dict[str, Any] | None = None,
+              status: dict[str, Any] | None = None, generation: int = 1) -> dict[str, Any]:
+    """An InferenceDeployment body as Kopf hands it to handlers."""
+    return {
+        "apiVersion": c.API_VERSION,
+        "kind": c.KIND,
+        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}",
+                     "generation": generation, "resourceVersion": "1"},
+        "spec": spec if spec is not None else {"model": {"uri": "embedded://smollm2-135m-instruct"}},
+        "status": status or {},
+    }

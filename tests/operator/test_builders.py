@@ -1,0 +1,281 @@
+"""Pure builders: spec -> Deployment, Service, PodDisruptionBudget, PodMonitor.
+
+Table tests on the engine command line and pod settings, plus every built object
+validated against the Kubernetes schemas (kubernetes-validate, strict: unknown fields
+are errors, so a typo in a field name fails here rather than in a cluster)."""
+
+from __future__ import annotations
+
+import copy
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvpilot.operator import constants as c
+from kvpilot.operator.builders import Owner, build_children
+from kvpilot.operator.builders.engine_args import engine_args
+from kvpilot.operator.builders.pod import startup_budget_seconds
+from kvpilot.operator.spec import parse_spec
+
+from .crdschema import REPO
+
+OWNER = Owner("chat", "llm", "uid-chat")
+IMAGE = "kvpilot/engine:test"
+EMBEDDED = {"uri": "embedded://smollm2-135m-instruct"}
+
+
+def sample(name: str) -> dict:
+    return yaml.safe_load((REPO / "crds" / "samples" / f"{name}.yaml").read_text())["spec"]
+
+
+def build(spec: dict, replicas: int = 1, pod_monitor: bool = False):
+    return build_children(OWNER, parse_spec(spec), replicas, IMAGE, pod_monitor)
+
+
+def engine(children) -> dict:
+    (container,) = children.deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+ARGS = [
+    ("defaults", {"model": EMBEDDED}, [
+        "--host", "0.0.0.0", "--port", "8000", "--model", "embedded://smollm2-135m-instruct",
+        "--device", "cpu", "--kv-cache-dtype", "auto", "--max-num-batched-tokens", "2048",
+        "--max-num-seqs", "256", "--block-size", "16", "--enable-prefix-caching",
+    ]),
+    ("cpu-sample", sample("smollm2-cpu"), [
+        "--host", "0.0.0.0", "--port", "8000", "--model", "embedded://smollm2-135m-instruct",
+        "--served-model-name", "smollm2-135m-instruct", "--device", "cpu",
+        "--kv-cache-dtype", "auto", "--max-num-batched-tokens", "2048", "--max-num-seqs", "32",
+        "--block-size", "16", "--enable-prefix-caching", "--max-model-len", "4096",
+    ]),
+    ("gpu-fp8-sample", sample("llama3-8b-fp8-gpu"), [
+        "--host", "0.0.0.0", "--port", "8000", "--model", "/models/Meta-Llama-3-8B-Instruct",
+        "--served-model-name", "meta-llama/Meta-Llama-3-8B-Instruct", "--device", "cuda",
+        "--kv-cache-dtype", "fp8", "--max-num-batched-tokens", "8192", "--max-num-seqs", "256",
+        "--block-size", "16", "--enable-prefix-caching", "--gpu-memory-utilization", "0.9",
+        "--max-model-len", "8192",
+    ]),
+    ("hf-no-prefix-cache-extra-args", {
+        "model": {"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct"},
+        "engine": {"enablePrefixCaching": False, "kvCacheDtype": "fp8_e5m2",
+                   "extraArgs": ["--attention-backend", "torch", "--seed=7"]},
+    }, [
+        "--host", "0.0.0.0", "--port", "8000", "--model", "/models/Qwen--Qwen2.5-0.5B-Instruct",
+        "--served-model-name", "Qwen/Qwen2.5-0.5B-Instruct", "--device", "cpu",
+        "--kv-cache-dtype", "fp8_e5m2", "--max-num-batched-tokens", "2048",
+        "--max-num-seqs", "256", "--block-size", "16", "--no-enable-prefix-caching",
+        "--attention-backend", "torch", "--seed=7",
+    ]),
+    ("file-uri", {"model": {"uri": "file:///opt/models/smol.gguf"}}, [
+        "--host", "0.0.0.0", "--port", "8000", "--model", "/opt/models/smol.gguf",
+        "--device", "cpu", "--kv-cache-dtype", "auto", "--max-num-batched-tokens", "2048",
+        "--max-num-seqs", "256", "--block-size", "16", "--enable-prefix-caching",
+    ]),
+]
+
+
+@pytest.mark.parametrize("case,spec,expected", ARGS, ids=[a[0] for a in ARGS])
+def test_engine_command_line(case, spec, expected):
+    container = engine(build(spec))
+    assert container["command"] == ["kvpilot", "serve"]
+    assert container["args"] == expected
+    assert engine_args(parse_spec(spec)) == expected
+
+
+@pytest.mark.parametrize("case,spec,_", ARGS, ids=[a[0] for a in ARGS])
+@pytest.mark.parametrize("pod_monitor", [False, True])
+def test_built_objects_are_valid_kubernetes_objects(case, spec, _, pod_monitor):
+    children = build(spec, replicas=3, pod_monitor=pod_monitor)
+    for obj in children.all():
+        if obj["kind"] == "PodMonitor":
+            continue  # not a Kubernetes API; shape checked in test_pod_monitor
+        kubernetes_validate.validate(obj, "1.36.0", strict=True)
+
+
+def test_builders_are_deterministic_and_do_not_share_state():
+    spec = sample("llama3-8b-fp8-gpu")
+    first, second = build(spec), build(copy.deepcopy(spec))
+    assert first == second
+    first.deployment["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "X"})
+    assert build(spec) == second
+
+
+def test_owner_reference_and_labels_on_every_child():
+    children = build({"model": EMBEDDED}, pod_monitor=True)
+    for obj in children.all():
+        meta = obj["metadata"]
+        assert (meta["name"], meta["namespace"]) == ("chat", "llm")
+        assert meta["ownerReferences"] == [{
+            "apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceDeployment",
+            "name": "chat", "uid": "uid-chat", "controller": True, "blockOwnerDeletion": True,
+        }]
+        assert meta["labels"][c.LABEL_MANAGED_BY] == "kvpilot-operator"
+        assert meta["labels"][c.LABEL_OWNER] == "chat"
+
+
+def test_selectors_are_stable_and_match_the_pods():
+    children = build({"model": EMBEDDED}, pod_monitor=True)
+    selector = {c.LABEL_COMPONENT: "engine", c.LABEL_OWNER: "chat"}
+    deployment = children.deployment["spec"]
+    assert deployment["selector"] == {"matchLabels": selector}
+    pod_labels = deployment["template"]["metadata"]["labels"]
+    assert selector.items() <= pod_labels.items()
+    assert children.service["spec"]["selector"] == selector
+    assert children.pod_disruption_budget["spec"]["selector"] == {"matchLabels": selector}
+    assert children.pod_monitor["spec"]["selector"] == {"matchLabels": selector}
+    assert not any("version" in key for key in selector)
+
+
+def test_replicas_and_rollout_strategy():
+    deployment = build({"model": EMBEDDED}, replicas=4).deployment["spec"]
+    assert deployment["replicas"] == 4
+    assert deployment["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    with pytest.raises(ValueError, match="replicas must be >= 0; got -1"):
+        build({"model": EMBEDDED}, replicas=-1)
+
+
+def test_probes_sized_for_slow_model_loads():
+    fast = engine(build({"model": EMBEDDED}))
+    assert fast["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    budget = fast["startupProbe"]["periodSeconds"] * fast["startupProbe"]["failureThreshold"]
+    assert budget >= 600
+    assert fast["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert fast["readinessProbe"]["httpGet"]["path"] == "/ready"
+    slow_spec = {"model": EMBEDDED, "autoscaling": {"maxReplicas": 2, "startupSeconds": 600}}
+    slow = engine(build(slow_spec))
+    budget = slow["startupProbe"]["periodSeconds"] * slow["startupProbe"]["failureThreshold"]
+    assert budget == startup_budget_seconds(parse_spec(slow_spec)) == 3000
+    progress = build(slow_spec).deployment["spec"]["progressDeadlineSeconds"]
+    assert progress > budget
+
+
+def test_graceful_drain():
+    children = build({"model": EMBEDDED, "terminationGracePeriodSeconds": 900})
+    pod = children.deployment["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 900
+    assert engine(children)["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "10"]}}
+    short = build({"model": EMBEDDED, "terminationGracePeriodSeconds": 6})
+    assert engine(short)["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "2"]
+
+
+def test_restricted_security_context_and_writable_volumes():
+    children = build({"model": {"uri": "hf://org/model"}})
+    pod = children.deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == 10001
+    assert pod["automountServiceAccountToken"] is False
+    for container in pod["containers"] + pod["initContainers"]:
+        assert container["securityContext"] == {
+            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert {"/tmp", "/cache", "/models"} <= mounts
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["HOME"] == "/tmp" and env["HF_HOME"].startswith("/cache")
+
+
+def test_prometheus_scrape_annotations_and_user_annotations():
+    children = build({"model": EMBEDDED, "podAnnotations": {"team": "search"}})
+    annotations = children.deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "8000",
+                           "prometheus.io/path": "/metrics", "team": "search"}
+
+
+def test_gpu_pod_gets_device_toleration_and_shared_memory():
+    children = build(sample("llama3-8b-fp8-gpu"))
+    pod = children.deployment["spec"]["template"]["spec"]
+    assert pod["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert engine(children)["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {"name": "models", "persistentVolumeClaim": {
+        "claimName": "llama3-8b-weights", "readOnly": True}} in pod["volumes"]
+    # A toleration the user already gave is not repeated.
+    spec = sample("llama3-8b-fp8-gpu")
+    spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Equal", "value": "h100",
+                            "effect": "NoSchedule"}]
+    assert build(spec).deployment["spec"]["template"]["spec"]["tolerations"] == spec["tolerations"]
+
+
+def test_cpu_pod_has_no_gpu_bits():
+    pod = build(sample("smollm2-cpu")).deployment["spec"]["template"]["spec"]
+    assert "tolerations" not in pod
+    assert all(v["name"] != "dshm" for v in pod["volumes"])
+    assert "initContainers" not in pod
+
+
+def test_hf_model_is_downloaded_by_an_init_container():
+    pod = build({"model": {"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct"}, "env": [
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    ]}).deployment["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["image"] == IMAGE
+    assert init["command"][:2] == ["python3", "-c"]
+    assert init["command"][3:] == ["Qwen/Qwen2.5-0.5B-Instruct", "/models/Qwen--Qwen2.5-0.5B-Instruct"]
+    assert {"name": "models", "mountPath": "/models"} in init["volumeMounts"]
+    assert any(e["name"] == "HF_TOKEN" for e in init["env"])
+    # The engine reads the download read-only.
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in (
+        pod["containers"][0]["volumeMounts"])
+
+
+def test_user_env_overrides_by_name_without_duplicates():
+    container = engine(build({"model": EMBEDDED, "env": [
+        {"name": "HOME", "value": "/cache/home"}, {"name": "LOG_LEVEL", "value": "debug"}]}))
+    names = [e["name"] for e in container["env"]]
+    assert len(names) == len(set(names))
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["HOME"] == "/cache/home" and env["LOG_LEVEL"] == "debug"
+
+
+def test_image_default_and_override():
+    assert engine(build({"model": EMBEDDED}))["image"] == IMAGE
+    spec = {"model": EMBEDDED, "engine": {"image": "my/engine:1", "imagePullPolicy": "Always"}}
+    container = engine(build(spec))
+    assert (container["image"], container["imagePullPolicy"]) == ("my/engine:1", "Always")
+
+
+def test_pod_settings_pass_through():
+    affinity = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+        "weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                           "labelSelector": {"matchLabels": {"a": "b"}}}}]}}
+    pod = build({"model": EMBEDDED, "affinity": affinity, "serviceAccountName": "engine-sa"}
+                ).deployment["spec"]["template"]["spec"]
+    assert pod["affinity"] == affinity
+    assert pod["serviceAccountName"] == "engine-sa"
+
+
+def test_service_and_pdb():
+    children = build({"model": EMBEDDED})
+    assert children.service["spec"]["ports"] == [
+        {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    assert children.service["spec"]["type"] == "ClusterIP"
+    pdb = children.pod_disruption_budget["spec"]
+    assert pdb["maxUnavailable"] == 1
+    assert pdb["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+def test_pod_monitor():
+    children = build({"model": EMBEDDED}, pod_monitor=True)
+    monitor = children.pod_monitor
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "PodMonitor"
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
+    assert endpoint["relabelings"] == [{
+        "sourceLabels": ["__meta_kubernetes_pod_label_kvpilot_dev_inference_deployment"],
+        "targetLabel": "inference_deployment", "action": "replace"}]
+    assert build({"model": EMBEDDED}, pod_monitor=False).pod_monitor is None
+
+
+def test_schema_validation_catches_a_misspelt_field():
+    """Guards the test above against a validator that accepts anything."""
+    deployment = build({"model": EMBEDDED}).deployment
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError, match="readinesProbe"):
+        kubernetes_validate.validate(deployment, "1.36.0", strict=True)

@@ -1,0 +1,242 @@
+"""The InferenceDeployment CRD: structural, valid for Kubernetes, consistent with the
+operator's parser, and refusing bad specs with clear messages (schema and CEL rules,
+evaluated offline; the same checks on a real API server come with the e2e suite)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvpilot.operator import constants as c
+from kvpilot.operator.spec import (
+    BLOCK_SIZES,
+    DEFAULTS,
+    KV_CACHE_DTYPES,
+    MANAGED_FLAGS,
+    METRIC_SOURCES,
+    PULL_POLICIES,
+    SpecError,
+    parse_spec,
+)
+
+from .crdschema import REPO, admit, load_crd, root_schema, structural_problems, sub_schema
+
+SAMPLES = sorted((REPO / "crds" / "samples").glob("*.yaml"))
+K8S_VERSION = "1.36.0"
+
+
+@pytest.fixture(scope="module")
+def crd():
+    return load_crd()
+
+
+def obj(spec: dict, name: str = "chat") -> dict:
+    return {"apiVersion": c.API_VERSION, "kind": c.KIND,
+            "metadata": {"name": name, "namespace": "llm"}, "spec": spec}
+
+
+EMBEDDED = {"uri": "embedded://smollm2-135m-instruct"}
+
+
+def test_crd_is_structural(crd):
+    assert structural_problems(root_schema(crd)) == []
+
+
+def test_crd_is_a_valid_kubernetes_crd(crd):
+    kubernetes_validate.validate(crd, K8S_VERSION, strict=True)
+
+
+def test_crd_names_scope_and_version(crd):
+    spec = crd["spec"]
+    assert crd["metadata"]["name"] == f"{c.PLURAL}.{c.GROUP}"
+    assert spec["group"] == c.GROUP and spec["scope"] == "Namespaced"
+    assert spec["names"]["kind"] == c.KIND and spec["names"]["plural"] == c.PLURAL
+    assert "infd" in spec["names"]["shortNames"]
+    (version,) = spec["versions"]
+    assert version["name"] == c.VERSION and version["served"] and version["storage"]
+
+
+def test_crd_status_and_scale_subresources(crd):
+    sub = crd["spec"]["versions"][0]["subresources"]
+    assert sub["status"] == {}
+    assert sub["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    schema = root_schema(crd)
+    assert sub_schema(schema, "spec.replicas")["type"] == "integer"
+    assert sub_schema(schema, "status.replicas")["type"] == "integer"
+    assert sub_schema(schema, "status.selector")["type"] == "string"
+
+
+def test_crd_printer_columns_point_at_declared_fields(crd):
+    version = crd["spec"]["versions"][0]
+    columns = {col["name"]: col["jsonPath"] for col in version["additionalPrinterColumns"]}
+    assert columns == {
+        "Model": ".spec.model.uri",
+        "KV-Dtype": ".spec.engine.kvCacheDtype",
+        "Ready": ".status.readyReplicas",
+        "Desired": ".status.desiredReplicas",
+        "Cache": ".status.signals.cacheUsage",
+        "Queue": ".status.signals.requestsWaiting",
+        "Age": ".metadata.creationTimestamp",
+        "Cost/h": ".status.cost.costPerHour",
+        "Reason": ".status.lastScaleReason",
+    }
+    schema = root_schema(crd)
+    for path in columns.values():
+        if path.startswith(".metadata"):
+            continue
+        sub_schema(schema, path.lstrip("."))  # KeyError = the column shows nothing, ever
+
+
+def test_crd_defaults_equal_the_operators(crd):
+    schema = sub_schema(root_schema(crd), "spec")
+    for dotted, value in DEFAULTS.items():
+        assert sub_schema(schema, dotted).get("default") == value, dotted
+    # ...and every default in the CRD is known to the operator.
+    found = {}
+
+    def walk(node, path):
+        for key, sub in node.get("properties", {}).items():
+            dotted = f"{path}.{key}" if path else key
+            if "default" in sub and sub["default"] != {}:
+                found[dotted] = sub["default"]
+            walk(sub, dotted)
+
+    walk(schema, "")
+    assert found == DEFAULTS
+
+
+def test_crd_enums_equal_the_operators(crd):
+    spec = sub_schema(root_schema(crd), "spec")
+    assert tuple(sub_schema(spec, "engine.kvCacheDtype")["enum"]) == KV_CACHE_DTYPES
+    assert tuple(sub_schema(spec, "engine.blockSize")["enum"]) == BLOCK_SIZES
+    assert tuple(sub_schema(spec, "engine.imagePullPolicy")["enum"]) == PULL_POLICIES
+    assert tuple(sub_schema(spec, "autoscaling.metrics.source")["enum"]) == METRIC_SOURCES
+    rule = sub_schema(spec, "engine.extraArgs")["x-kubernetes-validations"][0]["rule"]
+    for flag in MANAGED_FLAGS:
+        assert flag.removeprefix("--") in rule, flag
+
+
+def test_replicas_has_no_default(crd):
+    """A default would make every autoscaled object violate the exclusivity rule."""
+    assert "default" not in sub_schema(root_schema(crd), "spec.replicas")
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=[p.stem for p in SAMPLES])
+def test_samples_are_admitted_and_parse(crd, path: Path):
+    sample = yaml.safe_load(path.read_text())
+    stored, errors = admit(crd, sample)
+    assert errors == []
+    assert stored["spec"]["engine"]["kvCacheDtype"] in KV_CACHE_DTYPES
+    parse_spec(stored["spec"])
+
+
+def test_sample_set_covers_cpu_and_fp8_gpu():
+    specs = {p.stem: yaml.safe_load(p.read_text())["spec"] for p in SAMPLES}
+    cpu = specs["smollm2-cpu"]
+    assert cpu["model"]["uri"] == "embedded://smollm2-135m-instruct"
+    assert not any(k.endswith("/gpu") for k in cpu["resources"].get("limits", {}))
+    gpu = specs["llama3-8b-fp8-gpu"]
+    assert gpu["engine"]["kvCacheDtype"] == "fp8"
+    assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_defaults_fill_engine_and_autoscaling(crd):
+    stored, errors = admit(crd, obj({"model": EMBEDDED, "autoscaling": {"maxReplicas": 3}}))
+    assert errors == []
+    assert stored["spec"]["engine"]["maxNumBatchedTokens"] == 2048
+    assert stored["spec"]["autoscaling"]["minReplicas"] == 1
+    assert stored["spec"]["autoscaling"]["metrics"] == {"source": "pods"}
+    assert "replicas" not in stored["spec"]
+
+
+# Each bad spec: (case id, spec, a piece of the API server's message). The operator's own
+# parser must refuse the same spec (an object admitted before a CRD upgrade).
+REFUSED = [
+    ("min-above-max", {"model": EMBEDDED, "autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
+     "autoscaling.minReplicas (5) must be <= autoscaling.maxReplicas (2)"),
+    ("replicas-and-autoscaling", {"model": EMBEDDED, "replicas": 2,
+                                  "autoscaling": {"maxReplicas": 3}},
+     "mutually exclusive"),
+    ("unknown-kv-dtype", {"model": EMBEDDED, "engine": {"kvCacheDtype": "fp16"}},
+     "'fp16' not in"),
+    ("budget-zero", {"model": EMBEDDED, "engine": {"maxNumBatchedTokens": 0}},
+     "below minimum 1"),
+    ("budget-below-seqs", {"model": EMBEDDED,
+                           "engine": {"maxNumBatchedTokens": 64, "maxNumSeqs": 128}},
+     "engine.maxNumBatchedTokens (64) must be >= engine.maxNumSeqs (128)"),
+    ("s3-uri", {"model": {"uri": "s3://bucket/llama"}},
+     "unsupported model.uri s3://bucket/llama"),
+    ("hf-uri-without-org", {"model": {"uri": "hf://llama"}}, "unsupported model.uri hf://llama"),
+    ("relative-file-uri", {"model": {"uri": "file://models/x"}}, "unsupported model.uri"),
+    ("other-embedded-model", {"model": {"uri": "embedded://tinyllama"}}, "unsupported model.uri"),
+    ("target-usage-zero", {"model": EMBEDDED,
+                           "autoscaling": {"maxReplicas": 2, "targetCacheUsage": 0}},
+     "below minimum 0"),
+    ("target-usage-above-one", {"model": EMBEDDED,
+                                "autoscaling": {"maxReplicas": 2, "targetCacheUsage": 1.5}},
+     "above maximum 1"),
+    ("queue-target-negative", {"model": EMBEDDED,
+                               "autoscaling": {"maxReplicas": 2, "targetQueueDepth": -1}},
+     "below minimum 0"),
+    ("prometheus-without-url", {"model": EMBEDDED, "autoscaling": {
+        "maxReplicas": 2, "metrics": {"source": "prometheus"}}},
+     "autoscaling.metrics.url is required"),
+    ("managed-flag-in-extra-args", {"model": EMBEDDED, "engine": {"extraArgs": ["--port=9000"]}},
+     "must not repeat a flag the operator sets"),
+    ("odd-block-size", {"model": EMBEDDED, "engine": {"blockSize": 12}}, "12 not in"),
+    ("gpu-utilization-zero", {"model": EMBEDDED, "engine": {"gpuMemoryUtilization": 0}},
+     "below minimum 0"),
+    ("negative-replicas", {"model": EMBEDDED, "replicas": -1}, "below minimum 0"),
+    ("min-replicas-zero", {"model": EMBEDDED, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}},
+     "below minimum 1"),
+]
+
+
+@pytest.mark.parametrize("case,spec,message", REFUSED, ids=[r[0] for r in REFUSED])
+def test_bad_specs_are_refused_by_the_crd_and_the_operator(crd, case, spec, message):
+    _, errors = admit(crd, obj(spec))
+    assert errors, f"{case} was admitted"
+    assert any(message in e for e in errors), errors
+    with pytest.raises(SpecError):
+        parse_spec(copy.deepcopy(spec))
+
+
+def test_bad_names_are_refused(crd):
+    _, errors = admit(crd, obj({"model": EMBEDDED}, name="Chat.v2"))
+    assert any("DNS-1035" in e for e in errors)
+    _, errors = admit(crd, obj({"model": EMBEDDED}, name="a" * 64))
+    assert any("DNS-1035" in e for e in errors)
+    assert admit(crd, obj({"model": EMBEDDED}, name="a" * 63))[1] == []
+
+
+def test_c16_kubectl_scale_is_refused_with_autoscaling(crd):
+    """``kubectl scale`` writes spec.replicas through the scale subresource; the CEL rule
+    on spec refuses it for an autoscaled object, saying why and what to do instead."""
+    stored, errors = admit(crd, obj({"model": EMBEDDED, "autoscaling": {"maxReplicas": 4}}))
+    assert errors == []
+    scaled = copy.deepcopy(stored)
+    scaled["spec"]["replicas"] = 4
+    _, errors = admit(crd, scaled)
+    assert len(errors) == 1
+    assert "kubectl scale" in errors[0] and "autoscaling.minReplicas/maxReplicas" in errors[0]
+
+
+def test_kubectl_scale_works_on_static_replicas(crd):
+    stored, _ = admit(crd, obj({"model": EMBEDDED, "replicas": 1}))
+    stored["spec"]["replicas"] = 3
+    assert admit(crd, stored)[1] == []
+
+
+def test_status_fields_outside_the_schema_are_pruned(crd):
+    """The failure mode C14 guards against, shown on the offline model."""
+    stored, _ = admit(crd, {**obj({"model": EMBEDDED}),
+                            "status": {"readyReplicas": 1, "kopf": {"progress": {}}}})
+    assert stored["status"] == {"readyReplicas": 1}
