@@ -82,7 +82,8 @@ class FakeKubeApi:
         obj = copy.deepcopy(dict(obj))
         meta = obj["metadata"]
         key = (obj["kind"], meta["namespace"], meta["name"])
-        self.calls.append(("apply", obj["kind"], meta["namespace"], meta["name"], obj))
+        self.calls.append(("apply", obj["kind"], meta["namespace"], meta["name"],
+                           copy.deepcopy(obj)))
         if self.before_apply is not None:
             self.before_apply(obj)
         self._maybe_fail(f"apply:{obj['kind']}")

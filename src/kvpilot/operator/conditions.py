@@ -40,7 +40,9 @@ def set_conditions(existing: Iterable[Mapping[str, Any]] | None, updates: Iterab
                    now: datetime, generation: int | None) -> list[dict[str, Any]]:
     """The full new ``status.conditions`` list (a merge patch replaces lists whole).
 
-    Returns a new list sorted in CONDITION_TYPES order; ``existing`` is not mutated.
+    ``generation`` None (an update not caused by a spec change) keeps each condition's
+    previous ``observedGeneration``. Returns a new list sorted in CONDITION_TYPES order;
+    ``existing`` is not mutated.
     """
     by_type = {c["type"]: dict(c) for c in existing or () if c.get("type") in CONDITION_TYPES}
     stamp = to_rfc3339(now)
@@ -55,6 +57,8 @@ def set_conditions(existing: Iterable[Mapping[str, Any]] | None, updates: Iterab
         )
         if generation is not None:
             new["observedGeneration"] = generation
+        elif old and "observedGeneration" in old:
+            new["observedGeneration"] = old["observedGeneration"]
         by_type[update.type] = new
     return [by_type[t] for t in CONDITION_TYPES if t in by_type]
 

@@ -74,7 +74,12 @@ class OperatorMetrics:
 
     def observe(self, namespace: str, name: str, status: Mapping[str, Any],
                 autoscaling: Mapping[str, Any] | None) -> None:
-        """Update the per-resource gauges from a status patch and the spec's autoscaling."""
+        """Update the per-resource gauges from a status patch and the spec's autoscaling.
+
+        Also creates the resource's resize counters at 0, so the first resize shows in
+        ``increase()`` (a counter series born at 1 loses its first increment)."""
+        for direction in ("up", "down"):
+            self.scale_events.labels(namespace, name, direction)
         if "desiredReplicas" in status:
             self.desired.labels(namespace, name).set(status["desiredReplicas"])
         if "readyReplicas" in status:

@@ -1,0 +1,42 @@
+{{/*
+The operator's permissions, shared by the ClusterRole (all namespaces) and the per-namespace
+Roles (values.watchNamespaces). Each rule says why it is needed; nothing here deletes:
+children are removed by garbage collection through their owner references.
+*/}}
+{{- define "kvpilot.rules" -}}
+# Watch InferenceDeployments and patch their metadata for Kopf's finalizer and its
+# kvpilot.dev/ annotations (handler progress, last-handled spec). The spec is never written.
+- apiGroups: ["kvpilot.dev"]
+  resources: ["inferencedeployments"]
+  verbs: ["get", "list", "watch", "patch"]
+# Write status (replica counts, conditions, observed signals, autoscaler state).
+- apiGroups: ["kvpilot.dev"]
+  resources: ["inferencedeployments/status"]
+  verbs: ["get", "patch"]
+# Server-side apply the engine Deployment (create on the first apply), read its replica
+# count before each apply, and watch it to copy pod readiness into the owner's status.
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+# Server-side apply the engine Service (create on the first apply).
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["create", "patch"]
+# Server-side apply the engine PodDisruptionBudget (create on the first apply).
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["create", "patch"]
+# Server-side apply the engine PodMonitor when the Prometheus operator's API exists.
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["podmonitors"]
+  verbs: ["create", "patch"]
+# Find the ready engine pods whose /metrics the autoscaler scrapes (metrics.source: pods)
+# and count pending pods as supply.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+# Record reconciles and every scaling decision as Events on the InferenceDeployment.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end -}}

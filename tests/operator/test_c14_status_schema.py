@@ -1,0 +1,203 @@
+"""Case C14: every status field the operator (and its autoscaler timer) writes is declared
+in the CRD's structural schema, so the API server stores it instead of pruning it
+silently; and every declared status field is written by some code path (no dead schema).
+
+Statuses come from the real code paths: reconcile over many Deployment states, the
+failure paths of the handlers, the Deployment watch, the autoscaler fragments, and the
+autoscaler policy's own Decision/PolicyState output. Each is applied as the merge patch
+the operator sends, then pruned and validated exactly as the API server would
+(tests/operator/crdschema.py). The same fields are read back from a real API server in
+the e2e suite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import kopf
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpilot.operator.autoscale_status import (
+    CapacityEstimate,
+    CostEstimate,
+    ObservedSignals,
+    autoscaler_status,
+)
+from kvpilot.operator.handlers import OperatorContext, on_deployment_event, run_reconcile
+from kvpilot.operator.metrics import OperatorMetrics
+from kvpilot.operator.options import OperatorOptions
+from kvpilot.operator.status import failure_status, workload_status
+
+from .crdschema import load_crd, merge_patch, prune, root_schema, sub_schema, validate
+from .fakes import T0, Clock, FakeKubeApi, inference
+
+STATUS_SCHEMA = sub_schema(root_schema(load_crd()), "status")
+EMBEDDED = {"uri": "embedded://smollm2-135m-instruct"}
+
+
+def stored_status(*patches: dict) -> dict:
+    """The status the API server keeps after these merge patches, checked on the way."""
+    status: dict = {}
+    for patch in patches:
+        status = merge_patch(status, patch)
+        pruned, dropped = prune(STATUS_SCHEMA, status, "status")
+        assert dropped == [], f"pruned by the API server: {dropped}"
+        assert validate(STATUS_SCHEMA, status, "status") == []
+        status = pruned
+    return status
+
+
+def paths(value, prefix="") -> set[str]:
+    """Leaf paths of a JSON value, objects in lists as ``[]``; a list of scalars (or of
+    lists) is one leaf, as the schema declares it."""
+    if isinstance(value, dict) and value:
+        return set().union(*(paths(v, f"{prefix}.{k}" if prefix else k) for k, v in value.items()))
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return set().union(*(paths(v, f"{prefix}[]") for v in value))
+    return {prefix}
+
+
+def declared_paths(schema, prefix="") -> set[str]:
+    if "properties" in schema:
+        return set().union(*(declared_paths(s, f"{prefix}.{k}" if prefix else k)
+                             for k, s in schema["properties"].items()))
+    if isinstance(schema.get("additionalProperties"), dict):
+        return declared_paths(schema["additionalProperties"], f"{prefix}.*")
+    if schema.get("type") == "array" and "properties" in schema["items"]:
+        return declared_paths(schema["items"], f"{prefix}[]")
+    return {prefix}
+
+
+def _ctx():
+    return OperatorContext(api=FakeKubeApi(apis=("monitoring.coreos.com/v1/PodMonitor",)),
+                           options=OperatorOptions(engine_image="e:1"),
+                           metrics=OperatorMetrics(), clock=Clock(),
+                           post_event=lambda *a: None)
+
+
+def reconcile_statuses() -> list[dict]:
+    """Status patches of the reconcile paths: create, scale, ready, invalid, refused."""
+    ctx, out = _ctx(), []
+    auto = {"model": EMBEDDED, "autoscaling": {"maxReplicas": 4}}
+    body = inference(spec=auto)
+    ctx.api.put(body)
+    for kwargs in ({}, {"requested": 3, "requested_reason": "forecast"}, {}):
+        patch = kopf.Patch()
+        run_reconcile(ctx, body, patch, **kwargs)
+        out.append(dict(patch.status))
+        ctx.api.set_deployment_status("llm", "chat", replicas=3, readyReplicas=2,
+                                      updatedReplicas=3)
+    ctx.api.patch_status("llm", "chat", out[-1])
+    on_deployment_event(body=ctx.api.stored("Deployment", "llm", "chat"), type="MODIFIED",
+                        memo=ctx)
+    out.append([call[4] for call in ctx.api.calls if call[0] == "patch_status"][-1])
+    for bad in ({"model": {"uri": "s3://x/y"}}, {"model": EMBEDDED, "replicas": -2}):
+        patch = kopf.Patch()
+        with pytest.raises(kopf.PermanentError):
+            run_reconcile(ctx, inference(spec=bad, generation=2), patch)
+        out.append(dict(patch.status))
+    return out
+
+
+def autoscaler_fragments() -> list[dict]:
+    signals = ObservedSignals("prometheus", 3, 0.81, 0.97, 24.0, 9.0, 5120.0, 0.2)
+    missing = ObservedSignals("pods", 0)
+    decision = {
+        "desiredReplicas": 4, "currentReplicas": 3, "direction": "up", "rule": "forecast",
+        "signal": "kv_demand", "value": 0.93, "reason": "KV exhaustion in 80 s < 150 s",
+        "limited": None, "metricsAvailable": True, "missingPods": ["chat-1"],
+        "candidates": [{"rule": "headroom", "replicas": None, "signal": "kv_usage",
+                        "value": None, "detail": "no data"}],
+    }
+    state = {"version": 1, "demand": [[1.0, 2.5]], "recommendations": [[1.0, 3, None]],
+             "lastScaleTime": None}
+    return [
+        signals.to_status(T0), missing.to_status(T0),
+        CapacityEstimate(16384.0, 1800.5, 9.0).to_status(),
+        CapacityEstimate(None, None, None).to_status(),
+        CostEstimate(13.5, 0.42).to_status(), CostEstimate(None, None).to_status(),
+        autoscaler_status(decision, state, T0),
+    ]
+
+
+def test_c14_reconcile_statuses_survive_pruning():
+    stored = stored_status(*reconcile_statuses())
+    assert stored["conditions"][0]["reason"] == "InvalidSpec"
+    assert stored["desiredReplicas"] == 3 and stored["readyReplicas"] == 2
+
+
+def test_c14_autoscaler_fragments_survive_pruning():
+    stored = stored_status(*autoscaler_fragments())
+    # None (missing data) removed the earlier values instead of leaving stale numbers.
+    assert stored["signals"]["readyPods"] == 0 and "cacheUsage" not in stored["signals"]
+    assert stored["capacity"] == {}
+    assert stored["autoscaler"]["lastDecision"]["time"] == "2026-11-29T12:00:00Z"
+
+
+def test_c14_autoscaler_policy_output_survives_pruning():
+    """Decision.to_dict() and PolicyState.to_dict() of the real policy (kvpilot.autoscaler),
+    stored as status.autoscaler: a change of their shape fails here, not in a cluster."""
+    policy = pytest.importorskip("kvpilot.autoscaler.policy",
+                                 reason="the autoscaler policy (issue 6) is not in this tree")
+    from kvpilot.autoscaler.signals import FleetSignals, PodSignals
+    from kvpilot.autoscaler.spec import AutoscalingSpec
+    from kvpilot.autoscaler.state import PolicyState
+
+    spec = AutoscalingSpec.from_crd({"minReplicas": 1, "maxReplicas": 5})
+    state, patches = PolicyState(), []
+    loads = [0.5, 0.7, 0.9, 0.97, None, 0.3]
+    for i, usage in enumerate(loads):
+        pod = PodSignals("chat-0", kv_usage=usage, num_waiting=None if usage is None else 3,
+                         waiting_tokens=100, num_running=4, preemption_rate=0.0,
+                         kv_capacity_tokens=16384)
+        decision = policy.decide(FleetSignals((pod,)), state, spec, 15.0 * i)
+        state = decision.state
+        patches.append(autoscaler_status(decision.to_dict(), state.to_dict(), T0))
+    stored = stored_status(*patches)
+    # A merge patch drops keys whose value is None; everything else is kept as written.
+    assert stored["autoscaler"]["policyState"] == {
+        k: v for k, v in state.to_dict().items() if v is not None}
+    restored = PolicyState.from_dict(stored["autoscaler"]["policyState"])
+    assert restored.recommendations == state.recommendations
+
+
+def test_c14_every_declared_status_field_is_written():
+    written = set().union(*(paths(p) for p in reconcile_statuses() + autoscaler_fragments()))
+    declared = declared_paths(STATUS_SCHEMA)
+    assert declared - written == set(), "declared but never written"
+    assert written - declared == set(), "written but not declared"
+
+
+finite = st.floats(min_value=0, max_value=1e7, allow_nan=False)
+value = st.one_of(st.none(), finite, st.just(math.nan), st.just(math.inf))
+
+
+@settings(max_examples=200, deadline=None)
+@given(usage=value, top=value, running=value, waiting=value, tokens=value, rate=value,
+       ready=st.integers(0, 1000), cap=value, ctx_len=value, conc=value, cost=value, mtok=value)
+def test_c14_any_observation_is_storable(usage, top, running, waiting, tokens, rate, ready,
+                                         cap, ctx_len, conc, cost, mtok):
+    """Whatever a metric source reads (missing, NaN, inf, huge), the status stays valid:
+    non-finite values become None (removed), counts become integers."""
+    stored_status(
+        ObservedSignals("pods", ready, usage, top, running, waiting, tokens, rate).to_status(T0),
+        CapacityEstimate(cap, ctx_len, conc).to_status(),
+        CostEstimate(cost, mtok).to_status(),
+    )
+
+
+def test_c14_failure_and_workload_helpers_directly():
+    deployment = {"metadata": {"generation": 1},
+                  "spec": {"replicas": 2}, "status": {"replicas": 2, "readyReplicas": 2,
+                                                      "updatedReplicas": 2,
+                                                      "observedGeneration": 1}}
+    stored_status(workload_status("chat", deployment, 5, None, T0),
+                  failure_status("ApplyFailed", "HTTP 422", None, 6, T0))
+
+
+def test_c14_an_undeclared_field_is_caught():
+    """The check itself works: a field the CRD lacks is reported, not silently kept."""
+    with pytest.raises(AssertionError, match=r"status\.signals\.kvUsage"):
+        stored_status({"signals": {"kvUsage": 0.5}})

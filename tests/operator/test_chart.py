@@ -1,0 +1,233 @@
+"""The Helm chart: `helm lint`, `helm template` of scenario values validated against the
+Kubernetes schemas, the CRD copy, least-privilege RBAC that still covers what the
+operator does, commented values and rules, stable selector labels."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvpilot.operator import constants as c
+from kvpilot.operator.kube import PLURALS
+
+from .tools import CHART, KUBE_VERSION, REPO, helm_template, run, tool
+
+SCENARIOS = {
+    "default": [],
+    "minimal": [Path(__file__).parent / "chart-values" / "minimal.yaml"],
+    "namespaced": [Path(__file__).parent / "chart-values" / "namespaced.yaml"],
+    "full": [Path(__file__).parent / "chart-values" / "full.yaml"],
+}
+MONITORING_KINDS = {"PrometheusRule", "PodMonitor"}
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {name: helm_template(values) for name, values in SCENARIOS.items()}
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_crd_copy_in_the_chart_is_identical():
+    source = REPO / "crds" / "inferencedeployments.kvpilot.dev.yaml"
+    copy = CHART / "crds" / source.name
+    assert copy.read_bytes() == source.read_bytes(), (
+        f"{copy} drifted from {source}: cp {source} {copy}")
+    assert sorted(p.name for p in (CHART / "crds").iterdir()) == [source.name]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_helm_lint(scenario):
+    args = [tool("helm"), "lint", "--strict", str(CHART), "--kube-version", KUBE_VERSION]
+    for path in SCENARIOS[scenario]:
+        args += ["--values", str(path)]
+    assert "0 chart(s) failed" in run(args).stdout
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_rendered_objects_are_valid_kubernetes_objects(rendered, scenario):
+    docs = rendered[scenario]
+    assert docs
+    for doc in docs:
+        if doc["kind"] in MONITORING_KINDS:
+            continue  # Prometheus-operator kinds: checked below and by promtool
+        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+def test_monitoring_objects_shape(rendered):
+    docs = rendered["default"]
+    (rule,) = by_kind(docs, "PrometheusRule")
+    assert [g["name"] for g in rule["spec"]["groups"]] == ["kvpilot-engine", "kvpilot-fleet"]
+    (monitor,) = by_kind(docs, "PodMonitor")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["honorLabels"] is True
+    assert monitor["spec"]["selector"]["matchLabels"] == (
+        by_kind(docs, "Deployment")[0]["spec"]["selector"]["matchLabels"])
+
+
+def test_monitoring_objects_only_where_the_api_exists():
+    docs = helm_template(apis=())
+    assert not {d["kind"] for d in docs} & MONITORING_KINDS
+    assert by_kind(docs, "ConfigMap")  # the dashboard needs no extra API
+
+
+def test_operator_deployment(rendered):
+    (deployment,) = by_kind(rendered["default"], "Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["kvpilot", "operator"]
+    assert container["args"] == [
+        "--engine-image=kvpilot/engine:0.1.0", "--pod-monitor=auto", "--resync-seconds=300",
+        "--metrics-port=9090", "--health-port=8080", "--log-level=INFO",
+    ]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["serviceAccountName"] == "kvp-kvpilot"
+
+
+def test_namespaced_scenario_args_and_roles(rendered):
+    docs = rendered["namespaced"]
+    (deployment,) = by_kind(docs, "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=llm" in args and "--namespace=llm-staging" in args
+    assert "--pod-monitor=always" in args and "--resync-seconds=120" in args
+    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+    roles = by_kind(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["llm", "llm-staging"]
+    for binding in by_kind(docs, "RoleBinding"):
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvp-kvpilot",
+                                        "namespace": "kvpilot-system"}]
+
+
+def test_minimal_scenario_renders_only_the_operator(rendered):
+    kinds = sorted(d["kind"] for d in rendered["minimal"])
+    assert kinds == ["CustomResourceDefinition", "Deployment", "Service"]
+    (deployment,) = by_kind(rendered["minimal"], "Deployment")
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "kvpilot-operator"
+
+
+def test_full_scenario_passes_values_through(rendered):
+    docs = rendered["full"]
+    (deployment,) = by_kind(docs, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == "registry.example/kvpilot/operator:0.1.0-rc1"
+    assert "--engine-image=registry.example/kvpilot/engine:0.1.0-cu128" in pod["containers"][0]["args"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["priorityClassName"] == "system-cluster-critical"
+    (dashboard,) = by_kind(docs, "ConfigMap")
+    assert dashboard["metadata"]["namespace"] == "monitoring"
+    (rule,) = by_kind(docs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    for group in rule["spec"]["groups"]:
+        for alert in group["rules"]:
+            assert alert["labels"]["team"] == "ml-platform"
+            assert alert["annotations"]["runbook_url"].startswith("https://runbooks.example/kvpilot#")
+    burn = next(a for g in rule["spec"]["groups"] for a in g["rules"]
+            if a["alert"] == "KVPilotTTFTBudgetBurnFast")
+    assert 'le="5"' in burn["expr"] and "> 0.072" in burn["expr"]  # 14.4 x 0.5%
+
+
+def test_selector_labels_never_carry_a_version(rendered):
+    for docs in rendered.values():
+        for doc in docs:
+            selectors = []
+            if doc["kind"] == "Deployment":
+                selectors.append(doc["spec"]["selector"]["matchLabels"])
+            if doc["kind"] in ("Service",):
+                selectors.append(doc["spec"]["selector"])
+            if doc["kind"] == "PodMonitor":
+                selectors.append(doc["spec"]["selector"]["matchLabels"])
+            for selector in selectors:
+                assert not {"helm.sh/chart", "app.kubernetes.io/version"} & set(selector), doc
+
+
+def _rules(docs: list[dict]) -> list[dict]:
+    roles = by_kind(docs, "ClusterRole") or by_kind(docs, "Role")[:1]
+    return roles[0]["rules"]
+
+
+def _granted(rules: list[dict], group: str, resource: str) -> set[str]:
+    verbs: set[str] = set()
+    for rule in rules:
+        if group in rule["apiGroups"] and resource in rule["resources"]:
+            verbs |= set(rule["verbs"])
+    return verbs
+
+
+@pytest.mark.parametrize("scenario", ["default", "namespaced"])
+def test_rbac_covers_what_the_operator_does(rendered, scenario):
+    """Derived from the code: every kind the operator applies (kube.PLURALS) needs create
+    and patch; reconcile reads Deployments; the status subresource; Events; Kopf's watch."""
+    rules = _rules(rendered[scenario])
+    groups = {"Deployment": "apps", "Service": "", "PodDisruptionBudget": "policy",
+              "PodMonitor": "monitoring.coreos.com", c.KIND: c.GROUP}
+    for kind, plural in PLURALS.items():
+        assert {"create", "patch"} <= _granted(rules, groups[kind], plural) or kind == c.KIND
+    assert {"get", "list", "watch"} <= _granted(rules, "apps", "deployments")
+    assert {"get", "list", "watch", "patch"} <= _granted(rules, c.GROUP, c.PLURAL)
+    assert {"patch"} <= _granted(rules, c.GROUP, f"{c.PLURAL}/status")
+    assert {"create"} <= _granted(rules, "", "events")
+
+
+@pytest.mark.parametrize("scenario", ["default", "namespaced"])
+def test_rbac_is_least_privilege(rendered, scenario):
+    for rule in _rules(rendered[scenario]):
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
+        assert not {"delete", "deletecollection", "update", "escalate", "bind",
+                    "impersonate"} & set(rule["verbs"]), rule
+        assert "secrets" not in rule["resources"]
+    # Only the CRD watch is cluster-scoped beyond what the per-namespace Role grants.
+    cluster = {tuple(r["resources"]) for r in _rules(rendered["default"])}
+    namespaced = {tuple(r["resources"]) for r in _rules(rendered["namespaced"])}
+    assert cluster - namespaced == {("customresourcedefinitions",)}
+
+
+def test_every_rbac_rule_is_commented():
+    for path in (CHART / "templates" / "_rbac-rules.tpl", CHART / "templates" / "rbac.yaml"):
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.strip().startswith("- apiGroups:"):
+                assert lines[i - 1].strip().startswith("#"), f"{path.name}:{i + 1} needs a why"
+
+
+def test_every_values_key_is_commented():
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    key = re.compile(r"^\s*(- )?[A-Za-z_][\w.-]*:")
+    for i, line in enumerate(lines):
+        if key.match(line) and not line.strip().startswith("#"):
+            previous = next((p for p in reversed(lines[:i]) if p.strip()), "")
+            assert previous.strip().startswith("#") or "#" in line, f"values.yaml:{i + 1}: {line}"
+
+
+def test_values_defaults_are_used_by_the_templates():
+    """A value no template reads is a lie in the docs."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    sources = "\n".join(p.read_text() for p in (CHART / "templates").iterdir())
+    sources += (CHART / "files" / "alerts.yaml").read_text()
+    for key in values:
+        assert re.search(rf"\.{key}\b", sources) or f"$a := .Values.{key}" in sources, key
+
+
+def test_dashboard_is_valid_json_with_targets(rendered):
+    (config_map,) = by_kind(rendered["default"], "ConfigMap")
+    dashboard = json.loads(config_map["data"]["kvpilot.json"])
+    assert dashboard["uid"] == "kvpilot-fleet"
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) >= 12
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+def test_notes_mention_uninstall_order():
+    notes = (CHART / "templates" / "NOTES.txt").read_text()
+    assert "delete every InferenceDeployment first" in notes
