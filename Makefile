@@ -11,7 +11,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint unit bench clean help
+.PHONY: install serve test lint unit bench clean help tools
 
 help:
 	@echo "make serve   start the OpenAI-compatible server on $(HOST):$(PORT) with the embedded SmolLM2"
@@ -34,7 +34,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/lint-imports
 
-test: lint
+# helm and promtool for the chart and alert tests, into .tools/bin (fast when present).
+tools:
+	bash scripts/install-tools.sh
+
+test: lint tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
