@@ -73,7 +73,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         k8s_config.load_incluster_config()
     except k8s_config.ConfigException:
-        k8s_config.load_kube_config()
+        try:
+            k8s_config.load_kube_config()
+        except (k8s_config.ConfigException, OSError) as exc:
+            raise SystemExit(
+                "kvpilot operator: no Kubernetes configuration: neither an in-cluster service"
+                f" account nor a kubeconfig (KUBECONFIG or ~/.kube/config) was usable: {exc}"
+            ) from exc
     metrics = OperatorMetrics()
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=metrics.registry)

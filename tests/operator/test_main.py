@@ -1,0 +1,67 @@
+"""`kvpilot operator`: flags, environment defaults, clear errors, and no torch import."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvpilot.operator.main import add_arguments, options_from_args
+
+
+def parse(argv, env=None, monkeypatch=None):
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_defaults():
+    options = options_from_args(parse([]))
+    assert options.engine_image == "kvpilot/engine:0.1.0"
+    assert options.pod_monitor == "auto" and options.resync_seconds == 300
+    assert options.namespaces == ()
+
+
+def test_flags_and_environment(monkeypatch):
+    args = parse(["--namespace", "a", "--namespace", "b", "--resync-seconds", "60"],
+                 env={"KVPILOT_ENGINE_IMAGE": "my/engine:2", "KVPILOT_POD_MONITOR": "never"},
+                 monkeypatch=monkeypatch)
+    options = options_from_args(args)
+    assert options.namespaces == ("a", "b") and options.resync_seconds == 60
+    assert options.engine_image == "my/engine:2" and options.pod_monitor == "never"
+
+
+def test_bad_values_name_the_flag():
+    with pytest.raises(ValueError, match=r"resync_seconds must be >= 10; got 1\.0"):
+        options_from_args(parse(["--resync-seconds", "1"]))
+    with pytest.raises(SystemExit):
+        parse(["--pod-monitor", "sometimes"])
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "kvpilot.cli", *args], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys; from kvpilot.cli import main\n"
+            "try:\n    main(['operator', '--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "assert 'kvpilot.engine' not in sys.modules\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "--engine-image" in result.stdout
+
+
+def test_without_cluster_configuration_it_says_so(tmp_path):
+    result = run_cli("operator", "--metrics-port", "0", "--health-port", "0",
+                     env={"KUBECONFIG": str(tmp_path / "missing"), "KUBERNETES_SERVICE_HOST": ""})
+    assert result.returncode != 0
+    assert "no Kubernetes configuration" in result.stderr
+    assert "Traceback" not in result.stderr
