@@ -207,3 +207,34 @@ def test_waiting_tokens_gauge_counts_unprefilled_prompt_tokens():
     assert s.num_waiting_tokens == 25
     step(s)  # a: 8 of 20 computed, b still waiting
     assert s.num_waiting_tokens == 12 + 5
+
+
+def test_request_waits_for_a_long_prefix_being_computed_then_hits_it():
+    s = make_scheduler(num_blocks=40, block_size=4, budget=64)
+    prefix = list(range(1, 25))  # 6 blocks, over the 4-block deferral threshold
+    a = make_request("a", [*prefix, 40], max_tokens=3, ignore_eos=True)
+    b = make_request("b", [*prefix, 41], max_tokens=3, ignore_eos=True)
+    c = make_request("c", [90, 91, 92], max_tokens=3, ignore_eos=True)
+    for r in (a, b, c):
+        s.add_request(r)
+    out = step(s)
+    # b shares a's uncomputed prefix: it waits one step; c (unrelated) is not held up.
+    assert [it.request.request_id for it in out.scheduled] == ["a", "c"]
+    out = step(s)
+    assert "b" in [it.request.request_id for it in out.scheduled]
+    assert b.num_cached_tokens == 24
+    run_to_completion(s)
+    assert b.output_token_ids == _reference_outputs([*prefix, 41], 3)
+
+
+def test_no_deferral_without_prefix_caching_or_when_disabled():
+    from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+    from kvpilot.engine.core.scheduler import Scheduler
+
+    prefix = list(range(1, 25))
+    for caching, defer in ((False, 4), (True, 0)):
+        cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=160, defer_shared_prefix_blocks=defer)
+        s = Scheduler(cfg, KVCacheManager(40, 4, caching))
+        s.add_request(make_request("a", [*prefix, 40]))
+        s.add_request(make_request("b", [*prefix, 41]))
+        assert len(step(s).scheduled) == 2

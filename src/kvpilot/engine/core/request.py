@@ -76,6 +76,7 @@ class Request:
         self.block_ids: list[int] = []
         self.num_published_blocks = 0
         self.last_node: RadixNode | None = None
+        self._block_hashes: list[int] = []  # chain hashes of full blocks, see block_hashes()
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -104,6 +105,17 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
+        """Chain hashes of the first ``num_blocks`` full blocks: ``h[i]`` identifies the
+        prefix ``token_ids[: (i + 1) * block_size]`` (and the cache salt). Computed
+        incrementally and cached; used to spot prefixes already being computed."""
+        hashes = self._block_hashes
+        h = hashes[-1] if hashes else hash(("kvpilot", self.cache_salt))
+        for i in range(len(hashes), num_blocks):
+            h = hash((h, tuple(self.token_ids[i * block_size : (i + 1) * block_size])))
+            hashes.append(h)
+        return hashes[:num_blocks]
 
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -7,7 +7,10 @@ There are no prefill and decode phases (vLLM v1's framing): every running reques
 1. running requests that are decoding (one token each), oldest first: they always go
    first, so long prompts never stall decodes;
 2. running requests still prefilling, a chunk each from what is left of the budget;
-3. waiting requests (FCFS), admitted only if blocks for their whole prompt fit.
+3. waiting requests (FCFS), admitted only if blocks for their whole prompt fit. A
+   waiting request whose next few uncached blocks are being computed right now by a
+   running request is passed over until they are published, so a burst of requests
+   sharing a long system prompt computes it once instead of once per request.
 
 Admission reserves blocks for the whole prompt, so a prefill chunk never runs out of
 blocks mid-prompt; only decodes grow. When a decode cannot grow, the newest running
@@ -40,12 +43,16 @@ class SchedulerConfig:
         max_num_seqs: running requests at most (<= max_num_batched_tokens).
         max_model_len: prompt + output tokens per request at most.
         watermark: share of the pool kept free when admitting while others run.
+        defer_shared_prefix_blocks: a waiting request whose next ``n`` or more uncached
+            blocks are being computed right now by a running request waits until they
+            are published, then hits them instead of computing them twice (0 = off).
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 8192
     watermark: float = 0.01
+    defer_shared_prefix_blocks: int = 4
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -60,6 +67,8 @@ class SchedulerConfig:
             )
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.defer_shared_prefix_blocks < 0:
+            raise ValueError(f"defer_shared_prefix_blocks must be >= 0, got {self.defer_shared_prefix_blocks}")
 
 
 @dataclass
@@ -271,15 +280,24 @@ class Scheduler:
                 chunks.append(self._make_scheduled(req, n))
                 budget -= n
 
-        # 3. Admit waiting requests (none in a step that had to preempt).
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        # 3. Admit waiting requests (none in a step that had to preempt), FCFS except
+        #    that a request whose prefix is being computed right now waits for it.
+        defer = bool(self.config.defer_shared_prefix_blocks) and self.kv.enable_prefix_caching
+        inflight = self._inflight_block_hashes() if defer else set()
+        i = 0
+        while not preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[i]
             nodes, num_hit = self.kv.match_prefix(req)
+            if inflight and self._prefix_in_flight(req, len(nodes), inflight):
+                i += 1
+                continue
             reserve = self.watermark_blocks + len(self.running) if self.running else 0
             if not self.kv.can_admit(req, nodes, reserve):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.kv.admit(req, nodes, num_hit)
+            if defer:
+                inflight.update(self._unpublished_hashes(req))
             if req.num_preemptions == 0:
                 self.prefix_stats.record(req.num_tokens, num_hit)
                 req.num_cached_tokens = num_hit
@@ -298,6 +316,29 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             preempted_ids=preempted,
         )
+
+    # ------------------------------------------------- in-batch prefix sharing
+    def _unpublished_hashes(self, req: Request) -> list[int]:
+        bs = self.kv.block_size
+        return req.block_hashes(bs, req.num_tokens // bs)[req.num_published_blocks :]
+
+    def _inflight_block_hashes(self) -> set[int]:
+        """Chain hashes of full blocks that running requests will publish but have not
+        yet (their KV is not written)."""
+        out: set[int] = set()
+        for req in self.running:
+            out.update(self._unpublished_hashes(req))
+        return out
+
+    def _prefix_in_flight(self, req: Request, num_matched: int, inflight: set[int]) -> bool:
+        """Whether the ``defer_shared_prefix_blocks`` blocks after the cached prefix are
+        being computed by someone else (SGLang's in-batch prefix check, by chain hash)."""
+        bs = self.kv.block_size
+        need = self.config.defer_shared_prefix_blocks
+        if req.num_tokens // bs < num_matched + need:
+            return False
+        hashes = req.block_hashes(bs, num_matched + need)
+        return all(h in inflight for h in hashes[num_matched:])
 
     def _make_scheduled(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
