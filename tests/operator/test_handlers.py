@@ -192,8 +192,8 @@ def test_register_wires_every_trigger():
     assert watch.id == "engine-deployment"
     assert (watch.selector.group, watch.selector.any_name) == ("apps", "deployments")
     assert watch.labels == {c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
-    (startup,) = registry._activities.get_all_handlers()
-    assert startup.id == "configure"
+    activities = {h.id: h.activity.value for h in registry._activities.get_all_handlers()}
+    assert activities == {"configure": "startup", "login-via-client": "authentication"}
 
 
 def test_settings_keep_kopf_state_out_of_status():

@@ -195,6 +195,9 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
     """Attach the handlers to ``registry`` (no module-level registration, so tests and
     the process each build their own)."""
     resource = (c.GROUP, c.VERSION, c.PLURAL)
+    # A fresh registry has no login handler (only Kopf's default one does): log in through
+    # the kubernetes client, i.e. the in-cluster token or the kubeconfig.
+    kopf.on.login(registry=registry, id="login-via-client")(kopf.login_via_client)
     kopf.on.startup(registry=registry, id="configure")(
         lambda settings, **_: configure(settings)
     )

@@ -16,8 +16,12 @@ import argparse
 import asyncio
 import logging
 import os
+from typing import TYPE_CHECKING, Any
 
 from kvpilot.operator.options import POD_MONITOR_MODES, OperatorOptions
+
+if TYPE_CHECKING:
+    from kvpilot.operator.handlers import OperatorContext
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +57,7 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
 def run(args: argparse.Namespace) -> int:
     # Imported here so `kvpilot --help` stays fast and import errors name the extra.
     try:
-        import kopf
+        import kopf  # noqa: F401
         from kubernetes import client as k8s
         from kubernetes import config as k8s_config
         from prometheus_client import start_http_server
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvpilot operator needs the operator extra: pip install "
                          f"'kvpilot[operator]' ({exc})") from exc
 
-    from kvpilot.operator.handlers import OperatorContext, register
+    from kvpilot.operator.handlers import OperatorContext
     from kvpilot.operator.kube import KubernetesApi
     from kvpilot.operator.metrics import OperatorMetrics
 
@@ -84,15 +88,32 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=metrics.registry)
     context = OperatorContext(api=KubernetesApi(k8s.ApiClient()), options=options, metrics=metrics)
-    registry = kopf.OperatorRegistry()
-    register(registry, options)
     liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
-    asyncio.run(kopf.operator(
+    asyncio.run(operate(context, liveness_endpoint=liveness))
+    return 0
+
+
+async def operate(context: OperatorContext, *, liveness_endpoint: str | None = None,
+                  stop_flag: Any = None, ready_flag: Any = None) -> None:
+    """Run Kopf with our handlers until ``stop_flag`` is set (or forever).
+
+    Kopf logs in by itself (in-cluster token or kubeconfig, through the kubernetes
+    client); ``context.api`` is the operator's own client for applying children.
+    """
+    import kopf
+
+    from kvpilot.operator.handlers import register
+
+    registry = kopf.OperatorRegistry()
+    register(registry, context.options)
+    namespaces = context.options.namespaces
+    await kopf.operator(
         registry=registry,
         memo=context,
-        clusterwide=not options.namespaces,
-        namespaces=options.namespaces,
-        liveness_endpoint=liveness,
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        liveness_endpoint=liveness_endpoint,
         standalone=True,
-    ))
-    return 0
+        stop_flag=stop_flag,
+        ready_flag=ready_flag,
+    )
