@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "inferencedeployments.kvpilot.dev.yaml"
 KNOWN_KEYWORDS = {
     "type", "description", "properties", "required", "items", "additionalProperties",
-    "default", "enum", "minimum", "maximum", "exclusiveMinimum", "minLength", "maxLength",
+    "default", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+    "minLength", "maxLength",
     "pattern", "maxItems", "format", "nullable", "anyOf", "x-kubernetes-validations",
     "x-kubernetes-preserve-unknown-fields", "x-kubernetes-int-or-string",
     "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
@@ -179,8 +180,10 @@ def validate(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
             low = schema["minimum"]
             if value < low or (schema.get("exclusiveMinimum") and value == low):
                 errors.append(f"{path}: {value} below minimum {low}")
-        if "maximum" in schema and value > schema["maximum"]:
-            errors.append(f"{path}: {value} above maximum {schema['maximum']}")
+        if "maximum" in schema:
+            high = schema["maximum"]
+            if value > high or (schema.get("exclusiveMaximum") and value == high):
+                errors.append(f"{path}: {value} above maximum {high}")
     if kind == "string":
         if len(value) > schema.get("maxLength", 1 << 30) or len(value) < schema.get("minLength", 0):
             errors.append(f"{path}: length {len(value)} out of bounds")

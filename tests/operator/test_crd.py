@@ -182,7 +182,11 @@ REFUSED = [
      "below minimum 0"),
     ("target-usage-above-one", {"model": EMBEDDED,
                                 "autoscaling": {"maxReplicas": 2, "targetCacheUsage": 1.5}},
-     "above maximum 1"),
+     "above maximum 0.95"),
+    ("target-usage-at-starvation", {"model": EMBEDDED, "autoscaling": {
+        "maxReplicas": 2, "targetCacheUsage": 0.95}}, "above maximum 0.95"),
+    ("interval-above-a-minute", {"model": EMBEDDED, "autoscaling": {
+        "maxReplicas": 2, "intervalSeconds": 61}}, "above maximum 60"),
     ("queue-target-negative", {"model": EMBEDDED,
                                "autoscaling": {"maxReplicas": 2, "targetQueueDepth": -1}},
      "below minimum 0"),
@@ -240,3 +244,33 @@ def test_status_fields_outside_the_schema_are_pruned(crd):
     stored, _ = admit(crd, {**obj({"model": EMBEDDED}),
                             "status": {"readyReplicas": 1, "kopf": {"progress": {}}}})
     assert stored["status"] == {"readyReplicas": 1}
+
+
+def _autoscaling_edges(crd) -> list[dict]:
+    """Each autoscaling field at the lowest and highest value the CRD admits."""
+    props = sub_schema(root_schema(crd), "spec.autoscaling")["properties"]
+    edges = []
+    for name, schema in props.items():
+        if "minimum" not in schema:
+            continue
+        step = 1 if schema["type"] == "integer" else 0.001
+        low = schema["minimum"] + (step if schema.get("exclusiveMinimum") else 0)
+        high = schema["maximum"] - (step if schema.get("exclusiveMaximum") else 0)
+        for value in (low, high):
+            edge = {"maxReplicas": 1000, name: value}
+            if name == "maxReplicas":
+                edge["minReplicas"] = 1
+            edges.append(edge)
+    return edges
+
+
+def test_every_admitted_autoscaling_spec_is_usable_by_the_policy(crd):
+    """The CRD must not accept what the autoscaler cannot use (a controller failing later
+    instead of `kubectl apply` refusing): the edges of every range go through both."""
+    spec_module = pytest.importorskip(
+        "kvpilot.autoscaler.spec", reason="the autoscaler policy (issue 6) is not in this tree")
+    for edge in _autoscaling_edges(crd):
+        stored, errors = admit(crd, obj({"model": EMBEDDED, "autoscaling": edge}))
+        assert errors == [], (edge, errors)
+        parse_spec(stored["spec"])
+        spec_module.AutoscalingSpec.from_crd(stored["spec"]["autoscaling"])

@@ -45,7 +45,11 @@ def test_static_and_autoscaled_replicas():
     ({"model": EMBEDDED, "engine": {"gpuMemoryUtilization": 0}}, "engine.gpuMemoryUtilization",
      0, "a number in (0.0, 1.0] is required"),
     ({"model": EMBEDDED, "autoscaling": {"maxReplicas": 2, "targetCacheUsage": "high"}},
-     "autoscaling.targetCacheUsage", "high", "a number in (0.0, 1.0] is required"),
+     "autoscaling.targetCacheUsage", "high", "a number in (0.0, 0.95) is required"),
+    ({"model": EMBEDDED, "autoscaling": {"maxReplicas": 2, "targetCacheUsage": 0.95}},
+     "autoscaling.targetCacheUsage", 0.95, "a number in (0.0, 0.95) is required"),
+    ({"model": EMBEDDED, "autoscaling": {"maxReplicas": 2, "intervalSeconds": 90}},
+     "autoscaling.intervalSeconds", 90, "an integer in [1, 60] is required"),
     ({"model": EMBEDDED, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
      "autoscaling.minReplicas", 3, "must be <= autoscaling.maxReplicas (2)"),
     ({"model": EMBEDDED, "autoscaling": {"maxReplicas": 2, "metrics": {

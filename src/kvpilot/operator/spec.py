@@ -32,6 +32,10 @@ MANAGED_FLAGS = (
     "--no-enable-prefix-caching", "--gpu-memory-utilization", "--max-model-len", "--device",
 )
 MAX_REPLICAS = 1000
+# The autoscaler's starvation alarm fires at this per-pod usage; a target must stay below.
+STARVATION_USAGE = 0.95
+# The autoscaler fits its KV forecast over two minutes: it needs a decision at least a minute.
+MAX_INTERVAL_SECONDS = 60
 
 DEFAULTS: dict[str, Any] = {
     "engine.imagePullPolicy": "IfNotPresent",
@@ -169,13 +173,13 @@ class _Reader:
         return value
 
     def number(self, key: str, lo: float, hi: float, required: bool = True,
-               lo_open: bool = False) -> float | None:
+               lo_open: bool = False, hi_open: bool = False) -> float | None:
         value = self._get(key)
         if value is None and not required:
             return None
         bad = isinstance(value, bool) or not isinstance(value, (int, float))
-        if bad or value > hi or value < lo or (lo_open and value == lo):
-            interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        if bad or value > hi or value < lo or (lo_open and value == lo) or (hi_open and value == hi):
+            interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
             raise SpecError(self._key(key), value, f"a number in {interval} is required")
         return float(value)
 
@@ -254,12 +258,13 @@ def _parse_autoscaling(raw: Any) -> AutoscalingSpec:
     spec = AutoscalingSpec(
         min_replicas=r.integer("minReplicas", 1, MAX_REPLICAS),
         max_replicas=r.integer("maxReplicas", 1, MAX_REPLICAS),
-        target_cache_usage=r.number("targetCacheUsage", 0.0, 1.0, lo_open=True),
+        target_cache_usage=r.number("targetCacheUsage", 0.0, STARVATION_USAGE, lo_open=True,
+                                    hi_open=True),
         target_queue_depth=r.number("targetQueueDepth", 0.0, 10000.0, lo_open=True),
         startup_seconds=r.integer("startupSeconds", 0, 7200),
         scale_up_stabilization_seconds=r.integer("scaleUpStabilizationSeconds", 0, 3600),
         scale_down_stabilization_seconds=r.integer("scaleDownStabilizationSeconds", 0, 86400),
-        interval_seconds=r.integer("intervalSeconds", 1, 600),
+        interval_seconds=r.integer("intervalSeconds", 1, MAX_INTERVAL_SECONDS),
         metrics=metrics,
     )
     if spec.min_replicas > spec.max_replicas:
