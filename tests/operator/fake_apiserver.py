@@ -154,6 +154,10 @@ class Handler(BaseHTTPRequestHandler):
         parts = [p for p in url.path.split("/") if p]
         store = self.server.store
         store.requests.append((self.command, url.path, self.headers.get("Content-Type")))
+        fault = self.server.faults.get((self.command, url.path))
+        if fault is not None:
+            self._body()
+            return self._send(fault, {"kind": "Status", "code": fault, "message": "injected"})
         if url.path == "/version":
             return self._send(200, {"major": "1", "minor": "36", "gitVersion": "v1.36.0"})
         if url.path == "/api":
@@ -306,6 +310,8 @@ class FakeApiServer(ThreadingHTTPServer):
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), Handler)
         self.store = Store()
+        # (method, path) -> HTTP status to answer instead (fault injection)
+        self.faults: dict[tuple[str, str], int] = {}
         self.stopping = threading.Event()
         self._thread = threading.Thread(target=self.serve_forever,
                                         kwargs={"poll_interval": 0.05}, daemon=True)

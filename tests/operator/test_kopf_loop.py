@@ -190,3 +190,24 @@ def test_operator_loop_end_to_end(operator):
     keys = {"namespace": "llm", "inference_deployment": "smollm2"}
     assert context.metrics.registry.get_sample_value(
         "kvpilot_operator_desired_replicas", keys) is None
+
+
+def test_delete_during_retry_backoff_removes_the_finalizer(operator):
+    """Where other operators looped forever: the object is deleted while its handler waits
+    to retry a temporary error. The deletion wins and the finalizer goes."""
+    server, context = operator
+    store = server.store
+    path = "/apis/apps/v1/namespaces/llm/deployments/stuck"
+    server.faults[("PATCH", path)] = 503
+    store.create(*CR, {"apiVersion": c.API_VERSION, "kind": c.KIND,
+                       "metadata": {"name": "stuck", "namespace": "llm"},
+                       "spec": {"model": {"uri": "embedded://smollm2-135m-instruct"}}})
+    wait_for("a failed apply", lambda: any(r[:2] == ("PATCH", path) for r in store.requests))
+    cr = wait_for("the finalizer", lambda: (o := store.get(*CR, "llm", "stuck"))
+                  and c.FINALIZER in o["metadata"].get("finalizers", ()) and o)
+    assert "status" not in cr or cr["status"].get("desiredReplicas") is None
+    assert context.metrics.registry.get_sample_value(
+        "kvpilot_operator_reconcile_total", {"result": "transient"}) >= 1
+    store.delete(*CR, "llm", "stuck")
+    wait_for("the object to be gone", lambda: store.get(*CR, "llm", "stuck") is None)
+    assert store.get(*DEPLOYMENTS, "llm", "stuck") is None
