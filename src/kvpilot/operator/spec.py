@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.operator.fields import FieldReader, SpecError
 from kvpilot.operator.model_uri import ModelSource, parse_model_uri
 
 KV_CACHE_DTYPES = (
@@ -56,17 +57,7 @@ DEFAULTS: dict[str, Any] = {
 }
 _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
-
-class SpecError(ValueError):
-    """A field the operator cannot use. ``field`` is the dotted path under ``spec`` (or a
-    ``metadata.`` path); the message names the field, the value and what is allowed."""
-
-    def __init__(self, field: str, value: Any, allowed: str) -> None:
-        self.field = field
-        self.value = value
-        self.allowed = allowed
-        where = field if field.startswith("metadata.") else f"spec.{field}"
-        super().__init__(f"{where}: got {value!r}; {allowed}")
+__all__ = ["InferenceSpec", "SpecError", "check_name", "parse_spec"]
 
 
 @dataclass(frozen=True)
@@ -146,78 +137,8 @@ class InferenceSpec:
         return 1 if self.replicas is None else self.replicas
 
 
-# --------------------------------------------------------------------------- readers
-class _Reader:
-    """Typed access to one object of the spec; every error names the full path."""
-
-    def __init__(self, raw: Any, path: str) -> None:
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, Mapping):
-            raise SpecError(path, raw, "an object is required")
-        self.raw, self.path = raw, path
-
-    def _key(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
-
-    def _get(self, key: str) -> Any:
-        value = self.raw.get(key)
-        return DEFAULTS.get(self._key(key)) if value is None else value
-
-    def integer(self, key: str, lo: int, hi: int, required: bool = True) -> int | None:
-        value = self._get(key)
-        if value is None and not required:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise SpecError(self._key(key), value, f"an integer in [{lo}, {hi}] is required")
-        return value
-
-    def number(self, key: str, lo: float, hi: float, required: bool = True,
-               lo_open: bool = False, hi_open: bool = False) -> float | None:
-        value = self._get(key)
-        if value is None and not required:
-            return None
-        bad = isinstance(value, bool) or not isinstance(value, (int, float))
-        if bad or value > hi or value < lo or (lo_open and value == lo) or (hi_open and value == hi):
-            interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-            raise SpecError(self._key(key), value, f"a number in {interval} is required")
-        return float(value)
-
-    def choice(self, key: str, allowed: tuple[Any, ...]) -> Any:
-        value = self._get(key)
-        if isinstance(value, bool) or value not in allowed:
-            raise SpecError(self._key(key), value, f"one of {', '.join(map(str, allowed))}")
-        return value
-
-    def string(self, key: str, required: bool = False) -> str | None:
-        value = self._get(key)
-        if value is None and not required:
-            return None
-        if not isinstance(value, str) or not value:
-            raise SpecError(self._key(key), value, "a non-empty string is required")
-        return value
-
-    def boolean(self, key: str) -> bool:
-        value = self._get(key)
-        if not isinstance(value, bool):
-            raise SpecError(self._key(key), value, "true or false")
-        return value
-
-    def mapping(self, key: str) -> dict[str, Any]:
-        value = self.raw.get(key) or {}
-        if not isinstance(value, Mapping):
-            raise SpecError(self._key(key), value, "an object is required")
-        return dict(value)
-
-    def items(self, key: str) -> tuple[Any, ...]:
-        value = self.raw.get(key) or []
-        if not isinstance(value, list):
-            raise SpecError(self._key(key), value, "a list is required")
-        return tuple(value)
-
-
 def _parse_engine(raw: Any) -> EngineSpec:
-    r = _Reader(raw, "engine")
+    r = FieldReader(raw, "engine", DEFAULTS)
     extra = r.items("extraArgs")
     for arg in extra:
         if not isinstance(arg, str):
@@ -247,8 +168,8 @@ def _parse_engine(raw: Any) -> EngineSpec:
 
 
 def _parse_autoscaling(raw: Any) -> AutoscalingSpec:
-    r = _Reader(raw, "autoscaling")
-    m = _Reader(r.raw.get("metrics"), "autoscaling.metrics")
+    r = FieldReader(raw, "autoscaling", DEFAULTS)
+    m = FieldReader(r.raw.get("metrics"), "autoscaling.metrics", DEFAULTS)
     metrics = MetricsSourceSpec(source=m.choice("source", METRIC_SOURCES), url=m.string("url"))
     if metrics.source == "prometheus" and (
         metrics.url is None or not re.match(r"^https?://\S+$", metrics.url)
@@ -273,7 +194,7 @@ def _parse_autoscaling(raw: Any) -> AutoscalingSpec:
     return spec
 
 
-def _parse_pod(r: _Reader) -> PodSettings:
+def _parse_pod(r: FieldReader) -> PodSettings:
     env = r.items("env")
     for item in env:
         if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
@@ -300,8 +221,8 @@ def parse_spec(raw: Any) -> InferenceSpec:
     Applies the CRD defaults for missing fields, so it also accepts specs the API server
     did not default. Raises :class:`SpecError` on the first invalid field.
     """
-    r = _Reader(raw, "")
-    model = _Reader(r.raw.get("model"), "model")
+    r = FieldReader(raw, "", DEFAULTS)
+    model = FieldReader(r.raw.get("model"), "model", DEFAULTS)
     uri = model.string("uri", required=True)
     try:
         source = parse_model_uri(uri, model.string("servedModelName"))
@@ -311,7 +232,7 @@ def parse_spec(raw: Any) -> InferenceSpec:
         raise SpecError("replicas", r.raw["replicas"],
                         "spec.replicas and spec.autoscaling are mutually exclusive")
     autoscaling = r.raw.get("autoscaling")
-    finops = _Reader(r.raw.get("finops"), "finops")
+    finops = FieldReader(r.raw.get("finops"), "finops", DEFAULTS)
     return InferenceSpec(
         model=source,
         engine=_parse_engine(r.raw.get("engine")),
