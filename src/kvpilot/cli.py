@@ -10,6 +10,7 @@ import sys
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvpilot.engine.generate_cli", "one-shot offline generation"),
+    "bench": ("kvpilot.bench.cli", "benchmarks against a running server: bench serve"),
     "operator": ("kvpilot.operator.main", "run the Kopf operator for InferenceDeployment resources"),
 }
 
