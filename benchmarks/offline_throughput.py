@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from common import machine_info, write_result  # noqa: E402
+import torch
+from common import machine_info, write_result
 
 
 def make_prompts(tokenizer, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:

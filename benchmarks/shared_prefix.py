@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import machine_info, write_result  # noqa: E402
+from common import machine_info, write_result
 
 
 def workload(groups: int, per_group: int, prefix_len: int, suffix_len: int, seed: int) -> list[list[int]]:

@@ -9,6 +9,7 @@ import sys
 
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("kvpilot.engine.server.serve_cli", "OpenAI-compatible server (vLLM-compatible flags)"),
     "generate": ("kvpilot.engine.generate_cli", "one-shot offline generation"),
     "bench": ("kvpilot.bench.cli", "benchmarks against a running server: bench serve"),
     "operator": ("kvpilot.operator.main", "run the Kopf operator for InferenceDeployment resources"),

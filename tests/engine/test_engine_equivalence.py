@@ -113,7 +113,7 @@ def test_c10_preemption_recomputes_identically_and_is_not_a_hit(make_engine, tok
                 if o.finished:
                     outs[o.request_id] = o.output_token_ids
                     cached[o.request_id] = o.num_cached_tokens
-            preempted += engine.last_stats.num_preemptions
+            preempted += engine.take_stats().num_preemptions
             engine.scheduler.check_integrity()
         return [outs[f"r{i}"] for i in range(len(prompts))], preempted
 

@@ -86,8 +86,7 @@ class LLMEngine:
         self.sampler = Sampler(cfg.device, args.seed)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompt_len: dict[str, int] = {}
-        self.last_stats = IterationStats()
-        self._pending_stats = IterationStats()  # collects aborts between steps
+        self._stats = IterationStats()  # accumulates until take_stats()
         self._stats_preemptions = 0
         self._stats_prefix = (0, 0)
 
@@ -128,7 +127,7 @@ class LLMEngine:
         now = self.clock()
         for req in done:
             self._release(req)
-            self._pending_stats.finished.append(self._finished_stats(req, now))
+            self._stats.finished.append(self._finished_stats(req, now))
         return [r.request_id for r in done]
 
     def has_unfinished_requests(self) -> bool:
@@ -137,11 +136,10 @@ class LLMEngine:
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step. Returns outputs of requests that got tokens (or
-        finished). ``last_stats`` then holds this step's :class:`IterationStats`."""
-        stats, self._pending_stats = self._pending_stats, IterationStats()
-        self.last_stats = stats
+        finished). Statistics accumulate until :meth:`take_stats`."""
+        stats = self._stats
         sched_out = self.scheduler.schedule()
-        stats.num_batched_tokens = sched_out.num_batched_tokens
+        stats.num_batched_tokens += sched_out.num_batched_tokens
         self._collect_scheduler_deltas(stats)
         if sched_out.is_empty:
             return []
@@ -166,11 +164,11 @@ class LLMEngine:
 
     def _collect_scheduler_deltas(self, stats: IterationStats) -> None:
         s = self.scheduler
-        stats.num_preemptions = s.num_preemptions_total - self._stats_preemptions
+        stats.num_preemptions += s.num_preemptions_total - self._stats_preemptions
         self._stats_preemptions = s.num_preemptions_total
         q0, h0 = self._stats_prefix
-        stats.prefix_queries = s.prefix_stats.queries - q0
-        stats.prefix_hits = s.prefix_stats.hits - h0
+        stats.prefix_queries += s.prefix_stats.queries - q0
+        stats.prefix_hits += s.prefix_stats.hits - h0
         self._stats_prefix = (s.prefix_stats.queries, s.prefix_stats.hits)
 
     def _make_output(self, req: Request, sampled, row: int, now: float, stats: IterationStats) -> RequestOutput:
@@ -232,6 +230,11 @@ class LLMEngine:
         self.sampler.release(req.request_id)
 
     # --------------------------------------------------------------- stats
+    def take_stats(self) -> IterationStats:
+        """Statistics since the previous call (steps and aborts), exactly once."""
+        stats, self._stats = self._stats, IterationStats()
+        return stats
+
     def scheduler_stats(self) -> SchedulerStats:
         s = self.scheduler
         kv = s.kv

@@ -1,0 +1,307 @@
+"""The FastAPI application: routes, authentication, body limits, errors, readiness.
+
+Errors use the OpenAI body ``{"error": {"message", "type", "param", "code"}}``.
+``/health`` is liveness (200 while the engine thread is alive, also while loading);
+``/ready`` is readiness (503 while loading or draining). ``/health``, ``/ready`` and
+``/metrics`` are never behind the API key (probes and Prometheus must reach them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvpilot.engine.sampling_params import InvalidRequestError
+from kvpilot.engine.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestAbortedError,
+    RequestFailedError,
+)
+from kvpilot.engine.server.chat import ChatHandler, render_chat
+from kvpilot.engine.server.completions import CompletionHandler
+from kvpilot.engine.server.metrics import EngineMetrics
+from kvpilot.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    error_body,
+)
+from kvpilot.engine.server.serving import ModelNotFound, ServingContext
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/openapi.json")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass
+class ServerState:
+    """Mutable server-wide state (set by the CLI and the drain logic)."""
+
+    engine: AsyncEngine
+    metrics: EngineMetrics
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    draining: bool = False
+    inflight: int = 0  # generation requests being served
+
+
+def error(status: int, message: str, err_type: str, code: int | str | None = None, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, err_type, code if code is not None else status, param), status_code=status)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """413 for request bodies over ``limit`` bytes, by Content-Length or while reading."""
+
+    def __init__(self, app: Any, limit: Callable[[], int]) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limit()
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await self._reject(scope, receive, send, limit)
+            return
+        seen = 0
+        started = False
+
+        async def limited_receive() -> dict:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge
+            return msg
+
+        async def tracking_send(msg: dict) -> None:
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await self._reject(scope, receive, send, limit)
+
+    @staticmethod
+    async def _reject(scope: dict, receive: Callable, send: Callable, limit: int) -> None:
+        resp = error(413, f"request body is larger than the limit of {limit} bytes", "request_too_large", 413)
+        await resp(scope, receive, send)
+
+
+class GuardMiddleware:
+    """API key check, draining/loading refusal and the in-flight count of generation
+    requests (until their response, streamed or not, is complete)."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = self.state
+        path = scope["path"]
+        if state.api_key is not None and not path.startswith(OPEN_PATHS):
+            headers = dict(scope.get("headers") or [])
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            token = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+                resp = error(401, "missing or invalid API key (send Authorization: Bearer <key>)", "authentication_error", 401)
+                await resp(scope, receive, send)
+                return
+        if path not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if state.draining:
+            resp = error(503, "the server is draining and takes no new requests", "service_unavailable", 503)
+        elif not state.engine.is_ready:
+            resp = error(503, "the model is still loading", "service_unavailable", 503)
+        else:
+            state.inflight += 1
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                state.inflight -= 1
+            return
+        await resp(scope, receive, send)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The ASGI app for one engine."""
+    app = FastAPI(title="kvpilot", version="0.1.0")
+    app.state.kv = state
+    ctx = ServingContext(state.engine, state.served_model_name)
+    completions = CompletionHandler(ctx)
+    chat = ChatHandler(ctx)
+
+    app.add_middleware(GuardMiddleware, state=state)
+    app.add_middleware(BodyLimitMiddleware, limit=lambda: state.max_body_bytes)
+
+    # ------------------------------------------------------------ errors
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            msg = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}"
+        elif param:
+            msg = f"{param}: {msg} (got {first.get('input')!r:.200})" if "input" in first else f"{param}: {msg}"
+        return error(400, msg, "invalid_request_error", "invalid_value", param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def on_invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error(400, str(exc), "invalid_request_error", "invalid_value", exc.param)
+
+    @app.exception_handler(ModelNotFound)
+    async def on_model(_: Request, exc: ModelNotFound) -> JSONResponse:
+        return error(404, str(exc), "invalid_request_error", "model_not_found", "model")
+
+    @app.exception_handler(EngineDeadError)
+    async def on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error(503, str(exc), "service_unavailable", 503)
+
+    @app.exception_handler(RequestFailedError)
+    async def on_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return error(500, str(exc), "server_error", 500)
+
+    @app.exception_handler(RequestAbortedError)
+    async def on_aborted(_: Request, exc: RequestAbortedError) -> JSONResponse:
+        return error(503, str(exc), "service_unavailable", 503)
+
+    # ------------------------------------------------------------ probes
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine.is_alive:
+            return JSONResponse({"status": "ok"})
+        return error(503, f"the engine is not running: {state.engine.load_error}", "service_unavailable", 503)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if state.draining:
+            return error(503, "draining", "service_unavailable", 503)
+        if not state.engine.is_ready:
+            return error(503, "loading" if state.engine.is_alive else "engine failed", "service_unavailable", 503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ------------------------------------------------------------- API
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        max_len = state.engine.engine.max_model_len if state.engine.engine is not None else None
+        return ModelList(data=[ModelCard(id=state.served_model_name, root=state.served_model_name, max_model_len=max_len)])
+
+    @app.post("/v1/completions", response_model=None)
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        header_id = request.headers.get("x-request-id")
+        if body.stream:
+            events = await completions.stream(body, header_id)
+            return sse(events, header_id)
+        result = await until_disconnected(request, completions.complete(body, header_id))
+        return json_response(result, header_id)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        header_id = request.headers.get("x-request-id")
+        if body.stream:
+            events = await chat.stream(body, header_id)
+            return sse(events, header_id)
+        result = await until_disconnected(request, chat.complete(body, header_id))
+        return json_response(result, header_id)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        ctx.check_model(body.model)
+        require_ready(state)
+        if body.messages is not None:
+            ids = render_chat(ctx, body.messages, body.add_generation_prompt)
+        else:
+            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        ctx.check_model(body.model)
+        require_ready(state)
+        vocab = ctx.llm.model_config.vocab_size
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        return JSONResponse({"prompt": ctx.tokenizer.decode(body.tokens)})
+
+    return app
+
+
+def require_ready(state: ServerState) -> None:
+    if not state.engine.is_ready:
+        raise EngineDeadError("the model is still loading" if state.engine.is_alive else "the engine is not running")
+
+
+def json_response(body: dict[str, Any] | Response, header_id: str | None) -> Response:
+    if isinstance(body, Response):
+        return body
+    headers = {"X-Request-Id": header_id} if header_id else None
+    return JSONResponse(body, headers=headers)
+
+
+def sse(events: AsyncIterator[str], header_id: str | None) -> StreamingResponse:
+    headers = {"X-Request-Id": header_id} if header_id else None
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+async def until_disconnected(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any] | Response:
+    """Run ``work`` unless the client goes away first; then cancel it (which aborts the
+    engine requests and frees their blocks) and answer nobody."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return Response(status_code=499)

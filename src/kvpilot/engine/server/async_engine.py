@@ -1,0 +1,263 @@
+"""The engine loop in its own thread, behind an asyncio bridge.
+
+::
+
+    HTTP handlers (event loop)            engine thread
+    ──────────────────────────            ─────────────
+    add_request() ──inbox (SimpleQueue)──> drain inbox: add / abort
+         ^                                 step() -> outputs, stats
+         └──── per-request asyncio.Queue <─ loop.call_soon_threadsafe
+
+The thread owns the :class:`LLMEngine`; nothing else touches it. Adds are acknowledged
+through a future, so a rejected request (too long, bad ids) raises in the handler that
+sent it and nothing is queued. Aborts are applied before the next step, so a client
+that disconnects frees its blocks within one step. An exception inside a step fails the
+requests of that step with a server error and the loop carries on serving the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How long the idle loop sleeps between looks at the inbox (seconds).
+IDLE_POLL_SECONDS = 0.05
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed to start or stopped; the request cannot be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine hit an internal error while running this request."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted (its client went away or a sibling choice failed)."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    out: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    ack: concurrent.futures.Future
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+class AsyncEngine:
+    """Runs an :class:`LLMEngine` in a daemon thread.
+
+    Args:
+        engine_factory: builds the engine inside the thread (model loading happens
+            there, so the HTTP server can answer ``/health`` and ``/ready`` meanwhile).
+        on_step: called in the engine thread after each step and when idle, with the
+            engine (for metrics).
+    """
+
+    def __init__(
+        self,
+        engine_factory: Callable[[], LLMEngine],
+        on_step: Callable[[LLMEngine], None] | None = None,
+    ) -> None:
+        self._factory = engine_factory
+        self._on_step = on_step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
+        self._stop = threading.Event()
+        self.ready = threading.Event()
+        self.engine: LLMEngine | None = None
+        self.load_error: BaseException | None = None
+        self.num_unfinished = 0  # requests added and not yet finished (read from any thread)
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        """The engine thread runs (loading counts) and has not failed."""
+        return self._thread.is_alive() and self.load_error is None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready.is_set() and self.is_alive
+
+    # --------------------------------------------------------------- requests
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        out: asyncio.Queue | None = None,
+    ) -> asyncio.Queue:
+        """Queue a request; returns the queue its :class:`RequestOutput` s arrive on (the
+        last one has ``finished``; an exception object means it failed). Several
+        requests may share one ``out`` queue (outputs carry their request id).
+
+        Raises:
+            InvalidRequestError: the engine refused the request (nothing was queued).
+            EngineDeadError: the engine is not running.
+        """
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        out = asyncio.Queue() if out is None else out
+        ack: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, cache_salt, out, loop, ack))
+        await asyncio.wrap_future(ack)
+        return out
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (thread-safe; unknown or finished ids are ignored)."""
+        if request_ids:
+            self._inbox.put(_Abort(list(request_ids)))
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs. Leaving the iteration early (a client went
+        away, the task was cancelled) aborts the request."""
+        out = await self.add_request(request_id, prompt_token_ids, params, cache_salt)
+        finished = False
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort([request_id])
+
+    # ------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        try:
+            self.engine = self._factory()
+        except BaseException as e:  # report any load failure to the server
+            self.load_error = e
+            logger.exception("engine failed to load")
+            return
+        self.ready.set()
+        engine = self.engine
+        was_busy = False
+        while not self._stop.is_set():
+            self._drain_inbox(engine, block=not engine.has_unfinished_requests())
+            if self._stop.is_set():
+                break
+            if engine.has_unfinished_requests():
+                self._step(engine)
+                was_busy = True
+            else:
+                if was_busy:  # just went idle: a good moment for the integrity check
+                    was_busy = False
+                    try:
+                        engine.scheduler.check_integrity()
+                    except AssertionError:
+                        logger.exception("KV cache integrity check failed")
+                if self._on_step is not None:
+                    self._on_step(engine)
+
+    def _drain_inbox(self, engine: LLMEngine, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=IDLE_POLL_SECONDS) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            if isinstance(item, _Add):
+                self._handle_add(engine, item)
+            elif isinstance(item, _Abort):
+                aborted = engine.abort_request(item.request_ids)
+                for rid in aborted:
+                    self._finish_stream(rid, RequestAbortedError(f"request {rid} was aborted"))
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle_add(self, engine: LLMEngine, add: _Add) -> None:
+        try:
+            engine.add_request(add.request_id, add.prompt_token_ids, add.params, add.cache_salt)
+        except BaseException as e:  # refused: hand the error back to the handler
+            add.ack.set_exception(e)
+            return
+        self._streams[add.request_id] = (add.loop, add.out)
+        self.num_unfinished += 1
+        add.ack.set_result(None)
+
+    def _step(self, engine: LLMEngine) -> None:
+        try:
+            outputs = engine.step()
+        except Exception as e:  # an engine bug must not take every client down
+            logger.exception("engine step failed; failing the requests in flight")
+            ids = list(self._streams)
+            engine.abort_request(ids)
+            for rid in ids:
+                self._finish_stream(rid, RequestFailedError(f"internal engine error: {e}"))
+            return
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, out)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+                self.num_unfinished -= 1
+        if self._on_step is not None:
+            self._on_step(engine)
+
+    def _finish_stream(self, request_id: str, error: BaseException) -> None:
+        """Close a stream that ends without a normal final output (abort, failure)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        self.num_unfinished -= 1
+        loop, q = stream
+        loop.call_soon_threadsafe(q.put_nowait, error)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` seconds pass (for drains and tests)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+

@@ -1,0 +1,163 @@
+"""``POST /v1/completions``: prompts (text, token ids, or batches of either)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvpilot.engine.outputs import TokenLogprob
+from kvpilot.engine.sampling_params import InvalidRequestError
+from kvpilot.engine.server.protocol import CompletionRequest
+from kvpilot.engine.server.serving import Choice, ServingContext, new_request_id, usage
+
+
+def parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[list[int]]:
+    """Token ids per prompt. Raises InvalidRequestError for empty input."""
+    p = req.prompt
+    if isinstance(p, str):
+        texts_or_ids: list[Any] = [p]
+    elif not p:
+        raise InvalidRequestError("prompt must not be an empty list", "prompt")
+    elif all(isinstance(x, int) for x in p):
+        texts_or_ids = [p]
+    else:
+        texts_or_ids = list(p)
+    prompts = []
+    for item in texts_or_ids:
+        ids = ctx.tokenizer.encode(item) if isinstance(item, str) else list(item)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: at least one token is required", "prompt")
+        prompts.append(ids)
+    if len(prompts) * req.n > 256:
+        raise InvalidRequestError(f"{len(prompts)} prompts x n={req.n} is more than 256 choices", "prompt")
+    return prompts
+
+
+def logprobs_block(ctx: ServingContext, lps: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    pos = text_offset
+    for lp in lps:
+        s = ctx.token_text(lp.token_id)
+        tokens.append(s)
+        token_lps.append(lp.logprob)
+        tops.append({ctx.token_text(t): v for t, v in lp.top})
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+class CompletionHandler:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def prepare(self, req: CompletionRequest) -> tuple[list[list[int]], int]:
+        self.ctx.check_model(req.model)
+        if req.best_of not in (None, req.n):
+            raise InvalidRequestError("best_of is not supported (use n)", "best_of")
+        if req.suffix:
+            raise InvalidRequestError("suffix is not supported", "suffix")
+        if req.logit_bias:
+            raise InvalidRequestError("logit_bias is not supported", "logit_bias")
+        if req.echo and req.logprobs is not None:
+            raise InvalidRequestError("echo with logprobs (prompt logprobs) is not supported", "echo")
+        prompts = parse_prompts(self.ctx, req)
+        if req.max_tokens == 0 and not req.echo:
+            raise InvalidRequestError("max_tokens must be >= 1 (max_tokens=0 is only allowed with echo=true)", "max_tokens")
+        max_tokens = [self.ctx.resolve_max_tokens(len(ids), req.max_tokens or None) for ids in prompts]
+        return prompts, min(max_tokens)
+
+    def _base(self, public_id: str, created: int) -> dict[str, Any]:
+        return {"id": public_id, "object": "text_completion", "created": created, "model": self.ctx.served_model_name}
+
+    def _echo_only(self, req: CompletionRequest, prompts: list[list[int]], public_id: str) -> dict[str, Any]:
+        """``echo`` with ``max_tokens=0``: the prompt back, nothing generated."""
+        choices = []
+        for p_idx, ids in enumerate(prompts):
+            text = self.ctx.tokenizer.decode(ids)
+            for k in range(req.n):
+                choices.append({"index": p_idx * req.n + k, "text": text, "logprobs": None, "finish_reason": "length"})
+        n_prompt = sum(len(ids) for ids in prompts)
+        body = self._base(public_id, int(time.time()))
+        body["choices"] = choices
+        body["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
+        return body
+
+    async def complete(self, req: CompletionRequest, header_id: str | None) -> dict[str, Any]:
+        prompts, max_tokens = await self.prepare(req)
+        public_id, internal_id = new_request_id("cmpl", header_id)
+        if req.max_tokens == 0:
+            return self._echo_only(req, prompts, public_id)
+        params = req.to_sampling_params(max_tokens, req.logprobs)
+        done: dict[int, Choice] = {}
+        async for delta in self.ctx.generate(internal_id, prompts, params, req.cache_salt):
+            if delta.finished:
+                done[delta.choice.index] = delta.choice
+        choices = []
+        for idx in sorted(done):
+            c = done[idx]
+            prefix = self.ctx.tokenizer.decode(prompts[c.prompt_index]) if req.echo else ""
+            choices.append({
+                "index": idx,
+                "text": prefix + c.text,
+                "logprobs": logprobs_block(self.ctx, c.logprobs, len(prefix)) if req.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            })
+        body = self._base(public_id, int(time.time()))
+        body["choices"] = choices
+        body["usage"] = usage([len(p) for p in prompts], list(done.values()), req.n)
+        return body
+
+    async def stream(self, req: CompletionRequest, header_id: str | None) -> AsyncIterator[str]:
+        """Validate first (errors raise before the stream starts), then return the SSE
+        event iterator."""
+        prompts, max_tokens = await self.prepare(req)
+        if req.max_tokens == 0:
+            raise InvalidRequestError("max_tokens=0 with echo is not supported when streaming", "max_tokens")
+        public_id, internal_id = new_request_id("cmpl", header_id)
+        params = req.to_sampling_params(max_tokens, req.logprobs)
+        gen = self.ctx.generate(internal_id, prompts, params, req.cache_salt)
+        first = await anext(gen)  # starts the requests; add-time errors surface here
+        return self._events(req, prompts, public_id, gen, first)
+
+    async def _events(self, req, prompts, public_id, gen, first) -> AsyncIterator[str]:
+        created = int(time.time())
+        echoed: set[int] = set()
+        offsets: dict[int, int] = {}
+        finished: list[Choice] = []
+
+        async def deltas():
+            yield first
+            async for d in gen:
+                yield d
+
+        try:
+            async for d in deltas():
+                c = d.choice
+                text = d.text
+                if req.echo and c.index not in echoed:
+                    echoed.add(c.index)
+                    text = self.ctx.tokenizer.decode(prompts[c.prompt_index]) + text
+                if not text and not d.logprobs and not d.finished:
+                    continue
+                lp = None
+                if req.logprobs is not None and d.logprobs:
+                    lp = logprobs_block(self.ctx, d.logprobs, offsets.get(c.index, 0))
+                offsets[c.index] = offsets.get(c.index, 0) + len(text)
+                choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason if d.finished else None}
+                if d.finished:
+                    choice["stop_reason"] = c.stop_reason
+                    finished.append(c)
+                chunk = self._base(public_id, created)
+                chunk["choices"] = [choice]
+                yield f"data: {json.dumps(chunk)}\n\n"
+            if req.stream_options and req.stream_options.include_usage:
+                chunk = self._base(public_id, created)
+                chunk["choices"] = []
+                chunk["usage"] = usage([len(p) for p in prompts], finished, req.n)
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await gen.aclose()

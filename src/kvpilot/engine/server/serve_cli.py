@@ -1,0 +1,118 @@
+"""``kvpilot serve``: the OpenAI-compatible server with vLLM-compatible flags.
+
+Start-up: the HTTP server binds at once and answers ``/health`` (200) and ``/ready``
+(503) while the model loads in the engine thread; a load failure exits with status 1.
+SIGTERM drains: ``/ready`` turns 503, new generation requests get 503, in-flight ones
+finish (up to ``--drain-timeout`` seconds), then the process exits 0. A second signal
+stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+import time
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from kvpilot.engine.config import EngineArgs
+
+if TYPE_CHECKING:
+    from kvpilot.engine.server.api_server import ServerState
+
+logger = logging.getLogger("kvpilot.serve")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on the API")
+    g.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to let requests finish on SIGTERM")
+    g.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024)
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    EngineArgs.add_cli_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine_args = EngineArgs.from_cli_args(args)
+    except ValueError as e:
+        print(f"kvpilot serve: {e}", file=sys.stderr)
+        return 2
+    from kvpilot.engine.model.loader import resolve_model
+
+    try:
+        source = resolve_model(engine_args.model)
+    except FileNotFoundError as e:
+        print(f"kvpilot serve: {e}", file=sys.stderr)
+        return 2
+    served = engine_args.served_model_name or source.name
+
+    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.server.api_server import ServerState, build_app
+    from kvpilot.engine.server.async_engine import AsyncEngine
+    from kvpilot.engine.server.metrics import EngineMetrics
+
+    metrics = EngineMetrics(served)
+
+    def factory() -> LLMEngine:
+        engine = LLMEngine(engine_args)
+        metrics.set_config(engine)
+        return engine
+
+    engine = AsyncEngine(factory, on_step=metrics.observe)
+    state = ServerState(engine, metrics, served, args.api_key, args.max_request_body_bytes)
+    app = build_app(state)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    server = DrainingServer(config, state, args.drain_timeout)
+    engine.start()
+    threading.Thread(target=_exit_on_load_failure, args=(engine, server), daemon=True).start()
+    server.run()
+    engine.shutdown()
+    if engine.load_error is not None:
+        print(f"kvpilot serve: the model failed to load: {engine.load_error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _exit_on_load_failure(engine, server) -> None:
+    while not engine.ready.is_set():
+        if engine.load_error is not None:
+            server.should_exit = True
+            return
+        time.sleep(0.1)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server with a draining SIGTERM (see the module docstring)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded in _captured_signals: a drained exit is a clean exit (status 0).
+        if self.state.draining or self.should_exit:
+            self.force_exit = True
+            self.should_exit = True
+            return
+        logger.info("signal %d: draining (up to %.0fs) before exit", sig, self.drain_timeout)
+        self.state.draining = True
+        threading.Thread(target=self._drain, name="kvpilot-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout
+        while time.monotonic() < deadline:
+            if self.state.inflight == 0 and self.state.engine.num_unfinished == 0:
+                break
+            time.sleep(0.05)
+        else:
+            logger.warning("drain timeout: %d requests still in flight", self.state.inflight)
+        self.should_exit = True

@@ -1,0 +1,160 @@
+"""What completions and chat completions share: prompt checks, the fan-out of ``n``
+choices (and batched prompts) into engine requests, and their merged output stream."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Any
+
+from kvpilot.engine.outputs import RequestOutput, TokenLogprob
+from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvpilot.engine.server.async_engine import AsyncEngine
+
+
+class ModelNotFound(Exception):
+    """The request names a model this server does not serve (HTTP 404)."""
+
+
+@dataclass
+class Choice:
+    """Accumulated state of one choice (one engine request)."""
+
+    index: int
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class Delta:
+    """One streamed increment of a choice."""
+
+    choice: Choice
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+
+
+class ServingContext:
+    """The engine plus what the handlers need from it (tokenizer, limits, names).
+
+    Args:
+        engine: the running :class:`AsyncEngine`.
+        served_model_name: the id clients must use (``model``).
+    """
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+
+    @property
+    def llm(self) -> Any:
+        assert self.engine.engine is not None
+        return self.engine.engine
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise ModelNotFound(f"The model `{model}` does not exist; this server serves `{self.served_model_name}`")
+
+    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, param: str = "max_tokens") -> int:
+        """``None`` -> the rest of the context. Raises InvalidRequestError (400) when the
+        prompt alone, or prompt + max_tokens, exceeds ``max_model_len``, naming both."""
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"{prompt_len} tokens (at least one output token must fit)",
+                "messages" if param == "max_completion_tokens" else "prompt",
+            )
+        if max_tokens is None:
+            return limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens, but {prompt_len + max_tokens} "
+                f"were requested ({prompt_len} in the prompt + {max_tokens} for the completion); "
+                f"lower {param} to at most {limit - prompt_len}",
+                param,
+            )
+        return max_tokens
+
+    @lru_cache(maxsize=65536)  # noqa: B019 - one context per server, bounded cache
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # ------------------------------------------------------------- fan-out
+    async def generate(
+        self,
+        request_id: str,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        cache_salt: str | None,
+    ) -> AsyncIterator[Delta]:
+        """Run ``len(prompts) x params.n`` engine requests and yield their deltas as they
+        come. Choice ``k`` of prompt ``p`` has index ``p * n + k`` and seed ``seed + k``.
+        Leaving early (disconnect, cancellation) or any failure aborts all of them."""
+        n = params.n
+        out: asyncio.Queue = asyncio.Queue()
+        choices: dict[str, Choice] = {}
+        added: list[str] = []
+        try:
+            for p_idx, ids in enumerate(prompts):
+                for k in range(n):
+                    sub = replace(params, n=1, seed=None if params.seed is None else params.seed + k)
+                    rid = f"{request_id}-{p_idx}-{k}"
+                    await self.engine.add_request(rid, ids, sub, cache_salt, out=out)
+                    added.append(rid)
+                    choices[rid] = Choice(index=p_idx * n + k, prompt_index=p_idx)
+            remaining = len(choices)
+            while remaining:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                assert isinstance(item, RequestOutput)
+                choice = choices[item.request_id]
+                choice.text = item.output_text
+                choice.token_ids = list(item.output_token_ids)
+                choice.num_cached_tokens = item.num_cached_tokens
+                if item.new_logprobs:
+                    choice.logprobs.extend(item.new_logprobs)
+                if item.finished:
+                    choice.finish_reason = item.finish_reason
+                    choice.stop_reason = item.stop_reason
+                    remaining -= 1
+                yield Delta(choice, item.new_text, item.new_logprobs, item.finished)
+        finally:
+            unfinished = [rid for rid in added if choices[rid].finish_reason is None]
+            self.engine.abort(unfinished)
+
+
+def new_request_id(prefix: str, header_id: str | None) -> tuple[str, str]:
+    """(public id for the response, unique internal id for the engine)."""
+    public = f"{prefix}-{header_id}" if header_id else f"{prefix}-{uuid.uuid4().hex}"
+    return public, f"{public}-{uuid.uuid4().hex[:8]}"
+
+
+def usage(prompt_lens: Sequence[int], choices: Sequence[Choice], n: int) -> dict[str, Any]:
+    prompt_tokens = sum(prompt_lens)
+    completion = sum(len(c.token_ids) for c in choices)
+    cached = sum(max((c.num_cached_tokens for c in choices if c.prompt_index == p), default=0) for p in range(len(prompt_lens)))
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

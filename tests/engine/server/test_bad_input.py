@@ -1,0 +1,118 @@
+"""Bad input gets a clear 4xx with the OpenAI error body and loses nothing: after a
+fuzzing run the engine still serves and no KV block is leaked."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from .metrics_util import scrape, wait_metric
+
+pytestmark = pytest.mark.slow
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None, words: str = "") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param, err
+    assert words in err["message"], err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
+        ({"prompt": "x", "temperature": -0.1}, "temperature", "greater than or equal to 0"),
+        ({"prompt": "x", "top_p": 0}, "top_p", "greater than 0"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p", "less than or equal to 1"),
+        ({"prompt": "x", "max_tokens": "ten"}, "max_tokens", "valid integer"),
+        ({"prompt": "x", "n": 0}, "n", "greater than or equal to 1"),
+        ({"prompt": "x", "logprobs": 50}, "logprobs", "less than or equal to 20"),
+        ({"prompt": "x", "stop": [""]}, None, "non-empty"),
+        ({"prompt": [1, 99999999]}, "prompt", "outside the vocabulary"),
+        ({"prompt": []}, "prompt", "empty list"),
+        ({}, "prompt", "Field required"),
+        ({"prompt": 5}, None, "prompt"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "not supported"),
+    ],
+)
+def test_completions_bad_values(http, body, param, words):
+    assert_error(http.post("/v1/completions", json=body), 400, param, words)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"messages": []}, "messages", "at least 1 item"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, None, "role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "only text parts"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", "logprobs=true"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}, "max_completion_tokens", "1024"),
+    ],
+)
+def test_chat_bad_values(http, body, param, words):
+    assert_error(http.post("/v1/chat/completions", json=body), 400, param, words)
+
+
+def test_malformed_json_unknown_model_and_oversized_body(http):
+    r = http.post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"})
+    assert_error(r, 400, None, "not valid JSON")
+    err = assert_error(http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, "model", "gpt-9")
+    assert err["code"] == "model_not_found"
+    big = {"prompt": "x" * (2 << 20)}
+    assert_error(http.post("/v1/completions", json=big), 413, None, "larger than the limit of 1048576 bytes")
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=8,
+)
+COMPLETION_FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "logprobs", "echo",
+                     "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
+                     "ignore_eos", "stop_token_ids", "cache_salt", "stream_options", "model", "best_of"]
+CHAT_FIELDS = ["messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stop",
+               "logprobs", "top_logprobs", "seed", "chat_template_kwargs", "add_generation_prompt", "min_tokens",
+               "continue_final_message", "tools"]
+
+
+def small(body: dict) -> dict:
+    """Keep fuzzed generations short so the run stays bounded."""
+    for key in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(key), int) and body[key] > 4:
+            body[key] = 4
+    if isinstance(body.get("n"), int) and body["n"] > 2:
+        body["n"] = 2
+    if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 4:
+        body["min_tokens"] = 4
+    return body
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+    data=st.data(),
+)
+def test_fuzz_never_5xx(http, path, data):
+    fields = COMPLETION_FIELDS if path == "/v1/completions" else CHAT_FIELDS
+    good = {"prompt": "Hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    extra = data.draw(st.dictionaries(st.sampled_from(fields), json_values, max_size=5))
+    body = small({**good, "max_tokens": 2, **extra})
+    r = http.post(path, json=body, timeout=300)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code != 200:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_after_fuzzing_the_engine_serves_and_no_block_leaked(http, server):
+    wait_metric(server.url, "kvpilot:num_requests_running", lambda v: v == 0)
+    m = scrape(server.url)
+    assert m["kvpilot:gpu_cache_usage_factor"] == 0 and m["kvpilot:num_requests_waiting"] == 0
+    r = http.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith(" Paris")
+    assert httpx.get(f"{server.url}/health").status_code == 200

@@ -1,0 +1,89 @@
+"""Server lifecycle: /health and /ready while loading, SIGTERM drain, load failures."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.serverproc import ServerProcess, free_port
+
+from .metrics_util import wait_metric
+
+pytestmark = pytest.mark.slow
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero():
+    proc = ServerProcess("--kv-cache-memory", "0.1", "--drain-timeout", "120", "--log-level", "info")
+    try:
+        proc.wait_ready()
+        result = {}
+
+        def long_request():
+            r = httpx.post(f"{proc.url}/v1/completions",
+                           json={"prompt": "Count:", "max_tokens": 40, "ignore_eos": True}, timeout=300)
+            result["status"] = r.status_code
+            result["tokens"] = r.json()["usage"]["completion_tokens"]
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        wait_metric(proc.url, "kvpilot:num_requests_running", lambda v: v == 1, timeout=60)
+        proc.proc.send_signal(signal.SIGTERM)
+        # Draining: not ready, new work refused, the in-flight request finishes.
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{proc.url}/ready").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{proc.url}/ready").status_code == 503
+        r = httpx.post(f"{proc.url}/v1/completions", json={"prompt": "late", "max_tokens": 2})
+        assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
+        t.join(300)
+        assert result == {"status": 200, "tokens": 40}
+        assert proc.proc.wait(60) == 0
+    finally:
+        proc.stop()
+
+
+def test_health_is_up_and_ready_is_503_while_loading():
+    proc = ServerProcess("--kv-cache-memory", "0.1")
+    try:
+        deadline = time.monotonic() + 60
+        seen = None
+        while time.monotonic() < deadline:
+            try:
+                seen = (httpx.get(f"{proc.url}/health").status_code, httpx.get(f"{proc.url}/ready").status_code)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        assert seen == (200, 503)  # bound before the model finished loading
+        r = httpx.post(f"{proc.url}/v1/completions", json={"prompt": "x"})
+        assert r.status_code in (200, 503)
+        proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def test_missing_model_fails_fast_with_a_clear_message():
+    port = free_port()
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpilot.cli", "serve", "--port", str(port), "--model", "/nope/model.gguf"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2
+    assert "kvpilot serve: model '/nope/model.gguf' not found" in out.stderr
+
+
+def test_unloadable_model_exits_1(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF but not really")
+    port = free_port()
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpilot.cli", "serve", "--port", str(port), "--model", str(bad)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 1
+    assert "failed to load" in out.stderr
