@@ -1,0 +1,397 @@
+"""The scaling decision: one pure function, :func:`decide`.
+
+Decision table (first row that applies wins; ``current`` = ready + pending)::
+
+  no ready pod reported KV usage   -> hold current (clamped to [min, max]); MetricsAvailable=False
+  up = max(forecast, starvation,   -> if up > current: scale UP to up now (no window waits
+       reactive over up-window)       for the forecast or the alarm)
+  highest candidate >= current     -> hold ("at target")
+  any ready pod missing a signal   -> hold (never down on missing data: C15, C17)
+  window not a full, continuous    -> hold (scale-down stabilization)
+    run of recommendations < current
+  consolidation check fails        -> hold (current - 1 would not absorb the load under target)
+  otherwise                        -> scale DOWN by one
+  finally                          -> clamp to [min, max]; report which bound limited it
+
+``reactive`` is the higher of headroom and queue drain; with
+``scaleUpStabilizationSeconds`` > 0 it is the lowest such value over that window (HPA's
+scale-up stabilization). Missing pods count as zero load, as HPA counts pods without
+metrics on a scale-up, so partial data can justify a scale-up but never a scale-down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvpilot.autoscaler import rules
+from kvpilot.autoscaler.forecast import fit_trend
+from kvpilot.autoscaler.rules import Candidate
+from kvpilot.autoscaler.signals import FleetLoad, FleetSignals, aggregate
+from kvpilot.autoscaler.spec import AutoscalingSpec
+from kvpilot.autoscaler.state import PolicyState, Recommendation
+
+# A gap between observations longer than this many intervals breaks a window's continuity.
+MAX_GAP_INTERVALS = 3.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do, and why.
+
+    Attributes:
+        desired_replicas: the count to write to the Deployment (within [min, max]).
+        current_replicas: ready + pending at decision time.
+        direction: ``up``, ``down`` or ``hold``.
+        rule: the rule that decided: a candidate's name, ``scale_down``, ``hold``,
+            ``missing_metrics`` or ``bounds``.
+        signal / value: the metric behind that rule and its value.
+        reason: one sentence for the Event and ``status.lastScaleReason``.
+        candidates: every rule's answer, in a fixed order.
+        unclamped_replicas: what the rules asked for before [min, max].
+        limited: ``max`` / ``min`` when a bound cut the answer (ScalingLimited=True).
+        metrics_available: False when no ready pod reported KV usage (MetricsAvailable).
+        missing_pods: ready pods with at least one missing signal.
+        state: the history to pass to the next call.
+    """
+
+    desired_replicas: int
+    current_replicas: int
+    direction: str
+    rule: str
+    signal: str | None
+    value: float | None
+    reason: str
+    candidates: tuple[Candidate, ...]
+    unclamped_replicas: int
+    limited: str | None
+    metrics_available: bool
+    missing_pods: tuple[str, ...]
+    state: PolicyState
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready summary (without the state) for status and logs."""
+        return {
+            "desiredReplicas": self.desired_replicas,
+            "currentReplicas": self.current_replicas,
+            "direction": self.direction,
+            "rule": self.rule,
+            "signal": self.signal,
+            "value": None if self.value is None else round(self.value, 6),
+            "reason": self.reason,
+            "limited": self.limited,
+            "metricsAvailable": self.metrics_available,
+            "missingPods": list(self.missing_pods),
+            "candidates": [c.to_dict() for c in self.candidates],
+        }
+
+
+def decide(
+    signals: FleetSignals, state: PolicyState, spec: AutoscalingSpec, now: float
+) -> Decision:
+    """Decide the replica count for one interval. Pure: reads its arguments, mutates
+    nothing, and returns the next state inside the :class:`Decision`.
+
+    Args:
+        signals: one :class:`PodSignals` per ready pod (``None`` = missing) and the count of
+            pending pods.
+        state: what the previous call returned in ``Decision.state`` (or ``PolicyState()``).
+        spec: targets, bounds and windows.
+        now: the caller's clock, seconds (monotonic or wall, but the same one every call).
+    """
+    current = signals.current_replicas
+    ready = signals.ready_replicas
+    load = aggregate(signals)
+    rec_window = max(spec.scale_down_stabilization_seconds, spec.scale_up_stabilization_seconds)
+    state = state.pruned(now, spec.forecast_window_seconds, rec_window)
+
+    if load.usage_reported == 0:
+        state = _record(state, now, None, None)
+        why = "no ready pod" if ready == 0 else f"none of {ready} ready pods reported KV usage"
+        return _finish(
+            spec,
+            now,
+            current,
+            current,
+            "missing_metrics",
+            None,
+            None,
+            f"metrics missing ({why}): holding {current}",
+            (),
+            load,
+            state,
+            False,
+        )
+
+    latest_demand = None
+    if load.complete:
+        latest_demand = load.used_tokens / load.capacity_per_replica
+        state = replace(state, demand=(*state.demand, (now, latest_demand)))
+    trend = fit_trend(_settled(state.demand, state, spec), now)
+    candidates = (
+        rules.headroom(load, current, spec),
+        rules.queue_drain(load, ready, current, spec),
+        rules.forecast(trend, latest_demand, current, spec),
+        rules.starvation(load, ready, current, spec),
+    )
+    by_rule = {c.rule: c for c in candidates}
+    reactive = _highest(by_rule["headroom"], by_rule["queue_drain"])
+    urgent = _highest(by_rule["forecast"], by_rule["starvation"])
+    highest = _highest(*candidates)
+    assert highest is not None  # headroom always answers once usage was reported
+    # The scale-down window remembers what the sizing rules asked for (headroom, forecast).
+    # A queue or a full pod is pressure to answer now, not load to keep capacity for once
+    # gone: while either lasts, its candidate holds the count and the consolidation check
+    # refuses to step down.
+    held = _highest(by_rule["headroom"], by_rule["forecast"])
+    state = _record(
+        state,
+        now,
+        held.replicas if load.complete and held else None,
+        reactive.replicas if reactive else None,
+    )
+
+    # Scale up: the forecast and the alarm act now; reactive rules may be stabilized.
+    up_reactive = _stabilized_up(state, now, spec, reactive)
+    up = _highest(up_reactive, urgent)
+    if up is not None and up.replicas is not None and up.replicas > current:
+        return _finish(
+            spec,
+            now,
+            current,
+            up.replicas,
+            up.rule,
+            up.signal,
+            up.value,
+            up.detail,
+            candidates,
+            load,
+            state,
+            True,
+        )
+
+    assert highest.replicas is not None
+    if highest.replicas >= current:
+        return _finish(
+            spec,
+            now,
+            current,
+            current,
+            "hold",
+            highest.signal,
+            highest.value,
+            f"at target: {highest.detail}",
+            candidates,
+            load,
+            state,
+            True,
+        )
+    if not load.complete:
+        return _finish(
+            spec,
+            now,
+            current,
+            current,
+            "hold",
+            None,
+            None,
+            f"never scale down on missing data: no signal from {', '.join(load.missing_pods[:5])}",
+            candidates,
+            load,
+            state,
+            True,
+        )
+    held_for = _below_for(state, now, spec, current)
+    if held_for < spec.scale_down_stabilization_seconds:
+        return _finish(
+            spec,
+            now,
+            current,
+            current,
+            "hold",
+            highest.signal,
+            highest.value,
+            f"below target for {held_for:.0f} s of the"
+            f" {spec.scale_down_stabilization_seconds:.0f} s scale-down window"
+            f" ({highest.rule} asks {highest.replicas})",
+            candidates,
+            load,
+            state,
+            True,
+        )
+    settle = spec.forecast_window_seconds
+    used = load.used_tokens / load.capacity_per_replica
+    near_target = used / (current - 1) > spec.target_cache_usage / 2 if current > 1 else True
+    recent = state.last_scale_down_time is not None and now - state.last_scale_down_time < settle
+    if recent and near_target:
+        return _finish(
+            spec, now, current, current, "hold", highest.signal, highest.value,
+            f"settling: the last step down was {now - state.last_scale_down_time:.0f} s ago;"
+            f" the next waits {settle:.0f} s so it is judged on the load after it",
+            candidates, load, state, True,
+        )  # fmt: skip
+    blocker = _consolidation_blocker(load, trend, latest_demand, current - 1, spec)
+    if blocker:
+        return _finish(
+            spec,
+            now,
+            current,
+            current,
+            "hold",
+            highest.signal,
+            highest.value,
+            f"consolidation check: {blocker}",
+            candidates,
+            load,
+            state,
+            True,
+        )
+    return _finish(
+        spec,
+        now,
+        current,
+        current - 1,
+        "scale_down",
+        "kv_usage",
+        used / (current - 1),
+        f"below target for a full {spec.scale_down_stabilization_seconds:.0f} s window;"
+        f" {current - 1} replicas absorb the load at"
+        f" {used / (current - 1):.1%} KV usage",
+        candidates,
+        load,
+        state,
+        True,
+    )
+
+
+def _settled(
+    demand: tuple[tuple[float, float], ...], state: PolicyState, spec: AutoscalingSpec
+) -> tuple[tuple[float, float], ...]:
+    """Demand samples the forecast may fit. After a scale-down the load moves onto fewer
+    pods and their usage rises for a while by construction (and by more than N/(N-1):
+    bigger batches decode slower, so requests hold their KV longer); that self-inflicted
+    rise is no trend. Samples from the first ``forecast_window_seconds`` after the step
+    are dropped."""
+    if state.last_scale_down_time is None:
+        return demand
+    start = state.last_scale_down_time + spec.forecast_window_seconds
+    return tuple(p for p in demand if p[0] >= start)
+
+
+def _highest(*candidates: Candidate | None) -> Candidate | None:
+    answered = [c for c in candidates if c is not None and c.replicas is not None]
+    return max(answered, key=lambda c: c.replicas or 0) if answered else None
+
+
+def _record(
+    state: PolicyState, now: float, replicas: int | None, reactive: int | None
+) -> PolicyState:
+    rec = Recommendation(now, replicas, reactive)
+    return replace(state, recommendations=(*state.recommendations, rec))
+
+
+def _stabilized_up(
+    state: PolicyState, now: float, spec: AutoscalingSpec, reactive: Candidate | None
+) -> Candidate | None:
+    """HPA scale-up stabilization: the lowest reactive recommendation over the window."""
+    if reactive is None or spec.scale_up_stabilization_seconds <= 0:
+        return reactive
+    start = now - spec.scale_up_stabilization_seconds
+    past = [r.reactive for r in state.recommendations if r.time >= start and r.reactive is not None]
+    lowest = min(past, default=reactive.replicas)
+    if lowest is None or lowest >= (reactive.replicas or 0):
+        return reactive
+    return Candidate(
+        reactive.rule,
+        lowest,
+        reactive.signal,
+        reactive.value,
+        f"{reactive.detail} (stabilized to {lowest}, the lowest in"
+        f" {spec.scale_up_stabilization_seconds:.0f} s)",
+    )
+
+
+def _below_for(state: PolicyState, now: float, spec: AutoscalingSpec, current: int) -> float:
+    """Seconds the recommendations have been continuously complete and below ``current``."""
+    max_gap = MAX_GAP_INTERVALS * spec.interval_seconds
+    since = now
+    later = now
+    for rec in reversed(state.recommendations):
+        if rec.replicas is None or rec.replicas >= current or later - rec.time > max_gap:
+            break
+        since = later = rec.time
+    return now - since
+
+
+def _consolidation_blocker(
+    load: FleetLoad, trend, latest_demand: float | None, fewer: int, spec: AutoscalingSpec
+) -> str | None:
+    """Why ``fewer`` replicas could not absorb the load under target, or ``None``.
+
+    Source: llm-d WVA simulates the worst case before removing a replica; ours checks the
+    KV usage, the queue, the forecast at the horizon and the alarm against ``fewer``.
+    """
+    if fewer < 1:
+        return "cannot go below one replica"
+    usage = load.used_tokens / load.capacity_per_replica / fewer
+    ceiling = spec.target_cache_usage * (1.0 - spec.tolerance)
+    if usage > ceiling:
+        return (
+            f"{fewer} replicas would run at {usage:.1%} KV usage > {ceiling:.1%}"
+            f" (target less the tolerance band)"
+        )
+    queue = load.num_waiting / fewer
+    if queue > spec.target_queue_depth:
+        return f"{fewer} replicas would queue {queue:.1f} each > {spec.target_queue_depth:g}"
+    if load.preempting_pods or load.max_usage >= spec.starvation_usage:
+        return "a pod is preempting or near a full KV cache"
+    if trend is not None and latest_demand is not None and trend.slope > 0:
+        ahead = trend.at(spec.forecast_horizon_seconds)
+        if ahead > spec.target_cache_usage * fewer:
+            return (
+                f"the {spec.forecast_horizon_seconds:.0f} s forecast ({ahead:.2f} replica-eq)"
+                f" would exceed {spec.target_cache_usage:.0%} of {fewer} replicas"
+            )
+    return None
+
+
+def _finish(
+    spec: AutoscalingSpec,
+    now: float,
+    current: int,
+    asked: int,
+    rule: str,
+    signal: str | None,
+    value: float | None,
+    reason: str,
+    candidates: tuple[Candidate, ...],
+    load: FleetLoad,
+    state: PolicyState,
+    available: bool,
+) -> Decision:
+    desired = min(max(asked, spec.min_replicas), spec.max_replicas)
+    limited = "max" if asked > spec.max_replicas else "min" if asked < spec.min_replicas else None
+    if desired != asked:
+        bound = spec.max_replicas if limited == "max" else spec.min_replicas
+        reason = f"{reason} (limited to {limited}Replicas={bound})"
+        if asked == current:  # the count moves only because the bounds moved
+            rule = "bounds"
+    direction = "up" if desired > current else "down" if desired < current else "hold"
+    if direction != "hold":
+        state = replace(state, last_scale_time=now)
+        if direction == "down":
+            state = replace(state, last_scale_down_time=now)
+    return Decision(
+        desired,
+        current,
+        direction,
+        rule,
+        signal,
+        value,
+        reason,
+        candidates,
+        asked,
+        limited,
+        available,
+        load.missing_pods,
+        state,
+    )

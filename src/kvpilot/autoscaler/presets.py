@@ -1,0 +1,179 @@
+"""Model shapes and GPU memory sizes for KV sizing (standard library only).
+
+Model presets carry the fields of each model's published HF ``config.json`` that the KV
+and weight arithmetic needs; the parameter count is computed from them (and equals the
+count printed on each model card, which the tests check). :func:`load_model_folder` reads
+the same fields from a local HF folder, counting parameters exactly from the
+``*.safetensors`` headers when present.
+
+GPU sizes are the total memory ``nvidia-smi`` reports (MiB), not the marketing number.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+MIB = 1024**2
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What KV sizing needs to know about a Llama-family decoder.
+
+    Attributes mirror HF ``config.json``; ``num_params`` overrides the computed count
+    (set from safetensors headers for a local folder).
+    """
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    head_dim: int = 0  # 0 = hidden_size // num_attention_heads
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    num_params: int = 0  # 0 = computed
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model {self.name!r}: {name} must be a positive int; got {value!r}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model {self.name!r}: num_attention_heads ({self.num_attention_heads}) must be a"
+                f" multiple of num_key_value_heads ({self.num_kv_heads})"
+            )
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if not self.num_params:
+            object.__setattr__(self, "num_params", self.computed_params())
+
+    def computed_params(self) -> int:
+        """Embeddings (+ untied LM head), per layer: q/k/v/o projections (+ qkv bias),
+        gate/up/down MLP and two RMSNorms; plus the final norm."""
+        h, q, kv = self.hidden_size, self.num_attention_heads, self.num_kv_heads
+        d = self.head_dim
+        attn = h * q * d + 2 * h * kv * d + q * d * h
+        if self.attention_bias:
+            attn += q * d + 2 * kv * d
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embed + self.num_layers * layer + h
+
+
+def _m(name, h, inter, layers, heads, kv, vocab, head_dim=0, tied=False, bias=False):
+    return ModelShape(name, h, inter, layers, heads, kv, vocab, head_dim, tied, bias)
+
+
+MODEL_PRESETS: dict[str, ModelShape] = {
+    m.name: m
+    for m in (
+        _m("smollm2-135m", 576, 1536, 30, 9, 3, 49152, tied=True),
+        _m("smollm2-360m", 960, 2560, 32, 15, 5, 49152, tied=True),
+        _m("smollm2-1.7b", 2048, 8192, 24, 32, 32, 49152, tied=True),
+        _m("qwen2.5-0.5b", 896, 4864, 24, 14, 2, 151936, tied=True, bias=True),
+        _m("qwen2.5-7b", 3584, 18944, 28, 28, 4, 152064, bias=True),
+        _m("qwen2.5-72b", 8192, 29568, 80, 64, 8, 152064, bias=True),
+        _m("llama-2-7b", 4096, 11008, 32, 32, 32, 32000),
+        _m("llama-2-13b", 5120, 13824, 40, 40, 40, 32000),
+        _m("llama-2-70b", 8192, 28672, 80, 64, 8, 32000),
+        _m("llama-3-8b", 4096, 14336, 32, 32, 8, 128256),
+        _m("llama-3-70b", 8192, 28672, 80, 64, 8, 128256),
+        _m("llama-3.1-8b", 4096, 14336, 32, 32, 8, 128256),
+        _m("llama-3.1-70b", 8192, 28672, 80, 64, 8, 128256),
+        _m("llama-3.1-405b", 16384, 53248, 126, 128, 8, 128256),
+        _m("llama-3.2-1b", 2048, 8192, 16, 32, 8, 128256, head_dim=64, tied=True),
+        _m("llama-3.2-3b", 3072, 8192, 28, 24, 8, 128256, head_dim=128, tied=True),
+        _m("mistral-7b", 4096, 14336, 32, 32, 8, 32768),
+    )
+}
+
+# Total memory per GPU as nvidia-smi reports it, in MiB.
+GPU_MEMORY_MIB: dict[str, int] = {
+    "H200": 143771,
+    "H100-80GB": 81559,
+    "A100-80GB": 81920,
+    "A100-40GB": 40960,
+    "L40S": 46068,
+    "A10G": 23028,
+    "L4": 23034,
+    "T4": 15360,
+}
+
+
+def model_preset(name: str) -> ModelShape:
+    try:
+        return MODEL_PRESETS[name.lower()]
+    except KeyError:
+        raise ValueError(
+            f"model preset must be one of {', '.join(MODEL_PRESETS)}; got {name!r}"
+            " (or pass a HF model folder)"
+        ) from None
+
+
+def gpu_memory_bytes(name: str) -> int:
+    for gpu, mib in GPU_MEMORY_MIB.items():
+        if gpu.lower() == name.lower():
+            return mib * MIB
+    raise ValueError(f"GPU must be one of {', '.join(GPU_MEMORY_MIB)}; got {name!r}")
+
+
+def shape_from_config(name: str, config: dict) -> ModelShape:
+    """Read a HF ``config.json`` mapping (Llama, Mistral, Qwen2, SmolLM2 keys)."""
+    cfg = config.get("text_config", config)  # multimodal wrappers nest the decoder
+    try:
+        heads = int(cfg["num_attention_heads"])
+        return ModelShape(
+            name=name,
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg.get("intermediate_size", 0)),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            vocab_size=int(cfg.get("vocab_size", 0)),
+            head_dim=int(cfg.get("head_dim") or 0),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(
+                cfg.get("attention_bias", cfg.get("model_type") == "qwen2")
+            ),
+        )
+    except KeyError as exc:
+        raise ValueError(f"config.json of {name!r} lacks {exc.args[0]!r}") from None
+
+
+def safetensors_params(folder: Path) -> int:
+    """Parameters counted from the headers of every ``*.safetensors`` file (no tensor data
+    is read: the header is an 8-byte little-endian length and a JSON table of shapes)."""
+    total = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            count = 1
+            for dim in info["shape"]:
+                count *= dim
+            total += count
+    return total
+
+
+def load_model_folder(folder: str | Path) -> ModelShape:
+    """A :class:`ModelShape` from a HF folder's ``config.json`` (+ safetensors headers)."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{folder} has no config.json: pass a HF model folder or a preset name")
+    shape = shape_from_config(folder.name, json.loads(config_path.read_text()))
+    counted = safetensors_params(folder)
+    if counted:
+        fields = {k: getattr(shape, k) for k in shape.__dataclass_fields__}
+        shape = ModelShape(**{**fields, "num_params": counted})
+    return shape

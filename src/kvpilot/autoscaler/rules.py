@@ -1,0 +1,215 @@
+"""The four candidate rules. Each turns the fleet's load into a replica count (or no
+opinion) with the signal and value behind it; :func:`kvpilot.autoscaler.policy.decide`
+takes the highest.
+
+Units: loads are in *replica-equivalents* (tokens divided by one replica's KV capacity), so
+"3.2" means the KV of 3.2 full replicas. Counts are totals (ready + pending): pending pods
+are supply, so a candidate that asks for no more than the current total adds nothing
+(llm-d WVA counts pending replicas the same way, to avoid cascade scale-ups).
+
+Every rule is pure and total: no I/O, no clock, no exceptions on valid inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvpilot.autoscaler.forecast import Trend, seconds_to_exhaustion
+from kvpilot.autoscaler.signals import FleetLoad
+from kvpilot.autoscaler.spec import AutoscalingSpec
+
+# A hair below 1 so ceil(3.0000000001) from float noise stays 3.
+_EPS = 1e-9
+
+
+def ceil_replicas(x: float) -> int:
+    """ceil() that forgives float noise, floored at 0."""
+    return max(0, math.ceil(x - _EPS))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One rule's answer.
+
+    Attributes:
+        rule: ``headroom``, ``queue_drain``, ``forecast`` or ``starvation``.
+        replicas: the total it asks for, or ``None`` for no opinion (not triggered or no
+            data).
+        signal: the metric it read.
+        value: that metric's value (units in ``detail``).
+        detail: one human sentence with the numbers.
+    """
+
+    rule: str
+    replicas: int | None
+    signal: str
+    value: float | None
+    detail: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "rule": self.rule,
+            "replicas": self.replicas,
+            "signal": self.signal,
+            "value": None if self.value is None else round(self.value, 6),
+            "detail": self.detail,
+        }
+
+
+def headroom(load: FleetLoad, current: int, spec: AutoscalingSpec) -> Candidate:
+    """Keep mean KV usage at the target, with a tolerance band.
+
+    Source: Kubernetes HPA (``pkg/controller/podautoscaler/replica_calculator.go``):
+    ``desired = ceil(current x usage / target)``, and no change while ``|usage/target - 1|``
+    is within the tolerance (0.1). As HPA does for pods without metrics on a scale-up,
+    pending pods count with zero usage, i.e. as supply. Usage is non-evictable KV, so a warm
+    prefix cache does not look like load.
+    """
+    if load.usage_reported == 0 or current == 0:
+        return Candidate("headroom", None, "kv_usage", None, "no pod reported KV usage")
+    used = load.used_tokens / load.capacity_per_replica
+    mean_usage = used / current
+    ratio = mean_usage / spec.target_cache_usage
+    if abs(ratio - 1.0) <= spec.tolerance:
+        return Candidate(
+            "headroom",
+            current,
+            "kv_usage",
+            mean_usage,
+            f"mean KV usage {mean_usage:.1%} is within {spec.tolerance:.0%} of the target"
+            f" {spec.target_cache_usage:.0%}: keep {current}",
+        )
+    replicas = ceil_replicas(used / spec.target_cache_usage)
+    return Candidate(
+        "headroom",
+        replicas,
+        "kv_usage",
+        mean_usage,
+        f"mean KV usage {mean_usage:.1%} over {current} replicas vs target"
+        f" {spec.target_cache_usage:.0%}: {replicas} replicas hold it at target",
+    )
+
+
+def queue_drain(load: FleetLoad, ready: int, current: int, spec: AutoscalingSpec) -> Candidate:
+    """Give a queue deeper than ``targetQueueDepth`` per ready pod enough replicas to run.
+
+    Sources: Knative KPA / AIBrix sizing on in-flight requests (``ceil(demand / per-pod
+    capacity)``) and llm-d WVA's queue saturation threshold. Ours: the size is the larger of
+    (a) the replicas that run every queued request at today's per-pod concurrency and (b) the
+    replicas whose KV holds today's usage plus the queued prompt tokens at the target usage.
+    A raw count of waiting requests divided by a per-pod target over-scales badly when each
+    pod runs a hundred requests, so the count is never used alone.
+    """
+    if ready == 0:
+        return Candidate("queue_drain", None, "num_waiting", None, "no ready pod")
+    per_pod = load.num_waiting / ready
+    if per_pod <= spec.target_queue_depth * (1.0 + spec.tolerance):
+        return Candidate(
+            "queue_drain",
+            None,
+            "num_waiting",
+            per_pod,
+            f"{per_pod:.1f} waiting per ready pod is within the target {spec.target_queue_depth:g}",
+        )
+    by_tokens = 0
+    if load.capacity_known:
+        by_tokens = ceil_replicas(load.demand_tokens / load.capacity_per_replica)
+    replicas = max(by_tokens, ready + 1)
+    return Candidate(
+        "queue_drain",
+        replicas,
+        "num_waiting",
+        per_pod,
+        f"{per_pod:.1f} waiting per ready pod > target {spec.target_queue_depth:g}"
+        f" ({load.waiting_tokens:.0f} queued prompt tokens): {replicas} replicas run them",
+    )
+
+
+def forecast(
+    trend: Trend | None, latest_demand: float | None, current: int, spec: AutoscalingSpec
+) -> Candidate:
+    """Scale before the KV runs out, not after: ours (no other autoscaler does this).
+
+    Fit a least-squares line to the KV the fleet holds (non-evictable tokens, in
+    replica-equivalents) over ``forecast_window_seconds``. If, at that slope, demand reaches
+    the capacity of the ``current`` replicas (pending ones included) sooner than a new pod
+    can start (``startupSeconds`` + margin), ask now for the replicas that keep the demand
+    forecast at that horizon under the target usage. A reactive rule asks only once the
+    cache is full, one start-up too late.
+
+    Noise guard: the exhaustion time uses the lower end of the slope's 95% confidence
+    interval, so a trend must stand out from the scatter of its own samples before it
+    triggers; the size uses the fitted slope. Once demand already exceeds the fleet (exhausted), the forecast steps
+    aside: extrapolating a growing backlog would size for a queue the new pods drain anyway,
+    and the queue-drain and starvation rules own that case. ``latest_demand`` is ``None``
+    when the newest observation was incomplete (then no forecast).
+    """
+    horizon = spec.forecast_horizon_seconds
+    if trend is None or latest_demand is None:
+        return Candidate(
+            "forecast", None, "kv_demand_trend", None,
+            "not enough complete history for a trend yet",
+        )  # fmt: skip
+    level, slope = trend.level, trend.slope
+    to_exhaustion = seconds_to_exhaustion(level, trend.cautious_slope, float(current))
+    if to_exhaustion == 0.0:
+        return Candidate(
+            "forecast", None, "kv_demand_trend", 0.0,
+            f"KV demand {level:.2f} replica-eq already fills {current} replicas:"
+            " the queue-drain and starvation rules size the backlog",
+        )  # fmt: skip
+    if to_exhaustion >= horizon:
+        when = "never (no significant rise)" if math.isinf(to_exhaustion) else f"{to_exhaustion:.0f} s"
+        return Candidate(
+            "forecast", None, "kv_demand_trend", to_exhaustion,
+            f"KV demand {level:.2f} replica-eq, slope {slope * 60:+.3f}/min"
+            f" (lower 95% bound {trend.cautious_slope * 60:+.3f}): exhaustion {when},"
+            f" beyond the {horizon:.0f} s horizon",
+        )  # fmt: skip
+    ahead = trend.at(horizon)
+    replicas = ceil_replicas(ahead / spec.target_cache_usage)
+    return Candidate(
+        "forecast", replicas, "kv_demand_trend", to_exhaustion,
+        f"KV demand {level:.2f} replica-eq rising {slope * 60:+.3f}/min exhausts"
+        f" {current} replicas in {to_exhaustion:.0f} s < start-up {spec.startup_seconds:.0f} s"
+        f" + margin {spec.forecast_margin_seconds:.0f} s; {replicas} replicas keep the"
+        f" {horizon:.0f} s forecast ({ahead:.2f}) under {spec.target_cache_usage:.0%}",
+    )  # fmt: skip
+
+
+def starvation(load: FleetLoad, ready: int, current: int, spec: AutoscalingSpec) -> Candidate:
+    """Requests are being starved now: at least one more replica, now.
+
+    Ours, after llm-d WVA's per-replica saturation test: any preemption, or any pod at or
+    above ``starvation_usage`` (0.95) KV usage, means requests are losing work or about to.
+    It asks for ``ready + 1``, so a pod already pending answers it (no double scaling for
+    one pressure), and it never waits for a stabilization window.
+    """
+    if load.preempting_pods:
+        replicas = ready + 1
+        return Candidate(
+            "starvation",
+            replicas,
+            "preemption_rate",
+            float(len(load.preempting_pods)),
+            f"{len(load.preempting_pods)} pod(s) preempting"
+            f" ({', '.join(load.preempting_pods[:3])}): at least {replicas} replicas now",
+        )
+    if load.usage_reported and load.max_usage >= spec.starvation_usage:
+        replicas = ready + 1
+        return Candidate(
+            "starvation",
+            replicas,
+            "kv_usage",
+            load.max_usage,
+            f"a pod is at {load.max_usage:.1%} KV usage (>= {spec.starvation_usage:.0%}):"
+            f" at least {replicas} replicas now",
+        )
+    return Candidate(
+        "starvation",
+        None,
+        "kv_usage",
+        load.max_usage if load.usage_reported else None,
+        "no preemptions and no pod near a full KV cache",
+    )

@@ -1,0 +1,207 @@
+"""What the policy observes: per-pod engine signals and the fleet they add up to.
+
+A metric source fills one :class:`PodSignals` per *ready* pod, with ``None`` for every value
+it could not read (an empty PromQL vector, a failed scrape, a series absent from
+``/metrics``). ``None`` means missing, never zero (cases C15, C17). Pods that exist but are
+not ready yet (pulling the image, loading weights) are only counted, in
+:attr:`FleetSignals.pending_replicas`.
+
+Where each value comes from on our engine (architecture.md, "Metrics"):
+
+================================  ===========================================================
+field                             engine metric
+================================  ===========================================================
+``kv_usage``                      ``kvpilot:gpu_cache_usage_factor`` (0..1, evictable = free)
+``num_waiting``                   ``kvpilot:num_requests_waiting``
+``waiting_tokens``                ``kvpilot:num_waiting_tokens``
+``num_running``                   ``kvpilot:num_requests_running``
+``preemption_rate``               rate of ``kvpilot:num_preemptions_total`` (1/s), e.g.
+                                  ``rate(...[1m])`` or :func:`counter_rate` on two scrapes
+``kv_capacity_tokens``            ``kvpilot:kv_cache_capacity_tokens`` (= ``num_gpu_blocks`` x
+                                  ``block_size`` of ``kvpilot:cache_config_info``)
+================================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+
+def _check_optional(name: str, pod: str, value: float | None, upper: float | None = None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"pod {pod!r}: {name} must be a number or None; got {value!r}")
+    if value < 0 or (upper is not None and value > upper) or math.isinf(value):
+        allowed = f"[0, {upper}]" if upper is not None else ">= 0 and finite"
+        raise ValueError(f"pod {pod!r}: {name} must be {allowed} or None; got {value!r}")
+
+
+@dataclass(frozen=True)
+class PodSignals:
+    """One ready pod's signals at one instant. ``None`` = missing (not zero).
+
+    Attributes:
+        name: pod name (for reasons and the missing-pod list).
+        kv_usage: non-evictable share of the KV cache, 0..1.
+        num_waiting: requests queued, not yet scheduled.
+        waiting_tokens: prompt tokens not yet prefilled.
+        num_running: requests scheduled (prefilling or decoding).
+        preemption_rate: preemptions per second over the last interval.
+        kv_capacity_tokens: KV pool size in tokens (blocks x block size), > 0.
+    """
+
+    name: str
+    kv_usage: float | None = None
+    num_waiting: float | None = None
+    waiting_tokens: float | None = None
+    num_running: float | None = None
+    preemption_rate: float | None = None
+    kv_capacity_tokens: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_optional("kv_usage", self.name, self.kv_usage, upper=1.0)
+        for name in ("num_waiting", "waiting_tokens", "num_running", "preemption_rate"):
+            _check_optional(name, self.name, getattr(self, name))
+        _check_optional("kv_capacity_tokens", self.name, self.kv_capacity_tokens)
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens <= 0:
+            raise ValueError(
+                f"pod {self.name!r}: kv_capacity_tokens must be > 0 or None;"
+                f" got {self.kv_capacity_tokens}"
+            )
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """Names of the load signals this pod did not report (capacity excluded: it is
+        static and borrowed from peers when absent)."""
+        return tuple(name for name in _LOAD_FIELDS if getattr(self, name) is None)
+
+
+_LOAD_FIELDS = ("kv_usage", "num_waiting", "waiting_tokens", "num_running", "preemption_rate")
+
+
+@dataclass(frozen=True)
+class FleetSignals:
+    """The whole observation the policy decides on.
+
+    Attributes:
+        pods: one entry per ready pod (serving, counted as supply and as load).
+        pending_replicas: pods asked for but not ready yet (created, scheduling, loading);
+            counted as supply so the same pressure is not answered twice.
+    """
+
+    pods: tuple[PodSignals, ...]
+    pending_replicas: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pods", tuple(self.pods))
+        if isinstance(self.pending_replicas, bool) or not isinstance(self.pending_replicas, int):
+            raise ValueError(f"pending_replicas must be an int; got {self.pending_replicas!r}")
+        if self.pending_replicas < 0:
+            raise ValueError(f"pending_replicas must be >= 0; got {self.pending_replicas}")
+        names = [p.name for p in self.pods]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pod names must be unique; got {names}")
+
+    @property
+    def ready_replicas(self) -> int:
+        return len(self.pods)
+
+    @property
+    def current_replicas(self) -> int:
+        """Supply: ready plus pending."""
+        return len(self.pods) + self.pending_replicas
+
+
+@dataclass(frozen=True)
+class FleetLoad:
+    """The fleet's load, added up over the ready pods that reported it.
+
+    Token quantities are in tokens when a KV capacity is known for the fleet; otherwise
+    (``capacity_known`` False) they are in "replica units" (capacity 1 per replica) and
+    ``waiting_tokens`` cannot be converted, so it is 0.
+
+    Attributes:
+        capacity_per_replica: KV tokens per replica (median of the reporting pods).
+        used_tokens: sum over pods of kv_usage x capacity (missing usage adds 0).
+        waiting_tokens: queued prompt tokens (missing adds 0).
+        num_waiting / num_running: request counts (missing adds 0).
+        max_usage: highest per-pod kv_usage reported (0 if none).
+        preempting_pods: pods whose preemption rate is > 0.
+        missing_pods: names of ready pods with any missing load signal.
+        usage_reported: ready pods that reported kv_usage.
+    """
+
+    capacity_per_replica: float
+    capacity_known: bool
+    used_tokens: float
+    waiting_tokens: float
+    num_waiting: float
+    num_running: float
+    max_usage: float
+    preempting_pods: tuple[str, ...]
+    missing_pods: tuple[str, ...]
+    usage_reported: int
+
+    @property
+    def demand_tokens(self) -> float:
+        """KV the fleet needs now: what is held plus the queued prompts."""
+        return self.used_tokens + self.waiting_tokens
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing_pods
+
+
+def aggregate(signals: FleetSignals) -> FleetLoad:
+    """Add up the ready pods' signals (pure). Missing values add nothing and are listed."""
+    caps = [p.kv_capacity_tokens for p in signals.pods if p.kv_capacity_tokens is not None]
+    capacity_known = bool(caps)
+    capacity = float(statistics.median(caps)) if caps else 1.0
+    used = waiting_tokens = waiting = running = max_usage = 0.0
+    preempting: list[str] = []
+    missing: list[str] = []
+    reported = 0
+    for pod in signals.pods:
+        cap = pod.kv_capacity_tokens if pod.kv_capacity_tokens is not None else capacity
+        if pod.kv_usage is not None:
+            used += pod.kv_usage * cap
+            max_usage = max(max_usage, pod.kv_usage)
+            reported += 1
+        if pod.waiting_tokens is not None and capacity_known:
+            waiting_tokens += pod.waiting_tokens
+        waiting += pod.num_waiting or 0.0
+        running += pod.num_running or 0.0
+        if pod.preemption_rate:
+            preempting.append(pod.name)
+        if pod.missing:
+            missing.append(pod.name)
+    return FleetLoad(
+        capacity_per_replica=capacity,
+        capacity_known=capacity_known,
+        used_tokens=used,
+        waiting_tokens=waiting_tokens,
+        num_waiting=waiting,
+        num_running=running,
+        max_usage=max_usage,
+        preempting_pods=tuple(preempting),
+        missing_pods=tuple(missing),
+        usage_reported=reported,
+    )
+
+
+def counter_rate(
+    previous: float | None, previous_time: float | None, value: float | None, now: float
+) -> float | None:
+    """Per-second rate of a Prometheus counter between two scrapes (for pod scraping).
+
+    Returns ``None`` when either sample is missing or no time has passed. A counter that went
+    down was reset (pod restart): the new value is the increase since the reset, as
+    PromQL's ``rate()`` assumes.
+    """
+    if previous is None or previous_time is None or value is None or now <= previous_time:
+        return None
+    increase = value - previous if value >= previous else value
+    return increase / (now - previous_time)

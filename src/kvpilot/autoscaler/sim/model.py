@@ -1,0 +1,123 @@
+"""Parameters of the simulated replica and of a run.
+
+The replica defaults describe a Llama-3-8B-class model in bf16 on one H100-80GB at
+``--gpu-memory-utilization 0.9``; they are placeholders until calibrated from our engine's
+benchmark (``kvpilot bench serve``): pass measured values to :class:`ReplicaModel`.
+
+Service model of one replica (per-request, no per-token events)::
+
+    waiting queue (FIFO) --admit--> prefill (one at a time, prefill_tokens_per_second)
+        --> decode (all decoding requests advance together; one step takes
+            decode_step_base_seconds + decode_step_per_seq_seconds x batch)
+        --> done
+
+A request is admitted when the prefill slot is free, fewer than ``max_num_seqs`` run, and
+its prompt (plus any tokens generated before a preemption) fits under
+``(1 - admission_watermark)`` of the KV; it then holds that many tokens plus one per
+generated token. When decode growth fills the KV, the newest running request is preempted
+(by recompute: its KV is freed and it re-queues at the head, as vLLM does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReplicaModel:
+    """One engine replica.
+
+    Attributes:
+        kv_capacity_tokens: KV pool in tokens (``kvpilot kv-calc --model llama-3-8b
+            --gpu H100-80GB`` gives 464,688).
+        prefill_tokens_per_second: prompt tokens processed per second.
+        decode_step_base_seconds: one decode step's fixed cost (weights read).
+        decode_step_per_seq_seconds: added per request in the batch (its KV read).
+        max_num_seqs: running requests at most (``--max-num-seqs``).
+        admission_watermark: share of the KV kept free at admission (vLLM: 1%).
+        startup_seconds: pod creation to serving (image pull, weight load, warm-up).
+    """
+
+    kv_capacity_tokens: int = 464_688
+    prefill_tokens_per_second: float = 20_000.0
+    decode_step_base_seconds: float = 0.010
+    decode_step_per_seq_seconds: float = 0.00015
+    max_num_seqs: int = 256
+    admission_watermark: float = 0.01
+    startup_seconds: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("kv_capacity_tokens", "prefill_tokens_per_second",
+                     "decode_step_base_seconds", "max_num_seqs"):  # fmt: skip
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
+        if self.decode_step_per_seq_seconds < 0 or self.startup_seconds < 0:
+            raise ValueError(
+                "decode_step_per_seq_seconds and startup_seconds must be >= 0; got"
+                f" {self.decode_step_per_seq_seconds}, {self.startup_seconds}"
+            )
+        if not 0.0 <= self.admission_watermark < 1.0:
+            raise ValueError(f"admission_watermark must be in [0, 1); got {self.admission_watermark}")
+
+    def decode_rate(self, batch: int) -> float:
+        """Tokens per second each request gets with ``batch`` requests decoding."""
+        return 1.0 / (self.decode_step_base_seconds + self.decode_step_per_seq_seconds * batch)
+
+    @property
+    def admit_limit_tokens(self) -> float:
+        return self.kv_capacity_tokens * (1.0 - self.admission_watermark)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One run.
+
+    Attributes:
+        duration_seconds: simulated time; arrivals stop and accounting closes here.
+        slo_wait_seconds: queueing delay a request tolerates; time beyond it is starvation.
+        min_replicas / max_replicas: the policy's bounds.
+        initial_replicas: ready at t=0 (default min_replicas).
+        sample_seconds: timeline resolution (for the plot and tables).
+        seed: routing randomness (power-of-two-choices); the trace has its own seed.
+        warmup_seconds: the fleet fills from empty at t=0; until this time the policy is
+            called (so it builds history) but not obeyed, and nothing is counted: requests
+            arriving earlier, preemptions, replica-hours.
+    """
+
+    duration_seconds: float = 3600.0
+    slo_wait_seconds: float = 2.0
+    min_replicas: int = 1
+    max_replicas: int = 16
+    initial_replicas: int | None = None
+    sample_seconds: float = 15.0
+    seed: int = 0
+    warmup_seconds: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.warmup_seconds < self.duration_seconds:
+            raise ValueError(
+                f"warmup_seconds must be in [0, duration_seconds={self.duration_seconds});"
+                f" got {self.warmup_seconds}"
+            )
+        if self.duration_seconds <= 0 or self.sample_seconds <= 0:
+            raise ValueError(
+                f"duration_seconds and sample_seconds must be > 0; got {self.duration_seconds},"
+                f" {self.sample_seconds}"
+            )
+        if self.slo_wait_seconds < 0:
+            raise ValueError(f"slo_wait_seconds must be >= 0; got {self.slo_wait_seconds}")
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(
+                f"need 1 <= min_replicas <= max_replicas; got {self.min_replicas},"
+                f" {self.max_replicas}"
+            )
+        start = self.initial_replicas
+        if start is not None and not self.min_replicas <= start <= self.max_replicas:
+            raise ValueError(
+                f"initial_replicas must be in [{self.min_replicas}, {self.max_replicas}];"
+                f" got {start}"
+            )
+
+    @property
+    def start_replicas(self) -> int:
+        return self.min_replicas if self.initial_replicas is None else self.initial_replicas

@@ -1,0 +1,103 @@
+"""What a simulation run reports, and a side-by-side table of several runs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Timeline:
+    """Fleet state every ``sample_seconds`` (parallel lists, one entry per sample).
+
+    ``usage`` is the mean KV usage over ready replicas; ``waiting`` all queued requests
+    (including those held while no replica was ready); ``replicas`` ready + starting +
+    draining (what is paid for); ``ready`` serving ones.
+    """
+
+    time: list[float] = field(default_factory=list)
+    usage: list[float] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    ready: list[int] = field(default_factory=list)
+    replicas: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SimResult:
+    """One policy on one trace.
+
+    Attributes:
+        starvation_seconds: sum over requests of queueing beyond the SLO, plus for every
+            preemption the time until the request was re-admitted and its recompute.
+        preemptions: recompute-preemptions (KV full).
+        p99_queue_seconds / p50_queue_seconds / mean_queue_seconds: total queueing delay per
+            request (arrival to admission, plus re-queues after preemptions); requests
+            still queued at the end count with their wait so far.
+        replica_hours: replicas paid for (starting, ready and draining) integrated over time.
+        scale_ups / scale_downs: decisions that changed the count.
+        events: discrete events processed; wall_seconds: simulator run time.
+    """
+
+    policy: str
+    trace: str
+    seed: int
+    duration_seconds: float
+    requests: int
+    finished: int
+    rejected: int
+    starvation_seconds: float
+    preemptions: int
+    p99_queue_seconds: float
+    p50_queue_seconds: float
+    mean_queue_seconds: float
+    replica_hours: float
+    peak_replicas: int
+    scale_ups: int
+    scale_downs: int
+    generated_tokens: float
+    events: int
+    wall_seconds: float
+    rules: dict[str, int] = field(default_factory=dict)
+    timeline: Timeline = field(default_factory=Timeline)
+
+    def to_dict(self, timeline: bool = False) -> dict[str, object]:
+        d = asdict(self)
+        if not timeline:
+            d.pop("timeline")
+        return d
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted sequence (0 for an empty one)."""
+    if not sorted_values:
+        return 0.0
+    k = max(0, min(len(sorted_values) - 1, math.ceil(q / 100.0 * len(sorted_values)) - 1))
+    return sorted_values[k]
+
+
+def comparison_table(results: Sequence[SimResult], baseline: str = "hpa") -> str:
+    """Plain-text table: one row per (trace, policy), ratios against ``baseline``."""
+    header = ("trace", "policy", "starv s", "x base", "preempt", "p99 wait s", "replica-h",
+              "x base", "peak", "ups", "downs", "requests")  # fmt: skip
+    rows = [header]
+    base = {r.trace: r for r in results if r.policy == baseline}
+    for r in results:
+        b = base.get(r.trace)
+        starv_ratio = _ratio(r.starvation_seconds, b.starvation_seconds) if b else "-"
+        rh_ratio = _ratio(r.replica_hours, b.replica_hours) if b else "-"
+        rows.append((r.trace, r.policy, f"{r.starvation_seconds:,.0f}", starv_ratio,
+                     f"{r.preemptions:,}", f"{r.p99_queue_seconds:.2f}",
+                     f"{r.replica_hours:.2f}", rh_ratio, str(r.peak_replicas), str(r.scale_ups),
+                     str(r.scale_downs), f"{r.requests:,}"))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in
+                       enumerate(zip(row, widths))) for row in rows]  # fmt: skip
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _ratio(a: float, b: float) -> str:
+    if b == 0:
+        return "-" if a == 0 else "inf"
+    return f"{a / b:.2f}"

@@ -1,0 +1,229 @@
+"""Seedable request traces: ``(arrival_seconds, prompt_tokens, output_tokens)``, in time order.
+
+Traces are sized in replicas: ``peak_replicas`` is how many default replicas the trace's
+peak needs at the target KV usage (estimated with Little's law from the replica model), so
+one knob scales a trace from a laptop test to a thousand-replica fleet. Each trace is a
+generator, so a million requests cost no memory until they arrive.
+
+- ``ramp``: a compressed diurnal day: trough (25% of peak), a smooth (cosine) rise to the
+  peak, a plateau and a fall.
+- ``burst``: a steady base at 25% of peak that jumps x4 at once, holds, and drops back.
+- ``agentic``: multi-turn agent sessions: each turn's prompt is the whole conversation so
+  far plus new tool/user tokens, so contexts grow turn by turn; sessions start faster and
+  faster over the first half (a ramp in session starts), then hold.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from kvpilot.autoscaler.sim.model import ReplicaModel
+
+Request = tuple[float, int, int]
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Lognormal token lengths with the given means, clipped to [lo, hi]."""
+
+    prompt_mean: float = 2000.0
+    prompt_sigma: float = 0.6
+    output_mean: float = 600.0
+    output_sigma: float = 0.5
+    prompt_max: int = 16_384
+    output_max: int = 4_096
+
+    def sample(self, rng: random.Random) -> tuple[int, int]:
+        p = rng.lognormvariate(math.log(self.prompt_mean) - self.prompt_sigma**2 / 2, self.prompt_sigma)
+        o = rng.lognormvariate(math.log(self.output_mean) - self.output_sigma**2 / 2, self.output_sigma)
+        return min(self.prompt_max, max(16, int(p))), min(self.output_max, max(1, int(o)))
+
+
+@dataclass(frozen=True)
+class Session:
+    """Agentic session shape: first prompt, added tokens per turn, output per turn, turns
+    (1 + geometric), think time (exponential, plus the expected generation time)."""
+
+    first_prompt_mean: float = 1500.0
+    turn_tokens_mean: float = 400.0
+    output_mean: float = 250.0
+    turns_mean: float = 8.0
+    think_seconds_mean: float = 8.0
+    max_context: int = 32_768
+    assumed_tokens_per_second: float = 25.0
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A named, sized, seedable trace.
+
+    Attributes:
+        name: ``ramp``, ``burst`` or ``agentic``.
+        duration_seconds: arrivals end here.
+        peak_rate: requests per second at the peak (estimate for agentic).
+        base_replicas / peak_replicas: replicas the trough and the peak need at target.
+        requests: a factory for a fresh iterator (same seed -> same requests).
+    """
+
+    name: str
+    description: str
+    duration_seconds: float
+    peak_rate: float
+    base_replicas: float
+    peak_replicas: float
+    requests: Callable[[], Iterator[Request]]
+
+
+def requests_per_replica_second(
+    model: ReplicaModel, prompt_mean: float, output_mean: float, usage: float
+) -> float:
+    """Little's law estimate of the request rate one replica sustains at ``usage`` KV use:
+    concurrency = usage x capacity / mean tokens held (prompt + half the output); residence
+    = prefill + output x decode step at that batch."""
+    held = prompt_mean + output_mean / 2.0
+    conc = min(usage * model.kv_capacity_tokens / held, float(model.max_num_seqs))
+    residence = prompt_mean / model.prefill_tokens_per_second + output_mean / model.decode_rate(
+        round(conc)
+    )
+    return conc / residence
+
+
+def _thinned(rng: random.Random, rate: Callable[[float], float], peak: float,
+             duration: float) -> Iterator[float]:  # fmt: skip
+    """Arrival times of a Poisson process with time-varying ``rate`` (Lewis-Shedler
+    thinning against ``peak``)."""
+    t = 0.0
+    while True:
+        t += rng.expovariate(peak)
+        if t >= duration:
+            return
+        if rng.random() * peak <= rate(t):
+            yield t
+
+
+def _smoothstep(x: float) -> float:
+    x = min(1.0, max(0.0, x))
+    return (1.0 - math.cos(math.pi * x)) / 2.0
+
+
+def ramp_shape(duration: float, low: float = 0.25) -> Callable[[float], float]:
+    """Share of peak over a compressed day: 15% trough, 30% rise, 25% peak, 25% fall."""
+
+    def shape(t: float) -> float:
+        x = t / duration
+        if x < 0.15:
+            return low
+        if x < 0.45:
+            return low + (1 - low) * _smoothstep((x - 0.15) / 0.30)
+        if x < 0.70:
+            return 1.0
+        return low + (1 - low) * (1 - _smoothstep((x - 0.70) / 0.25))
+
+    return shape
+
+
+def burst_shape(duration: float, factor: float = 4.0) -> Callable[[float], float]:
+    """Share of peak: 1/factor, x factor at once from 30% to 60% of the run, then back."""
+
+    def shape(t: float) -> float:
+        return 1.0 if 0.30 * duration <= t < 0.60 * duration else 1.0 / factor
+
+    return shape
+
+
+def _simple(name: str, description: str, shape: Callable[[float], float], peak_replicas: float,
+            duration: float, seed: int, model: ReplicaModel, usage: float,
+            lengths: Lengths) -> Trace:  # fmt: skip
+    per_replica = requests_per_replica_second(model, lengths.prompt_mean, lengths.output_mean, usage)
+    peak = peak_replicas * per_replica
+
+    def requests() -> Iterator[Request]:
+        rng = random.Random(seed)
+        lengths_rng = random.Random(seed + 1_000_003)
+        for t in _thinned(rng, lambda t: peak * shape(t), peak, duration):
+            p, o = lengths.sample(lengths_rng)
+            yield (t, p, o)
+
+    base = min(shape(t * duration / 100) for t in range(100))
+    return Trace(name, description, duration, peak, peak_replicas * base, peak_replicas, requests)
+
+
+def _session_turns(rng: random.Random, s: Session) -> list[tuple[float, int, int]]:
+    """(offset seconds, prompt, output) of each turn of one session."""
+    turns = 1 + int(rng.expovariate(1.0 / max(s.turns_mean - 1, 1e-9)))
+    out: list[tuple[float, int, int]] = []
+    context = max(16, int(rng.expovariate(1.0 / s.first_prompt_mean)))
+    offset = 0.0
+    for _ in range(turns):
+        output = max(1, int(rng.expovariate(1.0 / s.output_mean)))
+        if context + output > s.max_context:
+            break
+        out.append((offset, context, output))
+        offset += output / s.assumed_tokens_per_second + rng.expovariate(1.0 / s.think_seconds_mean)
+        context += output + max(1, int(rng.expovariate(1.0 / s.turn_tokens_mean)))
+    return out
+
+
+def agentic(peak_replicas: float, duration: float, seed: int, model: ReplicaModel,
+            usage: float, session: Session = Session()) -> Trace:  # fmt: skip
+    """Multi-turn sessions; session starts ramp from 30% to 100% over the first half."""
+    probe = random.Random(12345)
+    samples = [t for _ in range(4000) for t in _session_turns(probe, session)]
+    turns_per_session = len(samples) / 4000
+    prompt_mean = sum(p for _, p, _ in samples) / len(samples)
+    output_mean = sum(o for _, _, o in samples) / len(samples)
+    per_replica = requests_per_replica_second(model, prompt_mean, output_mean, usage)
+    peak_sessions = peak_replicas * per_replica / turns_per_session
+
+    def shape(t: float) -> float:
+        return 0.3 + 0.7 * min(1.0, t / (0.5 * duration))
+
+    def requests() -> Iterator[Request]:
+        rng = random.Random(seed)
+        starts = _thinned(rng, lambda t: peak_sessions * shape(t), peak_sessions, duration)
+        pending: list[tuple[float, int, int, int]] = []  # (time, seq, prompt, output)
+        seq = 0
+        next_start = next(starts, None)
+        while next_start is not None or pending:
+            if pending and (next_start is None or pending[0][0] <= next_start):
+                t, _, p, o = heapq.heappop(pending)
+                if t < duration:
+                    yield (t, p, o)
+                continue
+            for offset, p, o in _session_turns(rng, session):
+                seq += 1
+                heapq.heappush(pending, (next_start + offset, seq, p, o))
+            next_start = next(starts, None)
+
+    return Trace("agentic", "multi-turn agent sessions with growing contexts", duration,
+                 peak_sessions * turns_per_session, peak_replicas * 0.3, peak_replicas, requests)
+
+
+TRACES = ("ramp", "burst", "agentic")
+
+
+def make_trace(name: str, peak_replicas: float = 8.0, duration_seconds: float = 3600.0,
+               seed: int = 0, model: ReplicaModel | None = None,
+               usage: float = 0.75) -> Trace:  # fmt: skip
+    """Build a named trace whose peak needs ``peak_replicas`` replicas at ``usage`` KV use."""
+    if not peak_replicas > 0:
+        raise ValueError(f"peak_replicas must be > 0; got {peak_replicas}")
+    if not duration_seconds > 0:
+        raise ValueError(f"duration_seconds must be > 0; got {duration_seconds}")
+    model = model or ReplicaModel()
+    lengths = Lengths()
+    if name == "ramp":
+        return _simple("ramp", "compressed diurnal day: 25% -> 100% -> 25% of peak",
+                       ramp_shape(duration_seconds), peak_replicas, duration_seconds, seed,
+                       model, usage, lengths)  # fmt: skip
+    if name == "burst":
+        return _simple("burst", "steady 25% of peak, a sudden x4 burst, then back",
+                       burst_shape(duration_seconds), peak_replicas, duration_seconds, seed,
+                       model, usage, lengths)  # fmt: skip
+    if name == "agentic":
+        return agentic(peak_replicas, duration_seconds, seed, model, usage)
+    raise ValueError(f"trace must be one of {', '.join(TRACES)}; got {name!r}")
