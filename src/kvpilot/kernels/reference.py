@@ -27,6 +27,16 @@ def is_quantized(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
+def _raw(x: torch.Tensor) -> torch.Tensor:
+    """Byte view of an FP8 tensor (CPU indexing kernels do not cover FP8 dtypes)."""
+    return x.view(torch.uint8) if is_quantized(x.dtype) else x
+
+
+def _take(cache_flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``cache_flat[index]`` for any cache dtype."""
+    return _raw(cache_flat)[index].view(cache_flat.dtype)
+
+
 def quantize(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
     """Cast ``x`` to the cache dtype; for FP8 divide by ``scale`` and clamp to the finite
     range first (casting above the max gives NaN, not saturation)."""
@@ -71,8 +81,8 @@ def store_kv(
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     kf = key_cache.view(num_blocks * block_size, h, d)
     vf = value_cache.view(num_blocks * block_size, h, d)
-    kf.index_copy_(0, slot_mapping, quantize(key, key_cache.dtype, k_scale))
-    vf.index_copy_(0, slot_mapping, quantize(value, value_cache.dtype, v_scale))
+    _raw(kf).index_copy_(0, slot_mapping, _raw(quantize(key, key_cache.dtype, k_scale)))
+    _raw(vf).index_copy_(0, slot_mapping, _raw(quantize(value, value_cache.dtype, v_scale)))
 
 
 def gather_kv(
@@ -81,7 +91,7 @@ def gather_kv(
     """The first ``length`` tokens of one sequence, ``[length, num_kv_heads, head_dim]``."""
     block_size = cache.shape[1]
     nb = -(-length // block_size)
-    out = cache[block_table[:nb].long()].flatten(0, 1)[:length]
+    out = _take(cache, block_table[:nb].long()).flatten(0, 1)[:length]
     return dequantize(out, dtype, scale)
 
 
@@ -112,8 +122,8 @@ def paged_decode_attention(
     slots = blocks * block_size + pos % block_size
     kf = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     vf = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    k = dequantize(kf[slots], q.dtype, k_scale).transpose(1, 2)  # [S, Hkv, L, D]
-    v = dequantize(vf[slots], q.dtype, v_scale).transpose(1, 2)
+    k = dequantize(_take(kf, slots), q.dtype, k_scale).transpose(1, 2)  # [S, Hkv, L, D]
+    v = dequantize(_take(vf, slots), q.dtype, v_scale).transpose(1, 2)
     mask = (pos[None, :] < seq_lens[:, None].to(pos.device))[:, None, None, :]
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
