@@ -1,4 +1,5 @@
-"""Fixtures: a fresh fake OpenAI-compatible server per test, always stopped."""
+"""Fixtures: one fake OpenAI-compatible server for the whole session (started once,
+always stopped), reset to a fresh behaviour and state for each use."""
 
 from __future__ import annotations
 
@@ -7,16 +8,18 @@ import pytest
 from tests.bench.fake_server import Behaviour, FakeServer
 
 
+@pytest.fixture(scope="session")
+def _fake_server():
+    with FakeServer() as server:
+        yield server
+
+
 @pytest.fixture
-def fake():
-    """``fake(**behaviour)`` -> a started ``FakeServer``; all are stopped after the test."""
-    servers: list[FakeServer] = []
+def fake(_fake_server):
+    """``fake(**behaviour)`` -> the fake server, reset: empty state, the given behaviour.
+    A second call in one test resets it again (tests use one at a time)."""
 
     def start(**behaviour) -> FakeServer:
-        server = FakeServer(Behaviour(**behaviour)).__enter__()
-        servers.append(server)
-        return server
+        return _fake_server.reset(Behaviour(**behaviour))
 
-    yield start
-    for server in servers:
-        server.__exit__()
+    return start

@@ -63,7 +63,9 @@ def reply_token(request_no: int, i: int) -> str:
     return f" r{request_no}t{i}"
 
 
-def make_app(behaviour: Behaviour, state: State) -> FastAPI:
+def make_app(server: FakeServer) -> FastAPI:
+    """The app reads ``server.behaviour`` and ``server.state`` per request, so ``reset``
+    takes effect at once; a stream keeps the state it started with."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -72,9 +74,10 @@ def make_app(behaviour: Behaviour, state: State) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(metrics_text(behaviour.metrics, state))
+        return PlainTextResponse(metrics_text(server.behaviour.metrics, server.state))
 
     async def generate(request: Request, chat: bool) -> Any:
+        behaviour, state = server.behaviour, server.state
         body = await request.json()
         state.count += 1
         number = state.count
@@ -87,10 +90,11 @@ def make_app(behaviour: Behaviour, state: State) -> FastAPI:
         words = prompt_words(body)
         state.queries += words
         state.hits += int(words * behaviour.hit_share)
-        return StreamingResponse(stream(body, number, words, chat),
+        return StreamingResponse(stream(behaviour, state, body, number, words, chat),
                                  media_type="text/event-stream")
 
-    async def stream(body: dict[str, Any], number: int, words: int, chat: bool):
+    async def stream(behaviour: Behaviour, state: State, body: dict[str, Any], number: int,
+                     words: int, chat: bool):
         state.in_flight += 1
         state.max_in_flight = max(state.max_in_flight, state.in_flight)
         try:
@@ -153,7 +157,7 @@ class FakeServer:
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(make_app(self.behaviour, self.state), log_level="critical",
+        config = uvicorn.Config(make_app(self), log_level="critical",
                                 lifespan="off", timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run,
@@ -167,6 +171,12 @@ class FakeServer:
                 self.__exit__()
                 raise RuntimeError("fake server did not start within 10 s")
             time.sleep(0.01)
+        return self
+
+    def reset(self, behaviour: Behaviour) -> FakeServer:
+        """New behaviour and empty state, for the next test (streams still open from an
+        earlier test keep writing to their old state)."""
+        self.behaviour, self.state = behaviour, State()
         return self
 
     def __exit__(self, *_: object) -> None:

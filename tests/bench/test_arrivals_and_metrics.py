@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 
 from kvpilot.bench.arrivals import poisson_arrival_times
 from kvpilot.bench.cache_counters import hit_rate, parse_counters
-from kvpilot.bench.client import RequestRecord, chunk_text, error_message, request_payload
+from kvpilot.bench.client import (
+    RequestRecord,
+    chunk_reasoning,
+    chunk_text,
+    error_message,
+    request_payload,
+)
 from kvpilot.bench.metrics import distribution_ms, error_counts, percentile, summarize_class
 
 
@@ -139,6 +145,9 @@ def test_payloads_and_chunk_parsing():
     assert chunk_text({"choices": [{"delta": {"role": "assistant", "content": ""}}]}) == ""
     assert chunk_text({"choices": [{"delta": {"content": "b"}}]}) == "b"
     assert chunk_text({"choices": [], "usage": {}}) == ""
+    thinking = {"choices": [{"delta": {"reasoning_content": "hmm"}}]}
+    assert chunk_text(thinking) == "" and chunk_reasoning(thinking) == "hmm"
+    assert chunk_reasoning({"choices": [{"text": "a"}]}) == ""
     assert error_message(b'{"error": {"message": "too long", "code": 400}}') == "too long"
     assert error_message(b'{"detail": "x"}') == '{"detail": "x"}'
     assert error_message(b"") == "(empty body)"

@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.bench.client import LOOKUP_TIMEOUT_S
+
 # (source, hits counter, queries counter), in order of preference.
 COUNTER_PAIRS = (
     ("kvpilot", "kvpilot:prefix_cache_hits_total", "kvpilot:prefix_cache_queries_total"),
@@ -42,7 +44,7 @@ async def scrape_counters(http: httpx.AsyncClient, url: str) -> tuple[dict[str, 
                                                                       str | None]:
     """``(counters, None)`` from ``GET url``, or ``(None, why)`` if that failed."""
     try:
-        response = await http.get(url)
+        response = await http.get(url, timeout=LOOKUP_TIMEOUT_S)
         if response.status_code != 200:
             return None, f"GET {url}: HTTP {response.status_code}"
         return parse_counters(response.text), None

@@ -28,6 +28,7 @@ import httpx
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 MAX_ERROR_CHARS = 300
+LOOKUP_TIMEOUT_S = 30.0  # GET /v1/models and /metrics, outside the timed requests
 
 # Lifecycle: pending -> running -> ok | failed | cancelled (a background stream stopped
 # at the end of the run). A request still running when the run times out becomes failed.
@@ -160,7 +161,7 @@ async def _read_stream(http: httpx.AsyncClient, url: str, body: dict[str, Any],
                 record.prompt_tokens = usage.get("prompt_tokens")
                 record.output_tokens = int(usage.get("completion_tokens") or 0)
             text = chunk_text(event)
-            if text:
+            if text or chunk_reasoning(event):  # a reasoning token is output too
                 now = clock()
                 if last_text_at is None:
                     record.ttft_s = now - start
@@ -191,9 +192,15 @@ def chunk_text(event: dict[str, Any]) -> str:
     choice = choices[0]
     if "text" in choice:  # /v1/completions
         return choice.get("text") or ""
-    delta = choice.get("delta") or {}  # /v1/chat/completions
-    return (delta.get("content") or delta.get("reasoning_content")
-            or delta.get("reasoning") or "")
+    return (choice.get("delta") or {}).get("content") or ""  # /v1/chat/completions
+
+
+def chunk_reasoning(event: dict[str, Any]) -> str:
+    """The reasoning text of a chat chunk (vLLM's ``reasoning_content``/``reasoning``):
+    timed like content, but not part of the reply sent back in a multi-turn history."""
+    choices = event.get("choices") or []
+    delta = (choices[0].get("delta") or {}) if choices else {}
+    return delta.get("reasoning_content") or delta.get("reasoning") or ""
 
 
 def error_message(raw: bytes) -> str:
@@ -215,7 +222,7 @@ async def first_model_id(http: httpx.AsyncClient, base_url: str) -> str:
     """The first model id of ``GET <base_url>/v1/models``; raises ``BenchError``."""
     url = base_url + "/v1/models"
     try:
-        response = await http.get(url)
+        response = await http.get(url, timeout=LOOKUP_TIMEOUT_S)
     except httpx.HTTPError as e:
         raise BenchError(f"cannot list models at {url}: {type(e).__name__}: {e}") from e
     if response.status_code != 200:
