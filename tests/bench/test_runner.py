@@ -170,6 +170,16 @@ def test_hit_rate_uses_vllm_counters_and_is_none_without_counters(fake):
     assert "n/a (no prefix-cache counters" in format_report(result)
 
 
+def test_unreadable_metrics_endpoint_gives_no_hit_rate_and_says_why(fake):
+    server = fake()
+    result = run_benchmark(small(server.url, num_prompts=2,
+                                 metrics_url=server.url + "/not-metrics"))
+    assert result.summary["requests_completed"] == 2
+    assert result.prefix_cache["hit_rate"] is None
+    assert result.prefix_cache["note"] == (f"metrics endpoint not readable (GET {server.url}"
+                                           "/not-metrics: HTTP 404)")
+
+
 def test_http_errors_and_broken_streams_are_counted_not_raised(fake):
     server = fake(ttft_s=0.005, itl_s=0.001, fail_every=4, break_every=5)
     result = run_benchmark(small(server.url, num_prompts=20, max_concurrency=1))
@@ -246,6 +256,8 @@ def test_custom_workload_classes_are_summarized_separately(fake):
     assert result.by_class["short"]["total_output_tokens"] == 4
     assert result.by_class["long"]["total_input_tokens"] == 6
     assert result.by_class["short"]["requests_not_sent"] == 0
+    assert result.custom_workload
+    assert "custom workload (classes: short, long)" in format_report(result)
 
 
 def test_unreachable_server_raises_bench_error():

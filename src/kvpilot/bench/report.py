@@ -25,7 +25,9 @@ LABEL_WIDTH = 32
 def describe_load(result: BenchResult) -> list[tuple[str, str]]:
     """(label, value) lines describing what was run."""
     c = result.config
-    if c.dataset == "random":
+    if result.custom_workload:
+        dataset = "custom workload (classes: " + ", ".join(result.by_class) + ")"
+    elif c.dataset == "random":
         dataset = (f"random ({c.num_prompts} prompts, ~{c.random_input_len} in / "
                    f"{c.output_len} out tokens, range ratio {c.random_range_ratio:g})")
     elif c.dataset == "shared-prefix":

@@ -76,6 +76,7 @@ class BenchResult:
     by_class: dict[str, dict[str, Any]]
     prefix_cache: dict[str, Any]
     errors: list[dict[str, Any]]
+    custom_workload: bool = False  # the units came from the caller, not config.dataset
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -89,6 +90,7 @@ class BenchResult:
             "started_at": self.started_at,
             "duration_s": self.duration_s,
             "timed_out": self.timed_out,
+            "custom_workload": self.custom_workload,
             "environment": environment(),
             "summary": self.summary,
             "by_class": self.by_class,
@@ -130,7 +132,7 @@ async def run_benchmark_async(config: BenchConfig, workload: Sequence[Unit] | No
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as http:
         model = config.model or await first_model_id(http, config.base_url)
         metrics_url = config.metrics_url or config.base_url + "/metrics"
-        before, _ = await scrape_counters(http, metrics_url)
+        before, why_before = await scrape_counters(http, metrics_url)
         run = _Run(config, http, model, clock)
         started_at = datetime.datetime.now(datetime.timezone.utc).isoformat()
         timed_out = False
@@ -141,7 +143,11 @@ async def run_benchmark_async(config: BenchConfig, workload: Sequence[Unit] | No
         finally:
             end = clock()
             await run.stop_background()
-        after, why = await scrape_counters(http, metrics_url)
+        after, why_after = await scrape_counters(http, metrics_url)
+    cache = hit_rate(before, after)
+    why = why_before or why_after
+    if cache["note"] and why:
+        cache["note"] += f" ({why})"
     origin = run.origin if run.origin is not None else end
     for r in run.records:
         if r.send_time_s is not None:
@@ -149,19 +155,24 @@ async def run_benchmark_async(config: BenchConfig, workload: Sequence[Unit] | No
         if r.status == RUNNING:  # cut off by the run timeout
             r.fail(f"unfinished at the run timeout ({config.timeout_s:g} s)")
     duration = end - origin
-    summaries = summarize(run.records, duration, config.percentiles)
-    by_class = {}  # the dataset's classes first, in workload order, then background
-    for name, planned in _planned_requests(units).items():
-        by_class[name] = summaries.pop(name, None) or summarize_class([], duration,
-                                                                      config.percentiles)
-        by_class[name]["requests_not_sent"] = planned - sum(r.request_class == name
-                                                            for r in run.records)
-    by_class.update(summaries)
-    cache = hit_rate(before, after)
-    if cache["note"] and why:
-        cache["note"] += f" ({why})"
     return BenchResult(config, model, started_at, duration, timed_out, run.records,
-                       by_class, cache, error_counts(run.records))
+                       _by_class(units, run.records, duration, config.percentiles),
+                       cache, error_counts(run.records), custom_workload=workload is not None)
+
+
+def _by_class(units: Sequence[Unit], records: Sequence[RequestRecord], duration_s: float,
+              percentiles: Sequence[float]) -> dict[str, dict[str, Any]]:
+    """Summaries of the workload's classes (in workload order, with ``requests_not_sent``),
+    then of the others (background)."""
+    summaries = summarize(records, duration_s, percentiles)
+    by_class: dict[str, dict[str, Any]] = {}
+    for name, planned in _planned_requests(units).items():
+        by_class[name] = summaries.pop(name, None) or summarize_class([], duration_s,
+                                                                      percentiles)
+        by_class[name]["requests_not_sent"] = planned - sum(r.request_class == name
+                                                            for r in records)
+    by_class.update(summaries)
+    return by_class
 
 
 def _planned_requests(units: Sequence[Unit]) -> dict[str, int]:
