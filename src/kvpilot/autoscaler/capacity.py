@@ -88,7 +88,7 @@ def _positive(name: str, value: float) -> None:
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> float:
     """Bytes of K and V for one token across all layers: 2 x bpe x layers x heads x dim."""
     for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim)):  # fmt: skip
+                        ("head_dim", head_dim)):
         _positive(name, value)
     d = kv_dtype(dtype)
     if d.group_size and head_dim % d.group_size:

@@ -228,7 +228,7 @@ def decide(
             f"settling: the last step down was {now - state.last_scale_down_time:.0f} s ago;"
             f" the next waits {settle:.0f} s so it is judged on the load after it",
             candidates, load, state, True,
-        )  # fmt: skip
+        )
     blocker = _consolidation_blocker(load, trend, latest_demand, current - 1, spec)
     if blocker:
         return _finish(

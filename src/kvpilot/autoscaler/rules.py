@@ -150,7 +150,7 @@ def forecast(
         return Candidate(
             "forecast", None, "kv_demand_trend", None,
             "not enough complete history for a trend yet",
-        )  # fmt: skip
+        )
     level, slope = trend.level, trend.slope
     to_exhaustion = seconds_to_exhaustion(level, trend.cautious_slope, float(current))
     if to_exhaustion == 0.0:
@@ -158,7 +158,7 @@ def forecast(
             "forecast", None, "kv_demand_trend", 0.0,
             f"KV demand {level:.2f} replica-eq already fills {current} replicas:"
             " the queue-drain and starvation rules size the backlog",
-        )  # fmt: skip
+        )
     if to_exhaustion >= horizon:
         when = "never (no significant rise)" if math.isinf(to_exhaustion) else f"{to_exhaustion:.0f} s"
         return Candidate(
@@ -166,7 +166,7 @@ def forecast(
             f"KV demand {level:.2f} replica-eq, slope {slope * 60:+.3f}/min"
             f" (lower 95% bound {trend.cautious_slope * 60:+.3f}): exhaustion {when},"
             f" beyond the {horizon:.0f} s horizon",
-        )  # fmt: skip
+        )
     ahead = trend.at(horizon)
     replicas = ceil_replicas(ahead / spec.target_cache_usage)
     return Candidate(
@@ -175,7 +175,7 @@ def forecast(
         f" {current} replicas in {to_exhaustion:.0f} s < start-up {spec.startup_seconds:.0f} s"
         f" + margin {spec.forecast_margin_seconds:.0f} s; {replicas} replicas keep the"
         f" {horizon:.0f} s forecast ({ahead:.2f}) under {spec.target_cache_usage:.0%}",
-    )  # fmt: skip
+    )
 
 
 def starvation(load: FleetLoad, ready: int, current: int, spec: AutoscalingSpec) -> Candidate:

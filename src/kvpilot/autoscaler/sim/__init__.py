@@ -6,6 +6,7 @@ HPA-style one, a KPA-style one) resizes it; :func:`simulate` reports starvation,
 delay and replica-hours for each. See docs/autoscaling.md for the model and its assumptions.
 """
 
+from kvpilot.autoscaler.sim.compare import Scenario, compare
 from kvpilot.autoscaler.sim.controllers import (
     HpaStylePolicy,
     KpaStylePolicy,
@@ -23,9 +24,11 @@ __all__ = [
     "KpaStylePolicy",
     "KvPilotPolicy",
     "ReplicaModel",
+    "Scenario",
     "SimConfig",
     "SimResult",
     "Trace",
+    "compare",
     "make_policy",
     "make_trace",
     "simulate",

@@ -152,7 +152,7 @@ class _Fleet:
 
 
 def simulate(trace: Trace, policy, model: ReplicaModel | None = None,
-             config: SimConfig | None = None) -> SimResult:  # fmt: skip
+             config: SimConfig | None = None) -> SimResult:
     """Run ``policy`` on ``trace``; deterministic for a given trace seed and config seed.
 
     ``policy`` is any object with ``name``, ``interval_seconds`` and
@@ -178,7 +178,7 @@ def simulate(trace: Trace, policy, model: ReplicaModel | None = None,
     while True:
         t_heap = heap[0][0] if heap else math.inf
         if nxt is not None and nxt[0] <= t_heap:
-            t, prompt, output = nxt
+            t, prompt, output, cached = nxt
             if t >= end:
                 nxt = None
                 continue
@@ -188,7 +188,7 @@ def simulate(trace: Trace, policy, model: ReplicaModel | None = None,
             if prompt + output > limit:
                 rejected += counted
             else:
-                fleet.route(Req(t, prompt, output), t)
+                fleet.route(Req(t, prompt, output, cached), t)
             nxt = next(arrivals, None)
             continue
         if t_heap >= end:
@@ -215,7 +215,7 @@ def simulate(trace: Trace, policy, model: ReplicaModel | None = None,
     fleet.peak = max(fleet.peak, fleet.paid) if fleet.peak == 0 else fleet.peak
     fleet._pay(end, 0)
     return _result(trace, policy, config, fleet, timeline, requests, rejected, ups, downs,
-                   time.perf_counter() - wall)  # fmt: skip
+                   time.perf_counter() - wall)
 
 
 def _sample(fleet: _Fleet, timeline: Timeline, now: float) -> None:
@@ -230,7 +230,7 @@ def _sample(fleet: _Fleet, timeline: Timeline, now: float) -> None:
 
 
 def _result(trace: Trace, policy, config: SimConfig, fleet: _Fleet, timeline: Timeline,
-            requests: int, rejected: int, ups: int, downs: int, wall: float) -> SimResult:  # fmt: skip
+            requests: int, rejected: int, ups: int, downs: int, wall: float) -> SimResult:
     """Close the books at the end: queued requests are charged their wait so far."""
     stats, end = fleet.stats, config.duration_seconds
     waits = stats.waits
@@ -252,6 +252,7 @@ def _result(trace: Trace, policy, config: SimConfig, fleet: _Fleet, timeline: Ti
         trace=trace.name,
         seed=config.seed,
         duration_seconds=end,
+        warmup_seconds=config.warmup_seconds,
         requests=requests,
         finished=stats.finished,
         rejected=rejected,

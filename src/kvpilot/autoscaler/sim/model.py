@@ -48,7 +48,7 @@ class ReplicaModel:
 
     def __post_init__(self) -> None:
         for name in ("kv_capacity_tokens", "prefill_tokens_per_second",
-                     "decode_step_base_seconds", "max_num_seqs"):  # fmt: skip
+                     "decode_step_base_seconds", "max_num_seqs"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
         if self.decode_step_per_seq_seconds < 0 or self.startup_seconds < 0:

@@ -32,13 +32,14 @@ class Req:
     spent queued; ``starved`` the starvation seconds charged so far.
     """
 
-    __slots__ = ("arrival", "ctx", "enqueued", "first", "generated", "output", "preempts",
-                 "prompt", "starved", "stint", "v_start", "waited")  # fmt: skip
+    __slots__ = ("arrival", "cached", "ctx", "enqueued", "first", "generated", "output",
+                 "preempts", "prompt", "starved", "stint", "v_start", "waited")
 
-    def __init__(self, arrival: float, prompt: int, output: int) -> None:
+    def __init__(self, arrival: float, prompt: int, output: int, cached: int = 0) -> None:
         self.arrival = arrival
         self.prompt = prompt
         self.output = output
+        self.cached = cached  # prefix-cache hit at first admission; 0 after a preemption
         self.generated = 0.0
         self.enqueued = arrival
         self.waited = 0.0
@@ -59,7 +60,7 @@ class Stats:
     """Run-wide counters the replicas add to."""
 
     __slots__ = ("finished", "generated_tokens", "preemptions", "slo", "starvation", "waits",
-                 "warmup")  # fmt: skip
+                 "warmup")
 
     def __init__(self, slo: float, warmup: float = 0.0) -> None:
         self.slo = slo
@@ -90,7 +91,7 @@ class Replica:
 
     __slots__ = ("cap", "dec_const", "dec_heap", "epoch", "limit", "max_seqs", "model", "n_dec",
                  "preemptions", "prefill_end", "prefilling", "rate", "ready_at", "rid",
-                 "running", "scheduled", "state", "v", "v_time", "waiting", "waiting_tokens")  # fmt: skip
+                 "running", "scheduled", "state", "v", "v_time", "waiting", "waiting_tokens")
 
     def __init__(self, rid: int, model: ReplicaModel, ready_at: float) -> None:
         self.rid = rid
@@ -202,6 +203,7 @@ class Replica:
             self.dec_const -= req.ctx - req.v_start
             self._set_batch(self.n_dec - 1)
         req.preempts += 1
+        req.cached = 0  # recompute-preemption: assume its blocks were reused meanwhile
         req.enqueued = now
         self.preemptions += 1
         if now >= stats.warmup:
@@ -218,7 +220,7 @@ class Replica:
             return
         self.waiting.popleft()
         self.waiting_tokens -= need
-        prefill_seconds = need / self.model.prefill_tokens_per_second
+        prefill_seconds = (need - req.cached) / self.model.prefill_tokens_per_second
         stats.charge_wait(req, now, prefill_seconds)
         self.prefilling = req
         self.prefill_end = now + prefill_seconds

@@ -1,4 +1,6 @@
-"""Seedable request traces: ``(arrival_seconds, prompt_tokens, output_tokens)``, in time order.
+"""Seedable request traces: ``(arrival_seconds, prompt_tokens, output_tokens, cached_tokens)``
+in time order. ``cached_tokens`` is the prompt prefix a prefix cache already holds (an
+agent's earlier turns, with session-affine routing); only the rest is prefilled.
 
 Traces are sized in replicas: ``peak_replicas`` is how many default replicas the trace's
 peak needs at the target KV usage (estimated with Little's law from the replica model), so
@@ -9,8 +11,9 @@ generator, so a million requests cost no memory until they arrive.
   peak, a plateau and a fall.
 - ``burst``: a steady base at 25% of peak that jumps x4 at once, holds, and drops back.
 - ``agentic``: multi-turn agent sessions: each turn's prompt is the whole conversation so
-  far plus new tool/user tokens, so contexts grow turn by turn; sessions start faster and
-  faster over the first half (a ramp in session starts), then hold.
+  far plus new tool/user tokens, so contexts grow turn by turn (and all but the new tokens
+  are prefix-cache hits); sessions start faster and faster over the first half (a ramp in
+  session starts), then hold.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 
 from kvpilot.autoscaler.sim.model import ReplicaModel
 
-Request = tuple[float, int, int]
+Request = tuple[float, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -79,21 +82,23 @@ class Trace:
 
 
 def requests_per_replica_second(
-    model: ReplicaModel, prompt_mean: float, output_mean: float, usage: float
+    model: ReplicaModel, prompt_mean: float, output_mean: float, usage: float,
+    prefill_mean: float | None = None,
 ) -> float:
-    """Little's law estimate of the request rate one replica sustains at ``usage`` KV use:
-    concurrency = usage x capacity / mean tokens held (prompt + half the output); residence
-    = prefill + output x decode step at that batch."""
+    """Little's law estimate of the request rate one replica sustains at ``usage``: KV
+    concurrency = usage x capacity / mean tokens held (prompt + half the output), residence
+    = prefill + output x decode step at that batch; and the prefill slot busy at most
+    ``usage`` of the time (``prefill_mean`` = tokens actually prefilled, default all)."""
+    prefill_mean = prompt_mean if prefill_mean is None else prefill_mean
     held = prompt_mean + output_mean / 2.0
     conc = min(usage * model.kv_capacity_tokens / held, float(model.max_num_seqs))
-    residence = prompt_mean / model.prefill_tokens_per_second + output_mean / model.decode_rate(
-        round(conc)
-    )
-    return conc / residence
+    prefill_s = prefill_mean / model.prefill_tokens_per_second
+    residence = prefill_s + output_mean / model.decode_rate(round(conc))
+    return min(conc / residence, usage / max(prefill_s, 1e-9))
 
 
 def _thinned(rng: random.Random, rate: Callable[[float], float], peak: float,
-             duration: float) -> Iterator[float]:  # fmt: skip
+             duration: float) -> Iterator[float]:
     """Arrival times of a Poisson process with time-varying ``rate`` (Lewis-Shedler
     thinning against ``peak``)."""
     t = 0.0
@@ -137,7 +142,7 @@ def burst_shape(duration: float, factor: float = 4.0) -> Callable[[float], float
 
 def _simple(name: str, description: str, shape: Callable[[float], float], peak_replicas: float,
             duration: float, seed: int, model: ReplicaModel, usage: float,
-            lengths: Lengths) -> Trace:  # fmt: skip
+            lengths: Lengths) -> Trace:
     per_replica = requests_per_replica_second(model, lengths.prompt_mean, lengths.output_mean, usage)
     peak = peak_replicas * per_replica
 
@@ -146,37 +151,42 @@ def _simple(name: str, description: str, shape: Callable[[float], float], peak_r
         lengths_rng = random.Random(seed + 1_000_003)
         for t in _thinned(rng, lambda t: peak * shape(t), peak, duration):
             p, o = lengths.sample(lengths_rng)
-            yield (t, p, o)
+            yield (t, p, o, 0)
 
     base = min(shape(t * duration / 100) for t in range(100))
     return Trace(name, description, duration, peak, peak_replicas * base, peak_replicas, requests)
 
 
-def _session_turns(rng: random.Random, s: Session) -> list[tuple[float, int, int]]:
-    """(offset seconds, prompt, output) of each turn of one session."""
+def _session_turns(rng: random.Random, s: Session) -> list[tuple[float, int, int, int]]:
+    """(offset seconds, prompt, output, cached) of each turn of one session: a turn's prompt
+    is the previous prompt and output (cached) plus new tokens."""
     turns = 1 + int(rng.expovariate(1.0 / max(s.turns_mean - 1, 1e-9)))
-    out: list[tuple[float, int, int]] = []
+    out: list[tuple[float, int, int, int]] = []
     context = max(16, int(rng.expovariate(1.0 / s.first_prompt_mean)))
+    cached = 0
     offset = 0.0
     for _ in range(turns):
         output = max(1, int(rng.expovariate(1.0 / s.output_mean)))
         if context + output > s.max_context:
             break
-        out.append((offset, context, output))
+        out.append((offset, context, output, cached))
         offset += output / s.assumed_tokens_per_second + rng.expovariate(1.0 / s.think_seconds_mean)
-        context += output + max(1, int(rng.expovariate(1.0 / s.turn_tokens_mean)))
+        cached = context + output
+        context = cached + max(1, int(rng.expovariate(1.0 / s.turn_tokens_mean)))
     return out
 
 
 def agentic(peak_replicas: float, duration: float, seed: int, model: ReplicaModel,
-            usage: float, session: Session = Session()) -> Trace:  # fmt: skip
+            usage: float, session: Session = Session()) -> Trace:
     """Multi-turn sessions; session starts ramp from 30% to 100% over the first half."""
     probe = random.Random(12345)
     samples = [t for _ in range(4000) for t in _session_turns(probe, session)]
     turns_per_session = len(samples) / 4000
-    prompt_mean = sum(p for _, p, _ in samples) / len(samples)
-    output_mean = sum(o for _, _, o in samples) / len(samples)
-    per_replica = requests_per_replica_second(model, prompt_mean, output_mean, usage)
+    prompt_mean = sum(p for _, p, _, _ in samples) / len(samples)
+    output_mean = sum(o for _, _, o, _ in samples) / len(samples)
+    prefill_mean = sum(p - c for _, p, _, c in samples) / len(samples)
+    per_replica = requests_per_replica_second(model, prompt_mean, output_mean, usage,
+                                              prefill_mean)
     peak_sessions = peak_replicas * per_replica / turns_per_session
 
     def shape(t: float) -> float:
@@ -185,18 +195,18 @@ def agentic(peak_replicas: float, duration: float, seed: int, model: ReplicaMode
     def requests() -> Iterator[Request]:
         rng = random.Random(seed)
         starts = _thinned(rng, lambda t: peak_sessions * shape(t), peak_sessions, duration)
-        pending: list[tuple[float, int, int, int]] = []  # (time, seq, prompt, output)
+        pending: list[tuple[float, int, int, int, int]] = []  # (time, seq, prompt, out, cached)
         seq = 0
         next_start = next(starts, None)
         while next_start is not None or pending:
             if pending and (next_start is None or pending[0][0] <= next_start):
-                t, _, p, o = heapq.heappop(pending)
+                t, _, p, o, c = heapq.heappop(pending)
                 if t < duration:
-                    yield (t, p, o)
+                    yield (t, p, o, c)
                 continue
-            for offset, p, o in _session_turns(rng, session):
+            for offset, p, o, c in _session_turns(rng, session):
                 seq += 1
-                heapq.heappush(pending, (next_start + offset, seq, p, o))
+                heapq.heappush(pending, (next_start + offset, seq, p, o, c))
             next_start = next(starts, None)
 
     return Trace("agentic", "multi-turn agent sessions with growing contexts", duration,
@@ -208,7 +218,7 @@ TRACES = ("ramp", "burst", "agentic")
 
 def make_trace(name: str, peak_replicas: float = 8.0, duration_seconds: float = 3600.0,
                seed: int = 0, model: ReplicaModel | None = None,
-               usage: float = 0.75) -> Trace:  # fmt: skip
+               usage: float = 0.75) -> Trace:
     """Build a named trace whose peak needs ``peak_replicas`` replicas at ``usage`` KV use."""
     if not peak_replicas > 0:
         raise ValueError(f"peak_replicas must be > 0; got {peak_replicas}")
@@ -219,11 +229,11 @@ def make_trace(name: str, peak_replicas: float = 8.0, duration_seconds: float = 
     if name == "ramp":
         return _simple("ramp", "compressed diurnal day: 25% -> 100% -> 25% of peak",
                        ramp_shape(duration_seconds), peak_replicas, duration_seconds, seed,
-                       model, usage, lengths)  # fmt: skip
+                       model, usage, lengths)
     if name == "burst":
         return _simple("burst", "steady 25% of peak, a sudden x4 burst, then back",
                        burst_shape(duration_seconds), peak_replicas, duration_seconds, seed,
-                       model, usage, lengths)  # fmt: skip
+                       model, usage, lengths)
     if name == "agentic":
         return agentic(peak_replicas, duration_seconds, seed, model, usage)
     raise ValueError(f"trace must be one of {', '.join(TRACES)}; got {name!r}")

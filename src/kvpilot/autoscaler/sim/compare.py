@@ -1,0 +1,80 @@
+"""Run several policies on the same traces, under the same bounds: what ``kvpilot simulate``
+and ``benchmarks/autoscaler_bench.py`` call."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvpilot.autoscaler.sim.controllers import POLICIES, make_policy
+from kvpilot.autoscaler.sim.fleet import simulate
+from kvpilot.autoscaler.sim.model import ReplicaModel, SimConfig
+from kvpilot.autoscaler.sim.report import SimResult
+from kvpilot.autoscaler.sim.traces import TRACES, Trace, make_trace
+from kvpilot.autoscaler.spec import AutoscalingSpec
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What every policy shares in one comparison.
+
+    Attributes:
+        peak_replicas: replicas the trace's peak needs at the target usage (sizes the load).
+        duration_seconds / seed / warmup_seconds / slo_wait_seconds: see SimConfig.
+        max_factor: maxReplicas = ceil(max_factor x peak_replicas) + 1 (room to overshoot).
+        target_cache_usage / target_queue_depth: shared targets (HPA uses the first, KPA
+            the second, ours both).
+    """
+
+    peak_replicas: float = 8.0
+    duration_seconds: float = 3600.0
+    seed: int = 0
+    warmup_seconds: float = 300.0
+    slo_wait_seconds: float = 2.0
+    max_factor: float = 1.5
+    target_cache_usage: float = 0.75
+    target_queue_depth: float = 4.0
+
+    def bounds(self, trace: Trace) -> tuple[int, int]:
+        """(minReplicas, maxReplicas): the trough's need, and headroom above the peak."""
+        low = max(1, math.floor(trace.base_replicas))
+        high = max(low + 1, math.ceil(self.max_factor * self.peak_replicas) + 1)
+        return low, high
+
+    def spec(self, trace: Trace, model: ReplicaModel) -> AutoscalingSpec:
+        low, high = self.bounds(trace)
+        return AutoscalingSpec(min_replicas=low, max_replicas=high,
+                               target_cache_usage=self.target_cache_usage,
+                               target_queue_depth=self.target_queue_depth,
+                               startup_seconds=model.startup_seconds)
+
+    def config(self, trace: Trace) -> SimConfig:
+        low, high = self.bounds(trace)
+        start = min(high, max(low, round(trace.base_replicas)))
+        return SimConfig(duration_seconds=self.duration_seconds,
+                         slo_wait_seconds=self.slo_wait_seconds, min_replicas=low,
+                         max_replicas=high, initial_replicas=start, seed=self.seed,
+                         warmup_seconds=self.warmup_seconds)
+
+
+def compare(
+    traces: Sequence[str] = TRACES,
+    policies: Sequence[str] = POLICIES,
+    scenario: Scenario = Scenario(),
+    model: ReplicaModel | None = None,
+    progress: Callable[[SimResult], None] | None = None,
+) -> list[SimResult]:
+    """Every policy on every trace (same requests for each policy of a trace)."""
+    model = model or ReplicaModel()
+    results = []
+    for name in traces:
+        trace = make_trace(name, scenario.peak_replicas, scenario.duration_seconds, scenario.seed,
+                           model, scenario.target_cache_usage)
+        for policy in policies:
+            result = simulate(trace, make_policy(policy, scenario.spec(trace, model)), model,
+                              scenario.config(trace))
+            results.append(result)
+            if progress:
+                progress(result)
+    return results
