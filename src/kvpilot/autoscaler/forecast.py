@@ -82,3 +82,15 @@ def seconds_to_exhaustion(current: float, slope: float, capacity: float) -> floa
     if slope <= 0.0:
         return math.inf
     return (capacity - current) / slope
+
+
+def still_rising(points: Sequence[tuple[float, float]], now: float, window: float) -> bool:
+    """True when the newest third of ``window`` (at least 3 points) has its own positive
+    slope. A level shift (a step) makes the whole-window line rise for a while after it is
+    over; requiring the rise to go on at the newest end tells a ramp from a step that
+    already happened."""
+    recent_points = [p for p in points if p[0] >= now - window / 3.0]
+    if len(recent_points) < 3:
+        recent_points = list(points[-3:])
+    recent = fit_trend(recent_points, now)
+    return recent is not None and recent.slope > 0.0

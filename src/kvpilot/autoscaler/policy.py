@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvpilot.autoscaler import rules
-from kvpilot.autoscaler.forecast import fit_trend
+from kvpilot.autoscaler.forecast import fit_trend, still_rising
 from kvpilot.autoscaler.rules import Candidate
 from kvpilot.autoscaler.signals import FleetLoad, FleetSignals, aggregate
 from kvpilot.autoscaler.spec import AutoscalingSpec
@@ -124,13 +124,16 @@ def decide(
 
     latest_demand = None
     if load.complete:
-        latest_demand = load.used_tokens / load.capacity_per_replica
+        latest_demand = load.demand_tokens / load.capacity_per_replica
         state = replace(state, demand=(*state.demand, (now, latest_demand)))
-    trend = fit_trend(_settled(state.demand, state, spec), now)
+    settled = _settled(state.demand, state, spec)
+    trend = fit_trend(settled, now)
+    rising = still_rising(settled, now, spec.forecast_window_seconds)
+    drain = rules.queue_drain(load, ready, current, spec)
     candidates = (
         rules.headroom(load, current, spec),
-        rules.queue_drain(load, ready, current, spec),
-        rules.forecast(trend, latest_demand, current, spec),
+        drain,
+        rules.forecast(trend, latest_demand, current, spec, drain.replicas is not None, rising),
         rules.starvation(load, ready, current, spec),
     )
     by_rule = {c.rule: c for c in candidates}
@@ -184,6 +187,11 @@ def decide(
             load,
             state,
             True,
+        )
+    if current <= spec.min_replicas:
+        return _finish(
+            spec, now, current, highest.replicas, "hold", highest.signal, highest.value,
+            f"at the lower bound: {highest.detail}", candidates, load, state, True,
         )
     if not load.complete:
         return _finish(
@@ -373,7 +381,8 @@ def _finish(
     if desired != asked:
         bound = spec.max_replicas if limited == "max" else spec.min_replicas
         reason = f"{reason} (limited to {limited}Replicas={bound})"
-        if asked == current:  # the count moves only because the bounds moved
+        moved_by_bounds = (desired > current) != (asked > current) or asked == current
+        if desired != current and moved_by_bounds:  # the count moves only for the bounds
             rule = "bounds"
     direction = "up" if desired > current else "down" if desired < current else "hold"
     if direction != "hold":

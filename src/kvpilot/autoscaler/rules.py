@@ -127,23 +127,32 @@ def queue_drain(load: FleetLoad, ready: int, current: int, spec: AutoscalingSpec
 
 
 def forecast(
-    trend: Trend | None, latest_demand: float | None, current: int, spec: AutoscalingSpec
+    trend: Trend | None,
+    latest_demand: float | None,
+    current: int,
+    spec: AutoscalingSpec,
+    queue_deep: bool = False,
+    still_rising: bool = True,
 ) -> Candidate:
     """Scale before the KV runs out, not after: ours (no other autoscaler does this).
 
-    Fit a least-squares line to the KV the fleet holds (non-evictable tokens, in
-    replica-equivalents) over ``forecast_window_seconds``. If, at that slope, demand reaches
-    the capacity of the ``current`` replicas (pending ones included) sooner than a new pod
-    can start (``startupSeconds`` + margin), ask now for the replicas that keep the demand
-    forecast at that horizon under the target usage. A reactive rule asks only once the
-    cache is full, one start-up too late.
+    Fit a least-squares line to the fleet's KV demand (tokens held plus queued prompt
+    tokens, in replica-equivalents; where a request waits does not change it) over
+    ``forecast_window_seconds``. If, at that slope, demand reaches the capacity of the
+    ``current`` replicas (pending ones included) sooner than a new pod can start
+    (``startupSeconds`` + margin), ask now for the replicas that keep the demand forecast at
+    that horizon under the target usage. A reactive rule asks only once the cache is full,
+    one start-up too late.
 
-    Noise guard: the exhaustion time uses the lower end of the slope's 95% confidence
+    Noise guards: the exhaustion time uses the lower end of the slope's 95% confidence
     interval, so a trend must stand out from the scatter of its own samples before it
-    triggers; the size uses the fitted slope. Once demand already exceeds the fleet (exhausted), the forecast steps
-    aside: extrapolating a growing backlog would size for a queue the new pods drain anyway,
-    and the queue-drain and starvation rules own that case. ``latest_demand`` is ``None``
-    when the newest observation was incomplete (then no forecast).
+    triggers, and the rise must go on in the newest third of the window (``still_rising``),
+    so a step that already happened is not extrapolated as a ramp; the size uses the
+    fitted slope. The forecast is for the time *before*
+    exhaustion: once demand exceeds the fleet, or the queue is deeper than its target
+    (``queue_deep``), it steps aside, since extrapolating a growing backlog would size for
+    a queue the new pods drain anyway; the queue-drain and starvation rules own that case.
+    ``latest_demand`` is ``None`` when the newest observation was incomplete (no forecast).
     """
     horizon = spec.forecast_horizon_seconds
     if trend is None or latest_demand is None:
@@ -153,11 +162,22 @@ def forecast(
         )
     level, slope = trend.level, trend.slope
     to_exhaustion = seconds_to_exhaustion(level, trend.cautious_slope, float(current))
+    if queue_deep:
+        return Candidate(
+            "forecast", None, "kv_demand_trend", to_exhaustion,
+            "the queue is deeper than its target: the queue-drain rule sizes the backlog",
+        )
     if to_exhaustion == 0.0:
         return Candidate(
             "forecast", None, "kv_demand_trend", 0.0,
             f"KV demand {level:.2f} replica-eq already fills {current} replicas:"
             " the queue-drain and starvation rules size the backlog",
+        )
+    if to_exhaustion < horizon and not still_rising:
+        return Candidate(
+            "forecast", None, "kv_demand_trend", to_exhaustion,
+            f"KV demand {level:.2f} replica-eq rose, but is flat over the newest third of the"
+            " window: a step, not a ramp",
         )
     if to_exhaustion >= horizon:
         when = "never (no significant rise)" if math.isinf(to_exhaustion) else f"{to_exhaustion:.0f} s"

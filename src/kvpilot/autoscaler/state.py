@@ -58,7 +58,7 @@ class PolicyState:
         """Plain JSON-serializable form (inverse of :meth:`from_dict`)."""
         return {
             "version": SCHEMA_VERSION,
-            "demand": [[t, round(d, 6)] for t, d in self.demand],
+            "demand": [[t, d] for t, d in self.demand],
             "recommendations": [[r.time, r.replicas, r.reactive] for r in self.recommendations],
             "lastScaleTime": self.last_scale_time,
             "lastScaleDownTime": self.last_scale_down_time,
