@@ -110,3 +110,12 @@ def test_fp8_kv_cache_holds_twice_the_tokens_of_bf16_and_calibrates_from_real_da
     assert not cache.needs_calibration
     scales = [float(layer.k_scale) for layer in cache.layers]
     assert all(s != 1.0 and s > 0 for s in scales)  # never a silent 1.0
+
+
+def test_bfloat16_on_cpu_generates_the_same_text():
+    from kvpilot.engine.llm import LLM
+
+    llm = LLM(device="cpu", dtype="bfloat16", kv_cache_memory=0.05)
+    assert llm.engine.config.kv_cache_dtype_name == "bfloat16"
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=2, temperature=0))
+    assert out[0].outputs[0].text == " Paris."

@@ -94,6 +94,9 @@ def _tiny_hf_model(path, arch, tokenizer):
     if arch == "qwen2":
         cfg = transformers.Qwen2Config(**common, rope_theta=10000.0)
         cls = transformers.Qwen2ForCausalLM
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**common, rope_theta=10000.0, sliding_window=None)
+        cls = transformers.MistralForCausalLM
     else:
         cfg = transformers.LlamaConfig(
             **common,
@@ -117,7 +120,7 @@ def _tiny_hf_model(path, arch, tokenizer):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_hf_folder_greedy_matches_transformers(tmp_path, tokenizer, arch):
     from kvpilot.engine.llm import LLM
     from kvpilot.engine.sampling_params import SamplingParams
