@@ -28,6 +28,7 @@ from kvpilot.engine.config import (
     resolve_kv_cache_dtype,
 )
 from kvpilot.engine.core.scheduler import SchedulerOutput
+from kvpilot.engine.cpu_threads import cpu_threads
 from kvpilot.engine.kv_cache import PagedKVCache, bytes_per_block, element_bytes
 from kvpilot.engine.model.config import ModelConfig
 from kvpilot.engine.model.llama import LlamaForCausalLM
@@ -135,6 +136,11 @@ def load_model(args: EngineArgs) -> LoadedModel:
     tokenizer = load_tokenizer(source, args.tokenizer)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    if device.type == "cpu":
+        threads = cpu_threads()
+        if threads != torch.get_num_threads():
+            logger.info("using %d CPU threads (affinity and cgroup quota)", threads)
+            torch.set_num_threads(threads)
     model_max = config.max_position_embeddings
     if config.sliding_window:
         model_max = min(model_max, config.sliding_window)
