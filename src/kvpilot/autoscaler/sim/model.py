@@ -65,7 +65,11 @@ class ReplicaModel:
 
     @property
     def admit_limit_tokens(self) -> float:
-        return self.kv_capacity_tokens * (1.0 - self.admission_watermark)
+        """KV tokens an admission may fill up to. At least one token stays free, so a
+        request just preempted for a full KV is never re-admitted in the same instant (a
+        ping-pong with no progress); larger requests are rejected at arrival."""
+        return min(self.kv_capacity_tokens * (1.0 - self.admission_watermark),
+                   self.kv_capacity_tokens - 1.0)
 
 
 @dataclass(frozen=True)
