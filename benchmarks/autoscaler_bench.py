@@ -37,8 +37,9 @@ GOAL_REPLICA_HOURS = 1.1
 
 def machine() -> str:
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=False).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
     except OSError:
         commit = "?"
     cpu = platform.processor() or platform.machine()
@@ -47,14 +48,18 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"{cpu}, {os.cpu_count()} cores visible, one used | Python {platform.python_version()}"
-            f" ({platform.python_implementation()}) on {platform.system()} {platform.release()}"
-            f" | kvpilot {commit}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores visible, one used | Python {platform.python_version()}"
+        f" ({platform.python_implementation()}) on {platform.system()} {platform.release()}"
+        f" | kvpilot {commit}"
+    )
 
 
 def policy_comparison(args: argparse.Namespace, model: ReplicaModel) -> dict:
-    print(f"\n== Policies: peak {args.peak:g} replicas, start-up {model.startup_seconds:g} s,"
-          f" {args.duration:g} s per trace, seeds {args.seeds}\n")
+    print(
+        f"\n== Policies: peak {args.peak:g} replicas, start-up {model.startup_seconds:g} s,"
+        f" {args.duration:g} s per trace, seeds {args.seeds}\n"
+    )
     totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0.0])
     per_seed = []
     for seed in args.seeds:
@@ -71,8 +76,10 @@ def policy_comparison(args: argparse.Namespace, model: ReplicaModel) -> dict:
             t[3] = max(t[3], r.p99_queue_seconds)
         per_seed.append([r.to_dict() for r in results])
     print("Summed over seeds (ratios against hpa):")
-    print(f"{'trace':8} {'policy':8} {'starvation s':>14} {'x hpa':>7} {'replica-h':>10}"
-          f" {'x hpa':>7} {'worst p99 wait s':>17}")
+    print(
+        f"{'trace':8} {'policy':8} {'starvation s':>14} {'x hpa':>7} {'replica-h':>10}"
+        f" {'x hpa':>7} {'worst p99 wait s':>17}"
+    )
     verdicts = {}
     for trace in args.traces:
         base = totals[(trace, "hpa")]
@@ -80,38 +87,61 @@ def policy_comparison(args: argparse.Namespace, model: ReplicaModel) -> dict:
             s, rh, _, p99 = totals[(trace, policy)]
             sr = s / base[0] if base[0] else float("inf")
             rr = rh / base[1]
-            print(f"{trace:8} {policy:8} {s:>14,.0f} {sr:>7.3f} {rh:>10.2f} {rr:>7.3f} {p99:>17.1f}")
+            print(
+                f"{trace:8} {policy:8} {s:>14,.0f} {sr:>7.3f} {rh:>10.2f} {rr:>7.3f} {p99:>17.1f}"
+            )
             if policy == "kvpilot":
-                verdicts[trace] = {"starvation_ratio": sr, "replica_hours_ratio": rr,
-                                   "met": sr <= GOAL_STARVATION and rr <= GOAL_REPLICA_HOURS}
+                verdicts[trace] = {
+                    "starvation_ratio": sr,
+                    "replica_hours_ratio": rr,
+                    "met": sr <= GOAL_STARVATION and rr <= GOAL_REPLICA_HOURS,
+                }
     print()
     for trace, v in verdicts.items():
         goal = trace in ("burst", "ramp")
         word = ("MET" if v["met"] else "MISSED") if goal else "(no goal)"
-        print(f"goal on {trace}: starvation {v['starvation_ratio']:.3f}x (<= {GOAL_STARVATION}),"
-              f" replica-hours {v['replica_hours_ratio']:.3f}x (<= {GOAL_REPLICA_HOURS}): {word}")
-    return {"totals": {f"{t}/{p}": v for (t, p), v in totals.items()}, "verdicts": verdicts,
-            "per_seed": per_seed}
+        print(
+            f"goal on {trace}: starvation {v['starvation_ratio']:.3f}x (<= {GOAL_STARVATION}),"
+            f" replica-hours {v['replica_hours_ratio']:.3f}x (<= {GOAL_REPLICA_HOURS}): {word}"
+        )
+    return {
+        "totals": {f"{t}/{p}": v for (t, p), v in totals.items()},
+        "verdicts": verdicts,
+        "per_seed": per_seed,
+    }
 
 
 def speed(args: argparse.Namespace, model: ReplicaModel) -> dict:
-    print(f"\n== Simulator speed: a {args.speed_peak:g}-replica peak, burst trace,"
-          f" {args.speed_duration:g} s, one core\n")
-    scenario = Scenario(peak_replicas=args.speed_peak, duration_seconds=args.speed_duration,
-                        warmup_seconds=60.0, seed=1)
+    print(
+        f"\n== Simulator speed: a {args.speed_peak:g}-replica peak, burst trace,"
+        f" {args.speed_duration:g} s, one core\n"
+    )
+    scenario = Scenario(
+        peak_replicas=args.speed_peak,
+        duration_seconds=args.speed_duration,
+        warmup_seconds=60.0,
+        seed=1,
+    )
     trace = make_trace("burst", scenario.peak_replicas, scenario.duration_seconds, 1, model)
     out = {}
     for policy in args.speed_policies:
         start = time.perf_counter()
-        r = simulate(trace, make_policy(policy, scenario.spec(trace, model)), model,
-                     scenario.config(trace))
+        r = simulate(
+            trace, make_policy(policy, scenario.spec(trace, model)), model, scenario.config(trace)
+        )
         wall = time.perf_counter() - start
         arrived = sum(1 for _ in trace.requests())
-        print(f"{policy:8} {arrived:>10,} requests  peak {r.peak_replicas:>5,} replicas"
-              f"  {r.events:>11,} events  {wall:7.1f} s  ({r.events / wall:,.0f} events/s,"
-              f" {arrived / wall:,.0f} requests/s)")
-        out[policy] = {"requests": arrived, "peak_replicas": r.peak_replicas, "events": r.events,
-                       "wall_seconds": wall}
+        print(
+            f"{policy:8} {arrived:>10,} requests  peak {r.peak_replicas:>5,} replicas"
+            f"  {r.events:>11,} events  {wall:7.1f} s  ({r.events / wall:,.0f} events/s,"
+            f" {arrived / wall:,.0f} requests/s)"
+        )
+        out[policy] = {
+            "requests": arrived,
+            "peak_replicas": r.peak_replicas,
+            "events": r.events,
+            "wall_seconds": wall,
+        }
     return out
 
 

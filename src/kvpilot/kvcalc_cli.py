@@ -21,30 +21,60 @@ DEFAULT_CONTEXTS = (2048, 8192, 32768)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama-3-8b",
-                        help="preset name (see --list) or a HF model folder with config.json")
-    parser.add_argument("--kv-cache-dtype", default="bfloat16",
-                        help=f"one of {', '.join(sorted(capacity.KV_DTYPES))} (default bfloat16)")
-    parser.add_argument("--context", type=int, action="append", metavar="TOKENS",
-                        help="context length (prompt + output) per request; repeatable"
-                             f" (default {', '.join(map(str, DEFAULT_CONTEXTS))})")
+    parser.add_argument(
+        "--model",
+        default="llama-3-8b",
+        help="preset name (see --list) or a HF model folder with config.json",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="bfloat16",
+        help=f"one of {', '.join(sorted(capacity.KV_DTYPES))} (default bfloat16)",
+    )
+    parser.add_argument(
+        "--context",
+        type=int,
+        action="append",
+        metavar="TOKENS",
+        help="context length (prompt + output) per request; repeatable"
+        f" (default {', '.join(map(str, DEFAULT_CONTEXTS))})",
+    )
     gpu = parser.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", help=f"GPU preset: {', '.join(presets.GPU_MEMORY_MIB)}")
     gpu.add_argument("--gpu-memory-gib", type=float, help="GPU memory in GiB (instead of --gpu)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="GPUs per replica: weights and KV heads are split across them")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="share of GPU memory the engine may use (default 0.9)")
-    parser.add_argument("--weight-dtype", default="bfloat16",
-                        help="dtype of the weights, for their size (default bfloat16)")
-    parser.add_argument("--reserved-gib", type=float, default=0.0,
-                        help="activations, CUDA graphs, runtime (default 0: an upper bound)")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs per replica: weights and KV heads are split across them",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of GPU memory the engine may use (default 0.9)",
+    )
+    parser.add_argument(
+        "--weight-dtype",
+        default="bfloat16",
+        help="dtype of the weights, for their size (default bfloat16)",
+    )
+    parser.add_argument(
+        "--reserved-gib",
+        type=float,
+        default=0.0,
+        help="activations, CUDA graphs, runtime (default 0: an upper bound)",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     parser.add_argument("--replicas", type=int, default=1, help="replicas, for the cost")
-    parser.add_argument("--cost-per-replica-hour", type=float,
-                        help="finops.costPerReplicaHour, for cost per hour")
-    parser.add_argument("--generated-tokens-per-second", type=float,
-                        help="fleet output rate, for cost per million generated tokens")
+    parser.add_argument(
+        "--cost-per-replica-hour", type=float, help="finops.costPerReplicaHour, for cost per hour"
+    )
+    parser.add_argument(
+        "--generated-tokens-per-second",
+        type=float,
+        help="fleet output rate, for cost per million generated tokens",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--list", action="store_true", help="list model and GPU presets")
 
@@ -63,8 +93,9 @@ def compute(args: argparse.Namespace) -> dict:
         if c <= 0:
             raise ValueError(f"--context must be > 0; got {c}")
     dtype = capacity.kv_dtype(args.kv_cache_dtype)
-    per_token = capacity.kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
-                                            dtype.name)
+    per_token = capacity.kv_bytes_per_token(
+        model.num_layers, model.num_kv_heads, model.head_dim, dtype.name
+    )
     weight_bytes = model.num_params * capacity.kv_dtype(args.weight_dtype).bytes_per_element
     out: dict = {
         "model": model.name,
@@ -78,8 +109,9 @@ def compute(args: argparse.Namespace) -> dict:
         "kv_bytes_per_token": per_token,
         "weight_dtype": args.weight_dtype,
         "weight_bytes": weight_bytes,
-        "per_request": [{"context_tokens": c, "kv_bytes": capacity.kv_bytes(per_token, c)}
-                        for c in contexts],
+        "per_request": [
+            {"context_tokens": c, "kv_bytes": capacity.kv_bytes(per_token, c)} for c in contexts
+        ],
     }
     gpu_bytes = None
     if args.gpu:
@@ -94,20 +126,27 @@ def compute(args: argparse.Namespace) -> dict:
     if gpu_bytes is not None:
         gpu_bytes *= args.tensor_parallel_size
         out["tensor_parallel_size"] = args.tensor_parallel_size
-        kv_mem = capacity.kv_memory_bytes(gpu_bytes, args.gpu_memory_utilization, weight_bytes,
-                                          args.reserved_gib * capacity.GIB)
+        kv_mem = capacity.kv_memory_bytes(
+            gpu_bytes, args.gpu_memory_utilization, weight_bytes, args.reserved_gib * capacity.GIB
+        )
         tokens = capacity.kv_capacity_tokens(kv_mem, per_token, args.block_size)
-        out.update(gpu_memory_bytes=gpu_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
-                   kv_memory_bytes=kv_mem, kv_capacity_tokens=tokens)
+        out.update(
+            gpu_memory_bytes=gpu_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_memory_bytes=kv_mem,
+            kv_capacity_tokens=tokens,
+        )
         for row in out["per_request"]:
             row["max_concurrent_requests"] = capacity.max_concurrent_requests(
-                tokens, row["context_tokens"], args.block_size)
+                tokens, row["context_tokens"], args.block_size
+            )
     if args.cost_per_replica_hour is not None:
         hourly = capacity.cost_per_hour(args.cost_per_replica_hour, args.replicas)
         out["cost_per_hour"] = hourly
         if args.generated_tokens_per_second is not None:
             out["cost_per_million_tokens"] = capacity.cost_per_million_tokens(
-                hourly, args.generated_tokens_per_second)
+                hourly, args.generated_tokens_per_second
+            )
     return out
 
 
@@ -120,7 +159,8 @@ def render(r: dict) -> str:
         f"model            {r['model']}  ({r['num_params'] / 1e9:.2f} B params, {r['num_layers']}"
         f" layers, {r['num_kv_heads']} KV heads x head_dim {r['head_dim']})",
         f"KV dtype         {r['kv_cache_dtype']}  ({r['bytes_per_element']:g} B/value"
-        + (f", one {r['scale_format']} scale per 16 values" if r["scale_format"] else "") + ")",
+        + (f", one {r['scale_format']} scale per 16 values" if r["scale_format"] else "")
+        + ")",
         f"KV per token     {r['kv_bytes_per_token']:,.0f} B  (2 x bytes x layers x KV heads x"
         " head_dim)",
         f"weights          {_gb(r['weight_bytes'])}  ({r['weight_dtype']})",
@@ -134,16 +174,20 @@ def render(r: dict) -> str:
             f"KV capacity      {r['kv_capacity_tokens']:,} tokens per replica",
         ]
         if r["kv_capacity_tokens"] == 0:
-            lines.append("warning          the weights leave no room for a KV cache: raise"
-                         " --tensor-parallel-size or use a smaller --weight-dtype")
+            lines.append(
+                "warning          the weights leave no room for a KV cache: raise"
+                " --tensor-parallel-size or use a smaller --weight-dtype"
+            )
     if "cost_per_hour" in r:
         lines.append(f"cost             {r['cost_per_hour']:,.2f} per hour")
         if r.get("cost_per_million_tokens") is not None:
-            lines.append(f"                 {r['cost_per_million_tokens']:,.4f} per million"
-                         " generated tokens")
+            lines.append(
+                f"                 {r['cost_per_million_tokens']:,.4f} per million generated tokens"
+            )
     has_conc = "kv_capacity_tokens" in r
-    header = f"\n{'context':>10}  {'KV per request':>15}" + (f"  {'max concurrent':>15}"
-                                                              if has_conc else "")
+    header = f"\n{'context':>10}  {'KV per request':>15}" + (
+        f"  {'max concurrent':>15}" if has_conc else ""
+    )
     lines.append(header)
     for row in r["per_request"]:
         line = f"{row['context_tokens']:>10,}  {_gb(row['kv_bytes']):>15}"
@@ -156,8 +200,10 @@ def render(r: dict) -> str:
 def _listing() -> str:
     lines = ["models (preset: layers / KV heads / head_dim / params):"]
     for m in presets.MODEL_PRESETS.values():
-        lines.append(f"  {m.name:16} {m.num_layers:>4} {m.num_kv_heads:>3} {m.head_dim:>4}"
-                     f"  {m.num_params / 1e9:7.2f} B")
+        lines.append(
+            f"  {m.name:16} {m.num_layers:>4} {m.num_kv_heads:>3} {m.head_dim:>4}"
+            f"  {m.num_params / 1e9:7.2f} B"
+        )
     lines.append("GPUs (memory as nvidia-smi reports it):")
     for g, mib in presets.GPU_MEMORY_MIB.items():
         lines.append(f"  {g:10} {mib:>7,} MiB")

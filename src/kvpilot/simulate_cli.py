@@ -22,48 +22,80 @@ _MODEL = ReplicaModel()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", default="all", choices=[*TRACES, "all"],
-                        help="which trace (default: all)")
-    parser.add_argument("--policies", default=",".join(POLICIES),
-                        help=f"comma-separated, from {', '.join(POLICIES)} (default: all)")
-    parser.add_argument("--replicas", type=float, default=8.0,
-                        help="replicas the trace's peak needs at the target KV usage (default 8)")
-    parser.add_argument("--max-factor", type=float, default=1.5,
-                        help="maxReplicas = ceil(factor x --replicas) + 1 (default 1.5)")
+    parser.add_argument(
+        "--trace", default="all", choices=[*TRACES, "all"], help="which trace (default: all)"
+    )
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"comma-separated, from {', '.join(POLICIES)} (default: all)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=float,
+        default=8.0,
+        help="replicas the trace's peak needs at the target KV usage (default 8)",
+    )
+    parser.add_argument(
+        "--max-factor",
+        type=float,
+        default=1.5,
+        help="maxReplicas = ceil(factor x --replicas) + 1 (default 1.5)",
+    )
     parser.add_argument("--duration", type=float, default=3600.0, help="seconds (default 3600)")
-    parser.add_argument("--warmup", type=float, default=300.0,
-                        help="seconds not counted while the fleet fills (default 300)")
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=300.0,
+        help="seconds not counted while the fleet fills (default 300)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="trace and routing seed")
-    parser.add_argument("--slo-seconds", type=float, default=2.0,
-                        help="queueing delay a request tolerates (default 2)")
+    parser.add_argument(
+        "--slo-seconds",
+        type=float,
+        default=2.0,
+        help="queueing delay a request tolerates (default 2)",
+    )
     parser.add_argument("--target-cache-usage", type=float, default=0.75)
     parser.add_argument("--target-queue-depth", type=float, default=4.0)
-    parser.add_argument("--startup-seconds", type=float, default=_MODEL.startup_seconds,
-                        help=f"pod start-up delay (default {_MODEL.startup_seconds:g})")
+    parser.add_argument(
+        "--startup-seconds",
+        type=float,
+        default=_MODEL.startup_seconds,
+        help=f"pod start-up delay (default {_MODEL.startup_seconds:g})",
+    )
     parser.add_argument("--kv-capacity-tokens", type=int, default=_MODEL.kv_capacity_tokens)
-    parser.add_argument("--prefill-tokens-per-second", type=float,
-                        default=_MODEL.prefill_tokens_per_second)
-    parser.add_argument("--decode-step-base-ms", type=float,
-                        default=_MODEL.decode_step_base_seconds * 1e3)
-    parser.add_argument("--decode-step-per-seq-ms", type=float,
-                        default=_MODEL.decode_step_per_seq_seconds * 1e3)
+    parser.add_argument(
+        "--prefill-tokens-per-second", type=float, default=_MODEL.prefill_tokens_per_second
+    )
+    parser.add_argument(
+        "--decode-step-base-ms", type=float, default=_MODEL.decode_step_base_seconds * 1e3
+    )
+    parser.add_argument(
+        "--decode-step-per-seq-ms", type=float, default=_MODEL.decode_step_per_seq_seconds * 1e3
+    )
     parser.add_argument("--max-num-seqs", type=int, default=_MODEL.max_num_seqs)
     parser.add_argument("--json", metavar="PATH", help="write results (with timelines) as JSON")
     parser.add_argument("--plot", metavar="PNG", help="write a timeline plot (needs matplotlib)")
 
 
 def _model(args: argparse.Namespace) -> ReplicaModel:
-    return ReplicaModel(kv_capacity_tokens=args.kv_capacity_tokens,
-                        prefill_tokens_per_second=args.prefill_tokens_per_second,
-                        decode_step_base_seconds=args.decode_step_base_ms / 1e3,
-                        decode_step_per_seq_seconds=args.decode_step_per_seq_ms / 1e3,
-                        max_num_seqs=args.max_num_seqs,
-                        startup_seconds=args.startup_seconds)
+    return ReplicaModel(
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        prefill_tokens_per_second=args.prefill_tokens_per_second,
+        decode_step_base_seconds=args.decode_step_base_ms / 1e3,
+        decode_step_per_seq_seconds=args.decode_step_per_seq_ms / 1e3,
+        max_num_seqs=args.max_num_seqs,
+        startup_seconds=args.startup_seconds,
+    )
 
 
 def _progress(result: SimResult) -> None:
-    print(f"  {result.trace:8} {result.policy:8} {result.requests:>9,} requests"
-          f"  {result.events:>10,} events in {result.wall_seconds:6.1f} s", file=sys.stderr)
+    print(
+        f"  {result.trace:8} {result.policy:8} {result.requests:>9,} requests"
+        f"  {result.events:>10,} events in {result.wall_seconds:6.1f} s",
+        file=sys.stderr,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,11 +106,16 @@ def run(args: argparse.Namespace) -> int:
             if p not in POLICIES:
                 raise ValueError(f"--policies must name {', '.join(POLICIES)}; got {p!r}")
         model = _model(args)
-        scenario = Scenario(peak_replicas=args.replicas, duration_seconds=args.duration,
-                            seed=args.seed, warmup_seconds=args.warmup,
-                            slo_wait_seconds=args.slo_seconds, max_factor=args.max_factor,
-                            target_cache_usage=args.target_cache_usage,
-                            target_queue_depth=args.target_queue_depth)
+        scenario = Scenario(
+            peak_replicas=args.replicas,
+            duration_seconds=args.duration,
+            seed=args.seed,
+            warmup_seconds=args.warmup,
+            slo_wait_seconds=args.slo_seconds,
+            max_factor=args.max_factor,
+            target_cache_usage=args.target_cache_usage,
+            target_queue_depth=args.target_queue_depth,
+        )
         results = compare(traces, policies, scenario, model, progress=_progress)
     except ValueError as exc:
         print(f"kvpilot simulate: error: {exc}", file=sys.stderr)
@@ -89,8 +126,11 @@ def run(args: argparse.Namespace) -> int:
             moves = ", ".join(f"{k} {v}" for k, v in sorted(r.rules.items()))
             print(f"{r.trace} {r.policy} decisions that moved the count: {moves}")
     if args.json:
-        payload = {"scenario": vars(scenario), "model": vars(model),
-                   "results": [r.to_dict(timeline=True) for r in results]}
+        payload = {
+            "scenario": vars(scenario),
+            "model": vars(model),
+            "results": [r.to_dict(timeline=True) for r in results],
+        }
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
         print(f"wrote {args.json}")

@@ -12,8 +12,11 @@ from collections.abc import Sequence
 
 from kvpilot.autoscaler.sim.report import SimResult
 
-_ROWS = (("usage", "mean KV usage (ready)"), ("waiting", "requests waiting"),
-         ("replicas", "replicas (paid)"))
+_ROWS = (
+    ("usage", "mean KV usage (ready)"),
+    ("waiting", "requests waiting"),
+    ("replicas", "replicas (paid)"),
+)
 
 
 def plot_timelines(results: Sequence[SimResult], path: str) -> None:
@@ -27,8 +30,9 @@ def plot_timelines(results: Sequence[SimResult], path: str) -> None:
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError("--plot needs matplotlib: pip install 'kvpilot[dev]'") from exc
     traces = list(dict.fromkeys(r.trace for r in results))
-    fig, axes = plt.subplots(len(_ROWS), len(traces), figsize=(6 * len(traces), 8), sharex="col",
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(_ROWS), len(traces), figsize=(6 * len(traces), 8), sharex="col", squeeze=False
+    )
     for col, trace in enumerate(traces):
         runs = [r for r in results if r.trace == trace]
         for row, (field, label) in enumerate(_ROWS):
@@ -41,8 +45,11 @@ def plot_timelines(results: Sequence[SimResult], path: str) -> None:
             if runs and runs[0].warmup_seconds:
                 ax.axvspan(0, runs[0].warmup_seconds / 60.0, color="0.9", zorder=0)
             if row == 0:
-                ax.set_title(f"{trace}: starvation s " + ", ".join(
-                    f"{r.policy} {r.starvation_seconds:,.0f}" for r in runs), fontsize=9)
+                ax.set_title(
+                    f"{trace}: starvation s "
+                    + ", ".join(f"{r.policy} {r.starvation_seconds:,.0f}" for r in runs),
+                    fontsize=9,
+                )
                 ax.set_ylim(0, 1.05)
             if field == "waiting":
                 ax.set_yscale("symlog", linthresh=10)

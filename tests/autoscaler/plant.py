@@ -21,8 +21,9 @@ CAP = 100_000  # tokens per replica
 TOKENS_PER_REQUEST = 2_000
 
 
-def pods_for(demand: float, ready: int, missing: frozenset[int] = frozenset(),
-             preempting: bool = False) -> tuple[PodSignals, ...]:
+def pods_for(
+    demand: float, ready: int, missing: frozenset[int] = frozenset(), preempting: bool = False
+) -> tuple[PodSignals, ...]:
     """Ready pods carrying ``demand`` replica-equivalents evenly (usage capped at 0.99)."""
     per_pod = demand / ready if ready else 0.0
     usage = min(per_pod, 0.99)
@@ -33,11 +34,17 @@ def pods_for(demand: float, ready: int, missing: frozenset[int] = frozenset(),
         if i in missing:
             pods.append(PodSignals(f"p{i}"))
             continue
-        pods.append(PodSignals(f"p{i}", kv_usage=usage, num_waiting=waiting,
-                               waiting_tokens=excess_tokens,
-                               num_running=usage * CAP / TOKENS_PER_REQUEST,
-                               preemption_rate=0.5 if preempting else 0.0,
-                               kv_capacity_tokens=CAP))
+        pods.append(
+            PodSignals(
+                f"p{i}",
+                kv_usage=usage,
+                num_waiting=waiting,
+                waiting_tokens=excess_tokens,
+                num_running=usage * CAP / TOKENS_PER_REQUEST,
+                preemption_rate=0.5 if preempting else 0.0,
+                kv_capacity_tokens=CAP,
+            )
+        )
     return tuple(pods)
 
 
@@ -57,8 +64,12 @@ class Plant:
     def now(self) -> float:
         return self.step * self.spec.interval_seconds
 
-    def tick(self, demand: float, missing: Callable[[int], frozenset[int]] | None = None,
-             ready_override: tuple[PodSignals, ...] | None = None) -> Decision:
+    def tick(
+        self,
+        demand: float,
+        missing: Callable[[int], frozenset[int]] | None = None,
+        ready_override: tuple[PodSignals, ...] | None = None,
+    ) -> Decision:
         while self.pending and self.pending[0] <= self.step:
             self.pending.popleft()
             self.ready += 1

@@ -48,13 +48,21 @@ def test_bad_inputs_are_refused_with_the_value():
         capacity.max_concurrent_requests(1000, 0)
 
 
-@pytest.mark.parametrize(("name", "published"), [
-    ("llama-3-8b", 8_030_261_248), ("llama-3-70b", 70_553_706_496),
-    ("llama-3.1-405b", 405_853_388_800), ("llama-3.2-1b", 1_235_814_400),
-    ("llama-2-7b", 6_738_415_616), ("mistral-7b", 7_248_023_552),
-    ("qwen2.5-0.5b", 494_032_768), ("qwen2.5-7b", 7_615_616_512),
-    ("smollm2-135m", 134_515_008), ("smollm2-1.7b", 1_711_376_384),
-])
+@pytest.mark.parametrize(
+    ("name", "published"),
+    [
+        ("llama-3-8b", 8_030_261_248),
+        ("llama-3-70b", 70_553_706_496),
+        ("llama-3.1-405b", 405_853_388_800),
+        ("llama-3.2-1b", 1_235_814_400),
+        ("llama-2-7b", 6_738_415_616),
+        ("mistral-7b", 7_248_023_552),
+        ("qwen2.5-0.5b", 494_032_768),
+        ("qwen2.5-7b", 7_615_616_512),
+        ("smollm2-135m", 134_515_008),
+        ("smollm2-1.7b", 1_711_376_384),
+    ],
+)
 def test_preset_parameter_counts_equal_the_model_cards(name, published):
     assert presets.model_preset(name).num_params == published
 
@@ -72,8 +80,13 @@ def test_capacity_and_concurrency_for_a_gpu():
 
 
 def test_finops_view():
-    f = capacity.finops(kv_capacity_tokens=464_688, replicas=3, mean_context_tokens=4096,
-                        cost_per_replica_hour=4.0, generated_tokens_per_second=2000.0)
+    f = capacity.finops(
+        kv_capacity_tokens=464_688,
+        replicas=3,
+        mean_context_tokens=4096,
+        cost_per_replica_hour=4.0,
+        generated_tokens_per_second=2000.0,
+    )
     assert f.max_concurrent_requests == 113 and f.cost_per_hour == 12.0
     assert f.cost_per_million_tokens == pytest.approx(12.0 / (2000 * 3600) * 1e6)
     idle = capacity.finops(464_688, 3, cost_per_replica_hour=4.0, generated_tokens_per_second=0)
@@ -81,18 +94,30 @@ def test_finops_view():
 
 
 def write_safetensors(path, shapes):
-    header = {name: {"dtype": "BF16", "shape": shape, "data_offsets": [0, 0]}
-              for name, shape in shapes.items()}
+    header = {
+        name: {"dtype": "BF16", "shape": shape, "data_offsets": [0, 0]}
+        for name, shape in shapes.items()
+    }
     header["__metadata__"] = {"format": "pt"}
     raw = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(raw)) + raw)
 
 
 def test_hf_folder_config_and_safetensors_headers(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
-        "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-        "vocab_size": 151936, "tie_word_embeddings": True}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2",
+                "hidden_size": 896,
+                "intermediate_size": 4864,
+                "num_hidden_layers": 24,
+                "num_attention_heads": 14,
+                "num_key_value_heads": 2,
+                "vocab_size": 151936,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
     shape = presets.load_model_folder(tmp_path)
     assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (24, 2, 64)
     assert shape.num_params == presets.model_preset("qwen2.5-0.5b").num_params

@@ -8,16 +8,48 @@ from kvpilot.cli import main
 
 
 def test_kv_calc_prints_the_reference_numbers(capsys):
-    assert main(["kv-calc", "--model", "llama-3-70b", "--kv-cache-dtype", "float16",
-                 "--context", "8192", "--context", "65536"]) == 0
+    assert (
+        main(
+            [
+                "kv-calc",
+                "--model",
+                "llama-3-70b",
+                "--kv-cache-dtype",
+                "float16",
+                "--context",
+                "8192",
+                "--context",
+                "65536",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "2.68 GB" in out and "21.47 GB" in out and "327,680 B" in out
 
 
 def test_kv_calc_json_with_a_gpu_and_costs(capsys):
-    assert main(["kv-calc", "--model", "llama-3-8b", "--gpu", "H100-80GB", "--context", "8192",
-                 "--cost-per-replica-hour", "4", "--replicas", "2",
-                 "--generated-tokens-per-second", "1000", "--json"]) == 0
+    assert (
+        main(
+            [
+                "kv-calc",
+                "--model",
+                "llama-3-8b",
+                "--gpu",
+                "H100-80GB",
+                "--context",
+                "8192",
+                "--cost-per-replica-hour",
+                "4",
+                "--replicas",
+                "2",
+                "--generated-tokens-per-second",
+                "1000",
+                "--json",
+            ]
+        )
+        == 0
+    )
     r = json.loads(capsys.readouterr().out)
     assert r["kv_capacity_tokens"] == 464_688
     assert r["per_request"][0]["max_concurrent_requests"] == 56
@@ -51,8 +83,26 @@ def test_kv_calc_warns_when_weights_leave_no_room(capsys):
 def test_simulate_compares_policies_and_writes_json_and_png(tmp_path, capsys):
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the dev extra)")
     out_json, out_png = tmp_path / "sim.json", tmp_path / "sim.png"
-    assert main(["simulate", "--trace", "burst", "--replicas", "2", "--duration", "900",
-                 "--warmup", "120", "--json", str(out_json), "--plot", str(out_png)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                "burst",
+                "--replicas",
+                "2",
+                "--duration",
+                "900",
+                "--warmup",
+                "120",
+                "--json",
+                str(out_json),
+                "--plot",
+                str(out_png),
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     for policy in ("kvpilot", "hpa", "kpa"):
         assert policy in table

@@ -10,7 +10,9 @@ from kvpilot.autoscaler.forecast import fit_trend, seconds_to_exhaustion, t_crit
 def test_exact_line_is_recovered_with_zero_error():
     points = [(t, 2.0 + 0.01 * t) for t in (0.0, 15.0, 30.0, 45.0)]
     trend = fit_trend(points, now=45.0)
-    assert trend.slope == pytest.approx(0.01) and trend.slope_stderr == pytest.approx(0.0, abs=1e-12)
+    assert trend.slope == pytest.approx(0.01) and trend.slope_stderr == pytest.approx(
+        0.0, abs=1e-12
+    )
     assert trend.level == pytest.approx(2.45) and trend.at(100.0) == pytest.approx(3.45)
     assert trend.cautious_slope == pytest.approx(0.01)
     assert (trend.samples, trend.span_seconds) == (4, 45.0)

@@ -16,19 +16,24 @@ def maybe(strategy):
 
 pods = st.builds(
     lambda usage, waiting, tokens, running, rate, cap: (usage, waiting, tokens, running, rate, cap),
-    maybe(st.floats(0, 1)), maybe(st.integers(0, 60)), maybe(st.integers(0, 2_000_000)),
-    maybe(st.integers(0, 300)), maybe(st.sampled_from([0.0, 0.0, 0.0, 0.2, 3.0])),
+    maybe(st.floats(0, 1)),
+    maybe(st.integers(0, 60)),
+    maybe(st.integers(0, 2_000_000)),
+    maybe(st.integers(0, 300)),
+    maybe(st.sampled_from([0.0, 0.0, 0.0, 0.2, 3.0])),
     maybe(st.sampled_from([16_384, 100_000, 464_688])),
 )
-observations = st.tuples(st.lists(pods, max_size=10), st.integers(0, 5),
-                         st.sampled_from([15.0, 15.0, 15.0, 60.0]))
+observations = st.tuples(
+    st.lists(pods, max_size=10), st.integers(0, 5), st.sampled_from([15.0, 15.0, 15.0, 60.0])
+)
 
 
 @st.composite
 def specs(draw):
     low = draw(st.integers(1, 6))
     return AutoscalingSpec(
-        min_replicas=low, max_replicas=draw(st.integers(low, low + 20)),
+        min_replicas=low,
+        max_replicas=draw(st.integers(low, low + 20)),
         target_cache_usage=draw(st.sampled_from([0.5, 0.7, 0.75, 0.85])),
         target_queue_depth=draw(st.sampled_from([1.0, 4.0, 16.0])),
         startup_seconds=draw(st.sampled_from([0.0, 60.0, 120.0, 600.0])),
@@ -73,8 +78,11 @@ def test_a_scale_up_never_waits_for_a_window(spec, sequence):
     """Whatever the history, the forecast and the starvation alarm act at once, and with no
     scale-up window neither do the reactive rules: no scale-down window ever delays them."""
     for signals, d in replay(spec, sequence):
-        urgent = [c.replicas for c in d.candidates
-                  if c.rule in {"forecast", "starvation"} and c.replicas is not None]
+        urgent = [
+            c.replicas
+            for c in d.candidates
+            if c.rule in {"forecast", "starvation"} and c.replicas is not None
+        ]
         if spec.scale_up_stabilization_seconds == 0:
             urgent += [c.replicas for c in d.candidates if c.replicas is not None]
         wanted = max(urgent, default=0)
@@ -93,8 +101,12 @@ def test_state_is_json_and_replays_identically(spec, sequence):
 
 
 @settings(max_examples=40, deadline=None)
-@given(demand=st.floats(0.0, 30.0), ready=st.integers(1, 20), startup_steps=st.integers(0, 12),
-       spec=specs())
+@given(
+    demand=st.floats(0.0, 30.0),
+    ready=st.integers(1, 20),
+    startup_steps=st.integers(0, 12),
+    spec=specs(),
+)
 def test_no_oscillation_on_a_steady_load(demand, ready, startup_steps, spec):
     """A constant load: the count may move toward a level (and correct one overshoot), then
     stays put."""

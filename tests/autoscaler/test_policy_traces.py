@@ -114,8 +114,12 @@ def test_bounds_are_reported_for_scaling_limited():
     d = decide(FleetSignals(pods_for(20.0, 4)), PolicyState(), spec, 0.0)
     assert d.desired_replicas == 5 and d.limited == "max" and d.unclamped_replicas > 5
     assert "limited to maxReplicas=5" in d.reason
-    below = decide(FleetSignals(pods_for(0.0, 1)), PolicyState(), AutoscalingSpec(
-        min_replicas=3, max_replicas=5), 0.0)
+    below = decide(
+        FleetSignals(pods_for(0.0, 1)),
+        PolicyState(),
+        AutoscalingSpec(min_replicas=3, max_replicas=5),
+        0.0,
+    )
     assert below.desired_replicas == 3 and below.rule == "bounds" and below.limited == "min"
 
 
@@ -137,14 +141,30 @@ def test_decision_to_dict_is_plain_json():
 
     d = decide(FleetSignals(pods_for(2.0, 2)), PolicyState(), SPEC, 0.0)
     data = json.loads(json.dumps(d.to_dict()))
-    assert {c["rule"] for c in data["candidates"]} == {"headroom", "queue_drain", "forecast",
-                                                       "starvation"}
+    assert {c["rule"] for c in data["candidates"]} == {
+        "headroom",
+        "queue_drain",
+        "forecast",
+        "starvation",
+    }
     assert data["desiredReplicas"] == d.desired_replicas
 
 
 def test_pod_signals_are_what_a_metric_source_builds():
-    pod = PodSignals("chat-0", kv_usage=0.4, num_waiting=0, waiting_tokens=0, num_running=3,
-                     preemption_rate=0.0, kv_capacity_tokens=16384)
+    pod = PodSignals(
+        "chat-0",
+        kv_usage=0.4,
+        num_waiting=0,
+        waiting_tokens=0,
+        num_running=3,
+        preemption_rate=0.0,
+        kv_capacity_tokens=16384,
+    )
     assert pod.missing == ()
-    assert PodSignals("chat-1").missing == ("kv_usage", "num_waiting", "waiting_tokens",
-                                            "num_running", "preemption_rate")
+    assert PodSignals("chat-1").missing == (
+        "kv_usage",
+        "num_waiting",
+        "waiting_tokens",
+        "num_running",
+        "preemption_rate",
+    )

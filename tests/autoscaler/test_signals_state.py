@@ -17,23 +17,37 @@ from kvpilot.autoscaler import (
 
 
 def pod(name, **kw):
-    base = dict(kv_usage=0.5, num_waiting=0, waiting_tokens=0, num_running=10,
-                preemption_rate=0.0, kv_capacity_tokens=1000)
+    base = dict(
+        kv_usage=0.5,
+        num_waiting=0,
+        waiting_tokens=0,
+        num_running=10,
+        preemption_rate=0.0,
+        kv_capacity_tokens=1000,
+    )
     return PodSignals(name, **{**base, **kw})
 
 
 def test_aggregate_adds_tokens_using_each_pods_capacity():
-    load = aggregate(FleetSignals((pod("a", kv_usage=0.5, kv_capacity_tokens=1000),
-                                   pod("b", kv_usage=0.25, kv_capacity_tokens=2000,
-                                       num_waiting=3, waiting_tokens=600))))
+    load = aggregate(
+        FleetSignals(
+            (
+                pod("a", kv_usage=0.5, kv_capacity_tokens=1000),
+                pod("b", kv_usage=0.25, kv_capacity_tokens=2000, num_waiting=3, waiting_tokens=600),
+            )
+        )
+    )
     assert load.used_tokens == 1000.0 and load.waiting_tokens == 600.0
     assert load.capacity_per_replica == 1500.0 and load.capacity_known
     assert load.num_waiting == 3 and load.max_usage == 0.5 and load.complete
 
 
 def test_missing_values_add_nothing_and_are_listed():
-    load = aggregate(FleetSignals((pod("a"), PodSignals("b"),
-                                   pod("c", preemption_rate=None, kv_capacity_tokens=None))))
+    load = aggregate(
+        FleetSignals(
+            (pod("a"), PodSignals("b"), pod("c", preemption_rate=None, kv_capacity_tokens=None))
+        )
+    )
     assert load.missing_pods == ("b", "c") and not load.complete
     assert load.usage_reported == 2
     # c has no capacity: the fleet median (1000) stands in for it.
@@ -46,12 +60,15 @@ def test_unknown_capacity_works_in_replica_units():
     assert load.used_tokens == 0.5 and load.waiting_tokens == 0.0
 
 
-@pytest.mark.parametrize(("kw", "message"), [
-    ({"kv_usage": 1.2}, "kv_usage must be [0, 1.0] or None; got 1.2"),
-    ({"kv_usage": float("nan")}, "kv_usage must be a number or None"),
-    ({"num_waiting": -1}, "num_waiting must be >= 0 and finite or None; got -1"),
-    ({"kv_capacity_tokens": 0}, "kv_capacity_tokens must be > 0 or None; got 0"),
-])
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"kv_usage": 1.2}, "kv_usage must be [0, 1.0] or None; got 1.2"),
+        ({"kv_usage": float("nan")}, "kv_usage must be a number or None"),
+        ({"num_waiting": -1}, "num_waiting must be >= 0 and finite or None; got -1"),
+        ({"kv_capacity_tokens": 0}, "kv_capacity_tokens must be > 0 or None; got 0"),
+    ],
+)
 def test_bad_pod_values_are_refused(kw, message):
     with pytest.raises(ValueError) as err:
         pod("x", **kw)

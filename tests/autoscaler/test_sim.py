@@ -96,11 +96,16 @@ def test_unknown_trace_and_bad_sizes_are_refused():
 
 
 def test_a_lone_request_is_served_in_prefill_plus_decode_time():
-    model = ReplicaModel(kv_capacity_tokens=10_000, prefill_tokens_per_second=1000,
-                         decode_step_base_seconds=0.01, decode_step_per_seq_seconds=0.0)
+    model = ReplicaModel(
+        kv_capacity_tokens=10_000,
+        prefill_tokens_per_second=1000,
+        decode_step_base_seconds=0.01,
+        decode_step_per_seq_seconds=0.0,
+    )
     trace = one_request_trace((10.0, 2000, 100, 500))
-    r = simulate(trace, Fixed(1), model, SimConfig(duration_seconds=600, max_replicas=2,
-                                                   warmup_seconds=0))
+    r = simulate(
+        trace, Fixed(1), model, SimConfig(duration_seconds=600, max_replicas=2, warmup_seconds=0)
+    )
     assert (r.requests, r.finished, r.preemptions, r.starvation_seconds) == (1, 1, 0, 0.0)
     assert r.generated_tokens == 100 and r.p99_queue_seconds == 0.0
 
@@ -108,20 +113,32 @@ def test_a_lone_request_is_served_in_prefill_plus_decode_time():
 def test_a_full_kv_preempts_the_newest_and_counts_the_lost_time():
     """Two requests that each fit alone but not together as they grow: the newer one is
     preempted (recompute), waits for the older to finish, and that time is starvation."""
-    model = ReplicaModel(kv_capacity_tokens=1000, prefill_tokens_per_second=10_000,
-                         decode_step_base_seconds=0.01, decode_step_per_seq_seconds=0.0,
-                         admission_watermark=0.0)
+    model = ReplicaModel(
+        kv_capacity_tokens=1000,
+        prefill_tokens_per_second=10_000,
+        decode_step_base_seconds=0.01,
+        decode_step_per_seq_seconds=0.0,
+        admission_watermark=0.0,
+    )
     trace = one_request_trace((1.0, 400, 400, 0), (1.1, 400, 400, 0))
-    r = simulate(trace, Fixed(1), model, SimConfig(duration_seconds=600, max_replicas=2,
-                                                   warmup_seconds=0, slo_wait_seconds=10))
+    r = simulate(
+        trace,
+        Fixed(1),
+        model,
+        SimConfig(duration_seconds=600, max_replicas=2, warmup_seconds=0, slo_wait_seconds=10),
+    )
     assert r.finished == 2 and r.preemptions >= 1
     assert r.starvation_seconds > 0 and r.p99_queue_seconds > 1.0
 
 
 def test_requests_that_can_never_fit_are_rejected_not_queued_forever():
     model = ReplicaModel(kv_capacity_tokens=1000)
-    r = simulate(one_request_trace((1.0, 5000, 10, 0)), Fixed(1), model,
-                 SimConfig(duration_seconds=60, max_replicas=2, warmup_seconds=0))
+    r = simulate(
+        one_request_trace((1.0, 5000, 10, 0)),
+        Fixed(1),
+        model,
+        SimConfig(duration_seconds=60, max_replicas=2, warmup_seconds=0),
+    )
     assert (r.rejected, r.finished, r.starvation_seconds) == (1, 0, 0.0)
 
 
@@ -138,8 +155,12 @@ def test_unfinished_waits_are_charged_at_the_end():
     model = ReplicaModel(kv_capacity_tokens=1000, prefill_tokens_per_second=100)
     # the second request waits behind a 9 s prefill and is still queued at t=5
     trace = one_request_trace((0.0, 900, 50, 0), (0.5, 900, 50, 0), duration=5.0)
-    r = simulate(trace, Fixed(1), model, SimConfig(duration_seconds=5, max_replicas=2,
-                                                   warmup_seconds=0, slo_wait_seconds=1))
+    r = simulate(
+        trace,
+        Fixed(1),
+        model,
+        SimConfig(duration_seconds=5, max_replicas=2, warmup_seconds=0, slo_wait_seconds=1),
+    )
     assert r.starvation_seconds == pytest.approx(5.0 - 0.5 - 1.0)
 
 
@@ -164,8 +185,8 @@ class FakeReplica:
 
 def test_hpa_style_stabilizes_scale_down_on_the_window_maximum():
     hpa = HpaStylePolicy(1, 20, down_window_seconds=300)
-    assert hpa.decide(0, [FakeReplica(0.9)] * 4, 0) == 5    # ceil(4 x 0.9 / 0.75)
-    assert hpa.decide(15, [FakeReplica(0.1)] * 5, 0) == 5   # window still holds 5
+    assert hpa.decide(0, [FakeReplica(0.9)] * 4, 0) == 5  # ceil(4 x 0.9 / 0.75)
+    assert hpa.decide(15, [FakeReplica(0.1)] * 5, 0) == 5  # window still holds 5
     assert hpa.decide(330, [FakeReplica(0.1)] * 5, 0) == 1  # past the window: one step
     assert hpa.decide(345, [FakeReplica(1.0)] * 2, 0) == 3  # within tolerance? no: 2.67->3
     assert hpa.decide(360, [FakeReplica(1.0)] * 20, 0) == 20
@@ -173,29 +194,30 @@ def test_hpa_style_stabilizes_scale_down_on_the_window_maximum():
 
 def test_hpa_style_limits_scale_up_to_double_or_four_pods():
     hpa = HpaStylePolicy(1, 100)
-    assert hpa.decide(0, [FakeReplica(1.0)] * 2, 0) == 3    # ceil(2/0.75)
+    assert hpa.decide(0, [FakeReplica(1.0)] * 2, 0) == 3  # ceil(2/0.75)
     hpa = HpaStylePolicy(1, 100, target=0.1)
-    assert hpa.decide(0, [FakeReplica(1.0)] * 2, 0) == 6    # max(2 x 2, 2 + 4)
+    assert hpa.decide(0, [FakeReplica(1.0)] * 2, 0) == 6  # max(2 x 2, 2 + 4)
 
 
 def test_hpa_style_counts_pending_pods_as_zero_usage():
     hpa = HpaStylePolicy(1, 100)
-    assert hpa.decide(0, [FakeReplica(0.9)] * 4, 2) == 6    # 3.6 / (6 x .75) = 0.8: hold
+    assert hpa.decide(0, [FakeReplica(0.9)] * 4, 2) == 6  # 3.6 / (6 x .75) = 0.8: hold
 
 
 def test_kpa_style_panics_on_a_queue_spike_and_never_scales_down_while_panicking():
     kpa = KpaStylePolicy(1, 100, target_per_pod=4)
     assert kpa.decide(0, [FakeReplica(0.5, 0)] * 4, 0) == 2  # stable: floor(4 / 2)
-    up = kpa.decide(2, [FakeReplica(0.5, 40)] * 4, 0)        # panic: 160 / 4 = 40 pods
+    up = kpa.decide(2, [FakeReplica(0.5, 40)] * 4, 0)  # panic: 160 / 4 = 40 pods
     assert up >= 20
     later = [kpa.decide(t, [FakeReplica(0.5, 0)] * up, 0) for t in range(4, 60, 2)]
-    assert min(later) == up                                  # no scale-down in panic
+    assert min(later) == up  # no scale-down in panic
     assert kpa.decide(70, [FakeReplica(0.5, 0)] * up, 0) < up
 
 
 def test_comparison_table_and_percentile():
-    results = compare(["ramp"], ["kvpilot", "hpa"], dataclasses.replace(
-        SMALL, duration_seconds=600))
+    results = compare(
+        ["ramp"], ["kvpilot", "hpa"], dataclasses.replace(SMALL, duration_seconds=600)
+    )
     table = comparison_table(results)
     assert "kvpilot" in table and "hpa" in table and "x base" in table
     assert percentile([], 99) == 0.0
@@ -207,14 +229,20 @@ def test_replica_kv_is_the_aggregate_of_its_requests():
     """The closed-form KV accounting equals a sum over requests at any instant."""
     from kvpilot.autoscaler.sim.replica import Req, Stats
 
-    model = ReplicaModel(kv_capacity_tokens=100_000, prefill_tokens_per_second=10_000,
-                         decode_step_base_seconds=0.01, decode_step_per_seq_seconds=0.001)
+    model = ReplicaModel(
+        kv_capacity_tokens=100_000,
+        prefill_tokens_per_second=10_000,
+        decode_step_base_seconds=0.01,
+        decode_step_per_seq_seconds=0.001,
+    )
     r, stats = Replica(0, model, 0.0), Stats(1.0)
     r.state = "ready"
     arrivals = [Req(t, 1000 * (i + 1), 1000) for i, t in enumerate((0.0, 0.05, 0.1))]
     now = -1.0
     while now < 2.0:
-        due = min([r.next_event(now), *(q.arrival for q in arrivals if q.arrival > now)], default=2.0)
+        due = min(
+            [r.next_event(now), *(q.arrival for q in arrivals if q.arrival > now)], default=2.0
+        )
         now = min(due, 2.0)
         for q in arrivals:
             if q.arrival == now:

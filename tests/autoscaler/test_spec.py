@@ -6,11 +6,19 @@ from kvpilot.autoscaler import AutoscalingSpec
 
 
 def test_from_crd_reads_camel_case_and_ignores_unknown_keys():
-    spec = AutoscalingSpec.from_crd({"minReplicas": 2, "maxReplicas": 9, "targetCacheUsage": 0.6,
-                                     "targetQueueDepth": 8, "startupSeconds": 300,
-                                     "scaleUpStabilizationSeconds": 30,
-                                     "scaleDownStabilizationSeconds": 600, "intervalSeconds": 30,
-                                     "metrics": {"source": "pods"}})
+    spec = AutoscalingSpec.from_crd(
+        {
+            "minReplicas": 2,
+            "maxReplicas": 9,
+            "targetCacheUsage": 0.6,
+            "targetQueueDepth": 8,
+            "startupSeconds": 300,
+            "scaleUpStabilizationSeconds": 30,
+            "scaleDownStabilizationSeconds": 600,
+            "intervalSeconds": 30,
+            "metrics": {"source": "pods"},
+        }
+    )
     assert (spec.min_replicas, spec.max_replicas, spec.target_cache_usage) == (2, 9, 0.6)
     assert spec.forecast_horizon_seconds == 300 + spec.forecast_margin_seconds
     assert AutoscalingSpec.from_crd(spec.to_crd()) == spec
@@ -18,28 +26,40 @@ def test_from_crd_reads_camel_case_and_ignores_unknown_keys():
 
 def test_defaults_match_the_crd_defaults():
     spec = AutoscalingSpec.from_crd({"maxReplicas": 4})
-    assert spec.to_crd() == {"minReplicas": 1, "maxReplicas": 4, "targetCacheUsage": 0.75,
-                             "targetQueueDepth": 4.0, "startupSeconds": 120.0,
-                             "scaleUpStabilizationSeconds": 0.0,
-                             "scaleDownStabilizationSeconds": 300.0, "intervalSeconds": 15.0}
+    assert spec.to_crd() == {
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "targetCacheUsage": 0.75,
+        "targetQueueDepth": 4.0,
+        "startupSeconds": 120.0,
+        "scaleUpStabilizationSeconds": 0.0,
+        "scaleDownStabilizationSeconds": 300.0,
+        "intervalSeconds": 15.0,
+    }
 
 
-@pytest.mark.parametrize(("crd", "message"), [
-    ({"minReplicas": 5, "maxReplicas": 2}, "maxReplicas must be >= minReplicas (5); got 2"),
-    ({"minReplicas": 0}, "minReplicas must be >= 1"),
-    ({"minReplicas": 1.5}, "minReplicas must be a whole number; got 1.5"),
-    ({"targetCacheUsage": -0.1}, "targetCacheUsage must be in (0, 1); got -0.1"),
-    ({"targetCacheUsage": 1.0}, "targetCacheUsage must be in (0, 1); got 1.0"),
-    ({"targetCacheUsage": 0.97}, "starvation_usage must be in (targetCacheUsage=0.97, 1]"),
-    ({"targetQueueDepth": 0}, "targetQueueDepth must be > 0; got 0"),
-    ({"startupSeconds": -1}, "startupSeconds must be >= 0; got -1"),
-    ({"scaleDownStabilizationSeconds": -5}, "scaleDownStabilizationSeconds must be >= 0; got -5"),
-    ({"intervalSeconds": 0}, "intervalSeconds must be > 0; got 0"),
-    ({"intervalSeconds": 90}, "forecast_window_seconds must be >= 2 x intervalSeconds (180"),
-    ({"maxReplicas": "ten"}, "maxReplicas must be a number; got 'ten'"),
-    ({"startupSeconds": float("nan")}, "startupSeconds must be finite"),
-    ({"maxReplicas": True}, "maxReplicas must be a number; got True"),
-])
+@pytest.mark.parametrize(
+    ("crd", "message"),
+    [
+        ({"minReplicas": 5, "maxReplicas": 2}, "maxReplicas must be >= minReplicas (5); got 2"),
+        ({"minReplicas": 0}, "minReplicas must be >= 1"),
+        ({"minReplicas": 1.5}, "minReplicas must be a whole number; got 1.5"),
+        ({"targetCacheUsage": -0.1}, "targetCacheUsage must be in (0, 1); got -0.1"),
+        ({"targetCacheUsage": 1.0}, "targetCacheUsage must be in (0, 1); got 1.0"),
+        ({"targetCacheUsage": 0.97}, "starvation_usage must be in (targetCacheUsage=0.97, 1]"),
+        ({"targetQueueDepth": 0}, "targetQueueDepth must be > 0; got 0"),
+        ({"startupSeconds": -1}, "startupSeconds must be >= 0; got -1"),
+        (
+            {"scaleDownStabilizationSeconds": -5},
+            "scaleDownStabilizationSeconds must be >= 0; got -5",
+        ),
+        ({"intervalSeconds": 0}, "intervalSeconds must be > 0; got 0"),
+        ({"intervalSeconds": 90}, "forecast_window_seconds must be >= 2 x intervalSeconds (180"),
+        ({"maxReplicas": "ten"}, "maxReplicas must be a number; got 'ten'"),
+        ({"startupSeconds": float("nan")}, "startupSeconds must be finite"),
+        ({"maxReplicas": True}, "maxReplicas must be a number; got True"),
+    ],
+)
 def test_bad_values_name_the_field_the_value_and_what_is_allowed(crd, message):
     with pytest.raises(ValueError) as err:
         AutoscalingSpec.from_crd({"maxReplicas": 10, **crd})

@@ -31,13 +31,18 @@ def allowed(module: str) -> bool:
 def test_every_module_imports_only_the_standard_library():
     modules = sorted(PACKAGE.rglob("*.py"))
     assert len(modules) >= 10
-    offenders = {str(p.relative_to(PACKAGE)): sorted(m for m in imported_modules(p)
-                                                      if not allowed(m)) for p in modules}
+    offenders = {
+        str(p.relative_to(PACKAGE)): sorted(m for m in imported_modules(p) if not allowed(m))
+        for p in modules
+    }
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
 def test_the_check_would_catch_a_third_party_or_engine_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import numpy\nfrom kvpilot.engine import llm\ndef f():\n    import httpx\n")
-    assert {m for m in imported_modules(bad) if not allowed(m)} == {"numpy", "kvpilot.engine",
-                                                                    "httpx"}
+    assert {m for m in imported_modules(bad) if not allowed(m)} == {
+        "numpy",
+        "kvpilot.engine",
+        "httpx",
+    }

@@ -87,8 +87,11 @@ def _positive(name: str, value: float) -> None:
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> float:
     """Bytes of K and V for one token across all layers: 2 x bpe x layers x heads x dim."""
-    for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim)):
+    for name, value in (
+        ("num_layers", num_layers),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+    ):
         _positive(name, value)
     d = kv_dtype(dtype)
     if d.group_size and head_dim % d.group_size:
@@ -133,7 +136,9 @@ def kv_capacity_tokens(kv_memory: float, bytes_per_token: float, block_size: int
     return int(kv_memory // (bytes_per_token * block_size)) * block_size
 
 
-def max_concurrent_requests(capacity_tokens: int, context_tokens: float, block_size: int = 1) -> int:
+def max_concurrent_requests(
+    capacity_tokens: int, context_tokens: float, block_size: int = 1
+) -> int:
     """Requests of ``context_tokens`` tokens (prompt + output) that fit at once. Each takes
     whole blocks, so with ``block_size`` > 1 the last partial block counts in full."""
     _positive("context_tokens", context_tokens)
@@ -208,7 +213,9 @@ def finops(
     conc = None
     if mean_context_tokens:
         conc = max_concurrent_requests(kv_capacity_tokens, mean_context_tokens, block_size)
-    hourly = None if cost_per_replica_hour is None else cost_per_hour(cost_per_replica_hour, replicas)
+    hourly = (
+        None if cost_per_replica_hour is None else cost_per_hour(cost_per_replica_hour, replicas)
+    )
     per_m = None
     if hourly is not None and generated_tokens_per_second is not None:
         per_m = cost_per_million_tokens(hourly, generated_tokens_per_second)

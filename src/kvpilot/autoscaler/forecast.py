@@ -41,8 +41,28 @@ class Trend:
 
 
 # Two-sided 95% Student-t critical values by degrees of freedom (standard tables).
-_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-        2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086)
+_T95 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+)
 
 
 def t_critical_95(dof: int) -> float:
@@ -70,8 +90,13 @@ def fit_trend(points: Sequence[tuple[float, float]], now: float) -> Trend | None
     residual = math.fsum((v - intercept - slope * t) ** 2 for t, v in points)
     stderr = math.sqrt(residual / (n - 2) / sxx)
     span = max(t for t, _ in points) - min(t for t, _ in points)
-    return Trend(slope=slope, slope_stderr=stderr, level=mean_v + slope * (now - mean_t),
-                 samples=n, span_seconds=span)
+    return Trend(
+        slope=slope,
+        slope_stderr=stderr,
+        level=mean_v + slope * (now - mean_t),
+        samples=n,
+        span_seconds=span,
+    )
 
 
 def seconds_to_exhaustion(current: float, slope: float, capacity: float) -> float:

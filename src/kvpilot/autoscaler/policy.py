@@ -29,9 +29,12 @@ from kvpilot.autoscaler.rules import Candidate
 from kvpilot.autoscaler.signals import FleetLoad, FleetSignals, aggregate
 from kvpilot.autoscaler.spec import AutoscalingSpec
 from kvpilot.autoscaler.state import PolicyState, Recommendation
-
-# A gap between observations longer than this many intervals breaks a window's continuity.
-MAX_GAP_INTERVALS = 3.0
+from kvpilot.autoscaler.windows import (
+    below_target_for,
+    consolidation_blocker,
+    settled_demand,
+    stabilized_up,
+)
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,7 @@ def decide(
     if load.complete:
         latest_demand = load.demand_tokens / load.capacity_per_replica
         state = replace(state, demand=(*state.demand, (now, latest_demand)))
-    settled = _settled(state.demand, state, spec)
+    settled = settled_demand(state.demand, state, spec)
     trend = fit_trend(settled, now)
     rising = still_rising(settled, now, spec.forecast_window_seconds)
     drain = rules.queue_drain(load, ready, current, spec)
@@ -154,7 +157,7 @@ def decide(
     )
 
     # Scale up: the forecast and the alarm act now; reactive rules may be stabilized.
-    up_reactive = _stabilized_up(state, now, spec, reactive)
+    up_reactive = stabilized_up(state, now, spec, reactive)
     up = _highest(up_reactive, urgent)
     if up is not None and up.replicas is not None and up.replicas > current:
         return _finish(
@@ -190,8 +193,18 @@ def decide(
         )
     if current <= spec.min_replicas:
         return _finish(
-            spec, now, current, highest.replicas, "hold", highest.signal, highest.value,
-            f"at the lower bound: {highest.detail}", candidates, load, state, True,
+            spec,
+            now,
+            current,
+            highest.replicas,
+            "hold",
+            highest.signal,
+            highest.value,
+            f"at the lower bound: {highest.detail}",
+            candidates,
+            load,
+            state,
+            True,
         )
     if not load.complete:
         return _finish(
@@ -208,7 +221,7 @@ def decide(
             state,
             True,
         )
-    held_for = _below_for(state, now, spec, current)
+    held_for = below_target_for(state, now, spec, current)
     if held_for < spec.scale_down_stabilization_seconds:
         return _finish(
             spec,
@@ -232,12 +245,21 @@ def decide(
     recent = state.last_scale_down_time is not None and now - state.last_scale_down_time < settle
     if recent and near_target:
         return _finish(
-            spec, now, current, current, "hold", highest.signal, highest.value,
+            spec,
+            now,
+            current,
+            current,
+            "hold",
+            highest.signal,
+            highest.value,
             f"settling: the last step down was {now - state.last_scale_down_time:.0f} s ago;"
             f" the next waits {settle:.0f} s so it is judged on the load after it",
-            candidates, load, state, True,
+            candidates,
+            load,
+            state,
+            True,
         )
-    blocker = _consolidation_blocker(load, trend, latest_demand, current - 1, spec)
+    blocker = consolidation_blocker(load, trend, latest_demand, current - 1, spec)
     if blocker:
         return _finish(
             spec,
@@ -271,20 +293,6 @@ def decide(
     )
 
 
-def _settled(
-    demand: tuple[tuple[float, float], ...], state: PolicyState, spec: AutoscalingSpec
-) -> tuple[tuple[float, float], ...]:
-    """Demand samples the forecast may fit. After a scale-down the load moves onto fewer
-    pods and their usage rises for a while by construction (and by more than N/(N-1):
-    bigger batches decode slower, so requests hold their KV longer); that self-inflicted
-    rise is no trend. Samples from the first ``forecast_window_seconds`` after the step
-    are dropped."""
-    if state.last_scale_down_time is None:
-        return demand
-    start = state.last_scale_down_time + spec.forecast_window_seconds
-    return tuple(p for p in demand if p[0] >= start)
-
-
 def _highest(*candidates: Candidate | None) -> Candidate | None:
     answered = [c for c in candidates if c is not None and c.replicas is not None]
     return max(answered, key=lambda c: c.replicas or 0) if answered else None
@@ -295,71 +303,6 @@ def _record(
 ) -> PolicyState:
     rec = Recommendation(now, replicas, reactive)
     return replace(state, recommendations=(*state.recommendations, rec))
-
-
-def _stabilized_up(
-    state: PolicyState, now: float, spec: AutoscalingSpec, reactive: Candidate | None
-) -> Candidate | None:
-    """HPA scale-up stabilization: the lowest reactive recommendation over the window."""
-    if reactive is None or spec.scale_up_stabilization_seconds <= 0:
-        return reactive
-    start = now - spec.scale_up_stabilization_seconds
-    past = [r.reactive for r in state.recommendations if r.time >= start and r.reactive is not None]
-    lowest = min(past, default=reactive.replicas)
-    if lowest is None or lowest >= (reactive.replicas or 0):
-        return reactive
-    return Candidate(
-        reactive.rule,
-        lowest,
-        reactive.signal,
-        reactive.value,
-        f"{reactive.detail} (stabilized to {lowest}, the lowest in"
-        f" {spec.scale_up_stabilization_seconds:.0f} s)",
-    )
-
-
-def _below_for(state: PolicyState, now: float, spec: AutoscalingSpec, current: int) -> float:
-    """Seconds the recommendations have been continuously complete and below ``current``."""
-    max_gap = MAX_GAP_INTERVALS * spec.interval_seconds
-    since = now
-    later = now
-    for rec in reversed(state.recommendations):
-        if rec.replicas is None or rec.replicas >= current or later - rec.time > max_gap:
-            break
-        since = later = rec.time
-    return now - since
-
-
-def _consolidation_blocker(
-    load: FleetLoad, trend, latest_demand: float | None, fewer: int, spec: AutoscalingSpec
-) -> str | None:
-    """Why ``fewer`` replicas could not absorb the load under target, or ``None``.
-
-    Source: llm-d WVA simulates the worst case before removing a replica; ours checks the
-    KV usage, the queue, the forecast at the horizon and the alarm against ``fewer``.
-    """
-    if fewer < 1:
-        return "cannot go below one replica"
-    usage = load.used_tokens / load.capacity_per_replica / fewer
-    ceiling = spec.target_cache_usage * (1.0 - spec.tolerance)
-    if usage > ceiling:
-        return (
-            f"{fewer} replicas would run at {usage:.1%} KV usage > {ceiling:.1%}"
-            f" (target less the tolerance band)"
-        )
-    queue = load.num_waiting / fewer
-    if queue > spec.target_queue_depth:
-        return f"{fewer} replicas would queue {queue:.1f} each > {spec.target_queue_depth:g}"
-    if load.preempting_pods or load.max_usage >= spec.starvation_usage:
-        return "a pod is preempting or near a full KV cache"
-    if trend is not None and latest_demand is not None and trend.slope > 0:
-        ahead = trend.at(spec.forecast_horizon_seconds)
-        if ahead > spec.target_cache_usage * fewer:
-            return (
-                f"the {spec.forecast_horizon_seconds:.0f} s forecast ({ahead:.2f} replica-eq)"
-                f" would exceed {spec.target_cache_usage:.0%} of {fewer} replicas"
-            )
-    return None
 
 
 def _finish(

@@ -43,7 +43,9 @@ class ModelShape:
         for name in ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"model {self.name!r}: {name} must be a positive int; got {value!r}")
+                raise ValueError(
+                    f"model {self.name!r}: {name} must be a positive int; got {value!r}"
+                )
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(
                 f"model {self.name!r}: num_attention_heads ({self.num_attention_heads}) must be a"
@@ -139,9 +141,7 @@ def shape_from_config(name: str, config: dict) -> ModelShape:
             vocab_size=int(cfg.get("vocab_size", 0)),
             head_dim=int(cfg.get("head_dim") or 0),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(
-                cfg.get("attention_bias", cfg.get("model_type") == "qwen2")
-            ),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
         )
     except KeyError as exc:
         raise ValueError(f"config.json of {name!r} lacks {exc.args[0]!r}") from None

@@ -157,32 +157,49 @@ def forecast(
     horizon = spec.forecast_horizon_seconds
     if trend is None or latest_demand is None:
         return Candidate(
-            "forecast", None, "kv_demand_trend", None,
+            "forecast",
+            None,
+            "kv_demand_trend",
+            None,
             "not enough complete history for a trend yet",
         )
     level, slope = trend.level, trend.slope
     to_exhaustion = seconds_to_exhaustion(level, trend.cautious_slope, float(current))
     if queue_deep:
         return Candidate(
-            "forecast", None, "kv_demand_trend", to_exhaustion,
+            "forecast",
+            None,
+            "kv_demand_trend",
+            to_exhaustion,
             "the queue is deeper than its target: the queue-drain rule sizes the backlog",
         )
     if to_exhaustion == 0.0:
         return Candidate(
-            "forecast", None, "kv_demand_trend", 0.0,
+            "forecast",
+            None,
+            "kv_demand_trend",
+            0.0,
             f"KV demand {level:.2f} replica-eq already fills {current} replicas:"
             " the queue-drain and starvation rules size the backlog",
         )
     if to_exhaustion < horizon and not still_rising:
         return Candidate(
-            "forecast", None, "kv_demand_trend", to_exhaustion,
+            "forecast",
+            None,
+            "kv_demand_trend",
+            to_exhaustion,
             f"KV demand {level:.2f} replica-eq rose, but is flat over the newest third of the"
             " window: a step, not a ramp",
         )
     if to_exhaustion >= horizon:
-        when = "never (no significant rise)" if math.isinf(to_exhaustion) else f"{to_exhaustion:.0f} s"
+        when = (
+            "never (no significant rise)" if math.isinf(to_exhaustion) else f"{to_exhaustion:.0f} s"
+        )
         return Candidate(
-            "forecast", None, "kv_demand_trend", to_exhaustion,
+            "forecast",
+            None,
+            "kv_demand_trend",
+            to_exhaustion,
             f"KV demand {level:.2f} replica-eq, slope {slope * 60:+.3f}/min"
             f" (lower 95% bound {trend.cautious_slope * 60:+.3f}): exhaustion {when},"
             f" beyond the {horizon:.0f} s horizon",
@@ -190,7 +207,10 @@ def forecast(
     ahead = trend.at(horizon)
     replicas = ceil_replicas(ahead / spec.target_cache_usage)
     return Candidate(
-        "forecast", replicas, "kv_demand_trend", to_exhaustion,
+        "forecast",
+        replicas,
+        "kv_demand_trend",
+        to_exhaustion,
         f"KV demand {level:.2f} replica-eq rising {slope * 60:+.3f}/min exhausts"
         f" {current} replicas in {to_exhaustion:.0f} s < start-up {spec.startup_seconds:.0f} s"
         f" + margin {spec.forecast_margin_seconds:.0f} s; {replicas} replicas keep the"

@@ -88,7 +88,8 @@ class AutoscalingSpec:
             object.__setattr__(self, name, int(value))
         if self.min_replicas < 1:
             raise ValueError(
-                f"minReplicas must be >= 1 (scale to zero is not supported); got {self.min_replicas}"
+                "minReplicas must be >= 1 (scale to zero is not supported);"
+                f" got {self.min_replicas}"
             )
         if self.max_replicas < self.min_replicas:
             raise ValueError(

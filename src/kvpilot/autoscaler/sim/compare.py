@@ -44,18 +44,26 @@ class Scenario:
 
     def spec(self, trace: Trace, model: ReplicaModel) -> AutoscalingSpec:
         low, high = self.bounds(trace)
-        return AutoscalingSpec(min_replicas=low, max_replicas=high,
-                               target_cache_usage=self.target_cache_usage,
-                               target_queue_depth=self.target_queue_depth,
-                               startup_seconds=model.startup_seconds)
+        return AutoscalingSpec(
+            min_replicas=low,
+            max_replicas=high,
+            target_cache_usage=self.target_cache_usage,
+            target_queue_depth=self.target_queue_depth,
+            startup_seconds=model.startup_seconds,
+        )
 
     def config(self, trace: Trace) -> SimConfig:
         low, high = self.bounds(trace)
         start = min(high, max(low, round(trace.base_replicas)))
-        return SimConfig(duration_seconds=self.duration_seconds,
-                         slo_wait_seconds=self.slo_wait_seconds, min_replicas=low,
-                         max_replicas=high, initial_replicas=start, seed=self.seed,
-                         warmup_seconds=self.warmup_seconds)
+        return SimConfig(
+            duration_seconds=self.duration_seconds,
+            slo_wait_seconds=self.slo_wait_seconds,
+            min_replicas=low,
+            max_replicas=high,
+            initial_replicas=start,
+            seed=self.seed,
+            warmup_seconds=self.warmup_seconds,
+        )
 
 
 def compare(
@@ -69,11 +77,21 @@ def compare(
     model = model or ReplicaModel()
     results = []
     for name in traces:
-        trace = make_trace(name, scenario.peak_replicas, scenario.duration_seconds, scenario.seed,
-                           model, scenario.target_cache_usage)
+        trace = make_trace(
+            name,
+            scenario.peak_replicas,
+            scenario.duration_seconds,
+            scenario.seed,
+            model,
+            scenario.target_cache_usage,
+        )
         for policy in policies:
-            result = simulate(trace, make_policy(policy, scenario.spec(trace, model)), model,
-                              scenario.config(trace))
+            result = simulate(
+                trace,
+                make_policy(policy, scenario.spec(trace, model)),
+                model,
+                scenario.config(trace),
+            )
             results.append(result)
             if progress:
                 progress(result)

@@ -49,9 +49,17 @@ class KvPilotPolicy:
             prev_time, prev = self._last_preempt.get(r.rid, (now, r.preemptions))
             rate = (r.preemptions - prev) / (now - prev_time) if now > prev_time else 0.0
             self._last_preempt[r.rid] = (now, r.preemptions)
-            pods.append(PodSignals(f"r{r.rid}", r.kv_usage(now), float(len(r.waiting)),
-                                   r.waiting_tokens, float(r.num_running), rate,
-                                   float(r.model.kv_capacity_tokens)))
+            pods.append(
+                PodSignals(
+                    f"r{r.rid}",
+                    r.kv_usage(now),
+                    float(len(r.waiting)),
+                    r.waiting_tokens,
+                    float(r.num_running),
+                    rate,
+                    float(r.model.kv_capacity_tokens),
+                )
+            )
         d = decide(FleetSignals(tuple(pods), pending), self.state, self.spec, now)
         self.state = d.state
         self.last = d
@@ -65,9 +73,15 @@ class HpaStylePolicy:
 
     name = "hpa"
 
-    def __init__(self, min_replicas: int, max_replicas: int, target: float = 0.75,
-                 tolerance: float = 0.1, down_window_seconds: float = 300.0,
-                 interval_seconds: float = 15.0) -> None:
+    def __init__(
+        self,
+        min_replicas: int,
+        max_replicas: int,
+        target: float = 0.75,
+        tolerance: float = 0.1,
+        down_window_seconds: float = 300.0,
+        interval_seconds: float = 15.0,
+    ) -> None:
         self.min, self.max = min_replicas, max_replicas
         self.target, self.tolerance = target, tolerance
         self.down_window = down_window_seconds
@@ -111,10 +125,18 @@ class KpaStylePolicy:
 
     name = "kpa"
 
-    def __init__(self, min_replicas: int, max_replicas: int, target_per_pod: float = 4.0,
-                 stable_seconds: float = 60.0, panic_seconds: float = 6.0,
-                 panic_threshold: float = 2.0, max_up_rate: float = 1000.0,
-                 max_down_rate: float = 2.0, interval_seconds: float = 2.0) -> None:
+    def __init__(
+        self,
+        min_replicas: int,
+        max_replicas: int,
+        target_per_pod: float = 4.0,
+        stable_seconds: float = 60.0,
+        panic_seconds: float = 6.0,
+        panic_threshold: float = 2.0,
+        max_up_rate: float = 1000.0,
+        max_down_rate: float = 2.0,
+        interval_seconds: float = 2.0,
+    ) -> None:
         self.min, self.max = min_replicas, max_replicas
         self.target = target_per_pod
         self.stable, self.panic = stable_seconds, panic_seconds
@@ -161,9 +183,13 @@ def make_policy(name: str, spec: AutoscalingSpec):
     if name == "kvpilot":
         return KvPilotPolicy(spec)
     if name == "hpa":
-        return HpaStylePolicy(spec.min_replicas, spec.max_replicas, spec.target_cache_usage,
-                              down_window_seconds=spec.scale_down_stabilization_seconds,
-                              interval_seconds=spec.interval_seconds)
+        return HpaStylePolicy(
+            spec.min_replicas,
+            spec.max_replicas,
+            spec.target_cache_usage,
+            down_window_seconds=spec.scale_down_stabilization_seconds,
+            interval_seconds=spec.interval_seconds,
+        )
     if name == "kpa":
         return KpaStylePolicy(spec.min_replicas, spec.max_replicas, spec.target_queue_depth)
     raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {name!r}")

@@ -83,7 +83,11 @@ class _Fleet:
         else:
             a = ready[self.rng.randrange(len(ready))]
             b = ready[self.rng.randrange(len(ready))]
-            r = a if a.kv_tokens(now) + a.waiting_tokens <= b.kv_tokens(now) + b.waiting_tokens else b
+            r = (
+                a
+                if a.kv_tokens(now) + a.waiting_tokens <= b.kv_tokens(now) + b.waiting_tokens
+                else b
+            )
         r.enqueue(req)
         r.step(now, self.stats)
         self.reschedule(r, now)
@@ -151,8 +155,9 @@ class _Fleet:
         return -1
 
 
-def simulate(trace: Trace, policy, model: ReplicaModel | None = None,
-             config: SimConfig | None = None) -> SimResult:
+def simulate(
+    trace: Trace, policy, model: ReplicaModel | None = None, config: SimConfig | None = None
+) -> SimResult:
     """Run ``policy`` on ``trace``; deterministic for a given trace seed and config seed.
 
     ``policy`` is any object with ``name``, ``interval_seconds`` and
@@ -214,8 +219,18 @@ def simulate(trace: Trace, policy, model: ReplicaModel | None = None,
             fleet.push(t + config.sample_seconds, _SAMPLE)
     fleet.peak = max(fleet.peak, fleet.paid) if fleet.peak == 0 else fleet.peak
     fleet._pay(end, 0)
-    return _result(trace, policy, config, fleet, timeline, requests, rejected, ups, downs,
-                   time.perf_counter() - wall)
+    return _result(
+        trace,
+        policy,
+        config,
+        fleet,
+        timeline,
+        requests,
+        rejected,
+        ups,
+        downs,
+        time.perf_counter() - wall,
+    )
 
 
 def _sample(fleet: _Fleet, timeline: Timeline, now: float) -> None:
@@ -229,8 +244,18 @@ def _sample(fleet: _Fleet, timeline: Timeline, now: float) -> None:
     timeline.replicas.append(fleet.paid)
 
 
-def _result(trace: Trace, policy, config: SimConfig, fleet: _Fleet, timeline: Timeline,
-            requests: int, rejected: int, ups: int, downs: int, wall: float) -> SimResult:
+def _result(
+    trace: Trace,
+    policy,
+    config: SimConfig,
+    fleet: _Fleet,
+    timeline: Timeline,
+    requests: int,
+    rejected: int,
+    ups: int,
+    downs: int,
+    wall: float,
+) -> SimResult:
     """Close the books at the end: queued requests are charged their wait so far."""
     stats, end = fleet.stats, config.duration_seconds
     waits = stats.waits

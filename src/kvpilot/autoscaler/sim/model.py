@@ -47,8 +47,12 @@ class ReplicaModel:
     startup_seconds: float = 120.0
 
     def __post_init__(self) -> None:
-        for name in ("kv_capacity_tokens", "prefill_tokens_per_second",
-                     "decode_step_base_seconds", "max_num_seqs"):
+        for name in (
+            "kv_capacity_tokens",
+            "prefill_tokens_per_second",
+            "decode_step_base_seconds",
+            "max_num_seqs",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
         if self.decode_step_per_seq_seconds < 0 or self.startup_seconds < 0:
@@ -57,7 +61,9 @@ class ReplicaModel:
                 f" {self.decode_step_per_seq_seconds}, {self.startup_seconds}"
             )
         if not 0.0 <= self.admission_watermark < 1.0:
-            raise ValueError(f"admission_watermark must be in [0, 1); got {self.admission_watermark}")
+            raise ValueError(
+                f"admission_watermark must be in [0, 1); got {self.admission_watermark}"
+            )
 
     def decode_rate(self, batch: int) -> float:
         """Tokens per second each request gets with ``batch`` requests decoding."""
@@ -68,8 +74,10 @@ class ReplicaModel:
         """KV tokens an admission may fill up to. At least one token stays free, so a
         request just preempted for a full KV is never re-admitted in the same instant (a
         ping-pong with no progress); larger requests are rejected at arrival."""
-        return min(self.kv_capacity_tokens * (1.0 - self.admission_watermark),
-                   self.kv_capacity_tokens - 1.0)
+        return min(
+            self.kv_capacity_tokens * (1.0 - self.admission_watermark),
+            self.kv_capacity_tokens - 1.0,
+        )
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,21 @@ class Req:
     spent queued; ``starved`` the starvation seconds charged so far.
     """
 
-    __slots__ = ("arrival", "cached", "ctx", "enqueued", "first", "generated", "output",
-                 "preempts", "prompt", "starved", "stint", "v_start", "waited")
+    __slots__ = (
+        "arrival",
+        "cached",
+        "ctx",
+        "enqueued",
+        "first",
+        "generated",
+        "output",
+        "preempts",
+        "prompt",
+        "starved",
+        "stint",
+        "v_start",
+        "waited",
+    )
 
     def __init__(self, arrival: float, prompt: int, output: int, cached: int = 0) -> None:
         self.arrival = arrival
@@ -59,8 +72,15 @@ class Req:
 class Stats:
     """Run-wide counters the replicas add to."""
 
-    __slots__ = ("finished", "generated_tokens", "preemptions", "slo", "starvation", "waits",
-                 "warmup")
+    __slots__ = (
+        "finished",
+        "generated_tokens",
+        "preemptions",
+        "slo",
+        "starvation",
+        "waits",
+        "warmup",
+    )
 
     def __init__(self, slo: float, warmup: float = 0.0) -> None:
         self.slo = slo
@@ -89,9 +109,29 @@ class Stats:
 class Replica:
     """State machine: starting -> ready -> (draining) -> gone."""
 
-    __slots__ = ("cap", "dec_const", "dec_heap", "epoch", "limit", "max_seqs", "model", "n_dec",
-                 "preemptions", "prefill_end", "prefilling", "rate", "ready_at", "rid",
-                 "running", "scheduled", "state", "v", "v_time", "waiting", "waiting_tokens")
+    __slots__ = (
+        "cap",
+        "dec_const",
+        "dec_heap",
+        "epoch",
+        "limit",
+        "max_seqs",
+        "model",
+        "n_dec",
+        "preemptions",
+        "prefill_end",
+        "prefilling",
+        "rate",
+        "ready_at",
+        "rid",
+        "running",
+        "scheduled",
+        "state",
+        "v",
+        "v_time",
+        "waiting",
+        "waiting_tokens",
+    )
 
     def __init__(self, rid: int, model: ReplicaModel, ready_at: float) -> None:
         self.rid = rid
@@ -185,7 +225,9 @@ class Replica:
             self.dec_const += req.ctx - self.v
             self.running[req] = None
             self._set_batch(self.n_dec + 1)
-            heapq.heappush(heap, (self.v + req.output - req.generated, next(_TIEBREAK), req.stint, req))
+            heapq.heappush(
+                heap, (self.v + req.output - req.generated, next(_TIEBREAK), req.stint, req)
+            )
         while self.kv_tokens(now) >= self.cap - _EPS and (self.n_dec or self.prefilling):
             self._preempt_newest(now, stats)
         self._admit(now, stats)

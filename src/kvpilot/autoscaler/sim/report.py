@@ -79,21 +79,47 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 def comparison_table(results: Sequence[SimResult], baseline: str = "hpa") -> str:
     """Plain-text table: one row per (trace, policy), ratios against ``baseline``."""
-    header = ("trace", "policy", "starv s", "x base", "preempt", "p99 wait s", "replica-h",
-              "x base", "peak", "ups", "downs", "requests")
+    header = (
+        "trace",
+        "policy",
+        "starv s",
+        "x base",
+        "preempt",
+        "p99 wait s",
+        "replica-h",
+        "x base",
+        "peak",
+        "ups",
+        "downs",
+        "requests",
+    )
     rows = [header]
     base = {r.trace: r for r in results if r.policy == baseline}
     for r in results:
         b = base.get(r.trace)
         starv_ratio = _ratio(r.starvation_seconds, b.starvation_seconds) if b else "-"
         rh_ratio = _ratio(r.replica_hours, b.replica_hours) if b else "-"
-        rows.append((r.trace, r.policy, f"{r.starvation_seconds:,.0f}", starv_ratio,
-                     f"{r.preemptions:,}", f"{r.p99_queue_seconds:.2f}",
-                     f"{r.replica_hours:.2f}", rh_ratio, str(r.peak_replicas), str(r.scale_ups),
-                     str(r.scale_downs), f"{r.requests:,}"))
+        rows.append(
+            (
+                r.trace,
+                r.policy,
+                f"{r.starvation_seconds:,.0f}",
+                starv_ratio,
+                f"{r.preemptions:,}",
+                f"{r.p99_queue_seconds:.2f}",
+                f"{r.replica_hours:.2f}",
+                rh_ratio,
+                str(r.peak_replicas),
+                str(r.scale_ups),
+                str(r.scale_downs),
+                f"{r.requests:,}",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in
-                       enumerate(zip(row, widths))) for row in rows]
+    lines = [
+        "  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

@@ -41,8 +41,12 @@ class Lengths:
     output_max: int = 4_096
 
     def sample(self, rng: random.Random) -> tuple[int, int]:
-        p = rng.lognormvariate(math.log(self.prompt_mean) - self.prompt_sigma**2 / 2, self.prompt_sigma)
-        o = rng.lognormvariate(math.log(self.output_mean) - self.output_sigma**2 / 2, self.output_sigma)
+        p = rng.lognormvariate(
+            math.log(self.prompt_mean) - self.prompt_sigma**2 / 2, self.prompt_sigma
+        )
+        o = rng.lognormvariate(
+            math.log(self.output_mean) - self.output_sigma**2 / 2, self.output_sigma
+        )
         return min(self.prompt_max, max(16, int(p))), min(self.output_max, max(1, int(o)))
 
 
@@ -82,7 +86,10 @@ class Trace:
 
 
 def requests_per_replica_second(
-    model: ReplicaModel, prompt_mean: float, output_mean: float, usage: float,
+    model: ReplicaModel,
+    prompt_mean: float,
+    output_mean: float,
+    usage: float,
     prefill_mean: float | None = None,
 ) -> float:
     """Little's law estimate of the request rate one replica sustains at ``usage``: KV
@@ -97,8 +104,9 @@ def requests_per_replica_second(
     return min(conc / residence, usage / max(prefill_s, 1e-9))
 
 
-def _thinned(rng: random.Random, rate: Callable[[float], float], peak: float,
-             duration: float) -> Iterator[float]:
+def _thinned(
+    rng: random.Random, rate: Callable[[float], float], peak: float, duration: float
+) -> Iterator[float]:
     """Arrival times of a Poisson process with time-varying ``rate`` (Lewis-Shedler
     thinning against ``peak``)."""
     t = 0.0
@@ -140,10 +148,20 @@ def burst_shape(duration: float, factor: float = 4.0) -> Callable[[float], float
     return shape
 
 
-def _simple(name: str, description: str, shape: Callable[[float], float], peak_replicas: float,
-            duration: float, seed: int, model: ReplicaModel, usage: float,
-            lengths: Lengths) -> Trace:
-    per_replica = requests_per_replica_second(model, lengths.prompt_mean, lengths.output_mean, usage)
+def _simple(
+    name: str,
+    description: str,
+    shape: Callable[[float], float],
+    peak_replicas: float,
+    duration: float,
+    seed: int,
+    model: ReplicaModel,
+    usage: float,
+    lengths: Lengths,
+) -> Trace:
+    per_replica = requests_per_replica_second(
+        model, lengths.prompt_mean, lengths.output_mean, usage
+    )
     peak = peak_replicas * per_replica
 
     def requests() -> Iterator[Request]:
@@ -176,8 +194,14 @@ def _session_turns(rng: random.Random, s: Session) -> list[tuple[float, int, int
     return out
 
 
-def agentic(peak_replicas: float, duration: float, seed: int, model: ReplicaModel,
-            usage: float, session: Session = Session()) -> Trace:
+def agentic(
+    peak_replicas: float,
+    duration: float,
+    seed: int,
+    model: ReplicaModel,
+    usage: float,
+    session: Session = Session(),
+) -> Trace:
     """Multi-turn sessions; session starts ramp from 30% to 100% over the first half."""
     probe = random.Random(12345)
     samples = [t for _ in range(4000) for t in _session_turns(probe, session)]
@@ -185,8 +209,7 @@ def agentic(peak_replicas: float, duration: float, seed: int, model: ReplicaMode
     prompt_mean = sum(p for _, p, _, _ in samples) / len(samples)
     output_mean = sum(o for _, _, o, _ in samples) / len(samples)
     prefill_mean = sum(p - c for _, p, _, c in samples) / len(samples)
-    per_replica = requests_per_replica_second(model, prompt_mean, output_mean, usage,
-                                              prefill_mean)
+    per_replica = requests_per_replica_second(model, prompt_mean, output_mean, usage, prefill_mean)
     peak_sessions = peak_replicas * per_replica / turns_per_session
 
     def shape(t: float) -> float:
@@ -209,16 +232,28 @@ def agentic(peak_replicas: float, duration: float, seed: int, model: ReplicaMode
                 heapq.heappush(pending, (next_start + offset, seq, p, o, c))
             next_start = next(starts, None)
 
-    return Trace("agentic", "multi-turn agent sessions with growing contexts", duration,
-                 peak_sessions * turns_per_session, peak_replicas * 0.3, peak_replicas, requests)
+    return Trace(
+        "agentic",
+        "multi-turn agent sessions with growing contexts",
+        duration,
+        peak_sessions * turns_per_session,
+        peak_replicas * 0.3,
+        peak_replicas,
+        requests,
+    )
 
 
 TRACES = ("ramp", "burst", "agentic")
 
 
-def make_trace(name: str, peak_replicas: float = 8.0, duration_seconds: float = 3600.0,
-               seed: int = 0, model: ReplicaModel | None = None,
-               usage: float = 0.75) -> Trace:
+def make_trace(
+    name: str,
+    peak_replicas: float = 8.0,
+    duration_seconds: float = 3600.0,
+    seed: int = 0,
+    model: ReplicaModel | None = None,
+    usage: float = 0.75,
+) -> Trace:
     """Build a named trace whose peak needs ``peak_replicas`` replicas at ``usage`` KV use."""
     if not peak_replicas > 0:
         raise ValueError(f"peak_replicas must be > 0; got {peak_replicas}")
@@ -227,13 +262,29 @@ def make_trace(name: str, peak_replicas: float = 8.0, duration_seconds: float = 
     model = model or ReplicaModel()
     lengths = Lengths()
     if name == "ramp":
-        return _simple("ramp", "compressed diurnal day: 25% -> 100% -> 25% of peak",
-                       ramp_shape(duration_seconds), peak_replicas, duration_seconds, seed,
-                       model, usage, lengths)
+        return _simple(
+            "ramp",
+            "compressed diurnal day: 25% -> 100% -> 25% of peak",
+            ramp_shape(duration_seconds),
+            peak_replicas,
+            duration_seconds,
+            seed,
+            model,
+            usage,
+            lengths,
+        )
     if name == "burst":
-        return _simple("burst", "steady 25% of peak, a sudden x4 burst, then back",
-                       burst_shape(duration_seconds), peak_replicas, duration_seconds, seed,
-                       model, usage, lengths)
+        return _simple(
+            "burst",
+            "steady 25% of peak, a sudden x4 burst, then back",
+            burst_shape(duration_seconds),
+            peak_replicas,
+            duration_seconds,
+            seed,
+            model,
+            usage,
+            lengths,
+        )
     if name == "agentic":
         return agentic(peak_replicas, duration_seconds, seed, model, usage)
     raise ValueError(f"trace must be one of {', '.join(TRACES)}; got {name!r}")

@@ -1,0 +1,97 @@
+"""The windows and checks around a scale decision (pure helpers of :func:`decide`):
+HPA-style scale-up stabilization, the continuous below-target run a scale-down needs, the
+forecast's settling after a step down, and the consolidation check."""
+
+from __future__ import annotations
+
+from kvpilot.autoscaler.forecast import Trend
+from kvpilot.autoscaler.rules import Candidate
+from kvpilot.autoscaler.signals import FleetLoad
+from kvpilot.autoscaler.spec import AutoscalingSpec
+from kvpilot.autoscaler.state import PolicyState
+
+# A gap between observations longer than this many intervals breaks a window's continuity.
+MAX_GAP_INTERVALS = 3.0
+
+
+def settled_demand(
+    demand: tuple[tuple[float, float], ...], state: PolicyState, spec: AutoscalingSpec
+) -> tuple[tuple[float, float], ...]:
+    """Demand samples the forecast may fit. After a scale-down the load moves onto fewer
+    pods and their usage rises for a while by construction (and by more than N/(N-1):
+    bigger batches decode slower, so requests hold their KV longer); that self-inflicted
+    rise is no trend. Samples from the first ``forecast_window_seconds`` after the step
+    are dropped."""
+    if state.last_scale_down_time is None:
+        return demand
+    start = state.last_scale_down_time + spec.forecast_window_seconds
+    return tuple(p for p in demand if p[0] >= start)
+
+
+def stabilized_up(
+    state: PolicyState, now: float, spec: AutoscalingSpec, reactive: Candidate | None
+) -> Candidate | None:
+    """HPA scale-up stabilization: the lowest reactive recommendation over the window."""
+    if reactive is None or spec.scale_up_stabilization_seconds <= 0:
+        return reactive
+    start = now - spec.scale_up_stabilization_seconds
+    past = [r.reactive for r in state.recommendations if r.time >= start and r.reactive is not None]
+    lowest = min(past, default=reactive.replicas)
+    if lowest is None or lowest >= (reactive.replicas or 0):
+        return reactive
+    return Candidate(
+        reactive.rule,
+        lowest,
+        reactive.signal,
+        reactive.value,
+        f"{reactive.detail} (stabilized to {lowest}, the lowest in"
+        f" {spec.scale_up_stabilization_seconds:.0f} s)",
+    )
+
+
+def below_target_for(state: PolicyState, now: float, spec: AutoscalingSpec, current: int) -> float:
+    """Seconds the recommendations have been continuously complete and below ``current``."""
+    max_gap = MAX_GAP_INTERVALS * spec.interval_seconds
+    since = now
+    later = now
+    for rec in reversed(state.recommendations):
+        if rec.replicas is None or rec.replicas >= current or later - rec.time > max_gap:
+            break
+        since = later = rec.time
+    return now - since
+
+
+def consolidation_blocker(
+    load: FleetLoad,
+    trend: Trend | None,
+    latest_demand: float | None,
+    fewer: int,
+    spec: AutoscalingSpec,
+) -> str | None:
+    """Why ``fewer`` replicas could not absorb the load under target, or ``None``.
+
+    Source: llm-d WVA simulates the worst case before removing a replica; ours checks the
+    KV usage, the queue, the forecast at the horizon and the alarm against ``fewer``.
+    """
+    if fewer < 1:
+        return "cannot go below one replica"
+    usage = load.used_tokens / load.capacity_per_replica / fewer
+    ceiling = spec.target_cache_usage * (1.0 - spec.tolerance)
+    if usage > ceiling:
+        return (
+            f"{fewer} replicas would run at {usage:.1%} KV usage > {ceiling:.1%}"
+            f" (target less the tolerance band)"
+        )
+    queue = load.num_waiting / fewer
+    if queue > spec.target_queue_depth:
+        return f"{fewer} replicas would queue {queue:.1f} each > {spec.target_queue_depth:g}"
+    if load.preempting_pods or load.max_usage >= spec.starvation_usage:
+        return "a pod is preempting or near a full KV cache"
+    if trend is not None and latest_demand is not None and trend.slope > 0:
+        ahead = trend.at(spec.forecast_horizon_seconds)
+        if ahead > spec.target_cache_usage * fewer:
+            return (
+                f"the {spec.forecast_horizon_seconds:.0f} s forecast ({ahead:.2f} replica-eq)"
+                f" would exceed {spec.target_cache_usage:.0%} of {fewer} replicas"
+            )
+    return None
