@@ -2,8 +2,6 @@
 
 import json
 
-import pytest
-
 from kvpilot.cli import main
 
 
@@ -81,7 +79,6 @@ def test_kv_calc_warns_when_weights_leave_no_room(capsys):
 
 
 def test_simulate_compares_policies_and_writes_json_and_png(tmp_path, capsys):
-    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the dev extra)")
     out_json, out_png = tmp_path / "sim.json", tmp_path / "sim.png"
     assert (
         main(
