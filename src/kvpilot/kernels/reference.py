@@ -107,6 +107,10 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole paged context.
 
+    Whole blocks are gathered (a block is one contiguous copy) up to the longest
+    sequence, and the query heads that share a KV head are folded into the query-length
+    axis (``[S, Hkv, group, D]``), so K/V are never repeated per query head.
+
     Args:
         q: ``[num_seqs, num_heads, head_dim]``.
         block_tables: ``[num_seqs, max_blocks]`` int32.
@@ -114,21 +118,34 @@ def paged_decode_attention(
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
     """
-    _, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
     max_len = int(seq_lens.max())
-    pos = torch.arange(max_len, device=q.device)
-    blocks = block_tables[:, pos // block_size].long()  # [num_seqs, max_len]
-    slots = blocks * block_size + pos % block_size
-    kf = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    vf = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    k = dequantize(_take(kf, slots), q.dtype, k_scale).transpose(1, 2)  # [S, Hkv, L, D]
-    v = dequantize(_take(vf, slots), q.dtype, v_scale).transpose(1, 2)
-    mask = (pos[None, :] < seq_lens[:, None].to(pos.device))[:, None, None, :]
+    nb = -(-max_len // block_size)
+    blocks = block_tables[:, :nb].long()
+    length = nb * block_size
+    k = dequantize(_take(key_cache, blocks), q.dtype, k_scale).view(num_seqs, length, num_kv_heads, head_dim)
+    v = dequantize(_take(value_cache, blocks), q.dtype, v_scale).view(num_seqs, length, num_kv_heads, head_dim)
+    mask = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None].to(q.device)
+    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
-        q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale
     )
-    return out[:, :, 0, :]
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _length_buckets(lens: list[int], max_waste: float = 0.25) -> list[list[int]]:
+    """Group sequence indices by length so padding to a bucket's longest wastes at most
+    ``max_waste`` of it (a decode batch of mixed lengths would otherwise gather and
+    attend over the longest context for every sequence)."""
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    buckets: list[list[int]] = []
+    for i in order:
+        if buckets and lens[i] >= (1 - max_waste) * lens[buckets[-1][0]]:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    return buckets
 
 
 def paged_prefill_attention(
@@ -181,17 +198,19 @@ def paged_attention(
 
     Sequence ``i`` owns queries ``q[query_start_loc[i]:query_start_loc[i+1]]``, the last
     tokens of its ``seq_lens[i]``-token context. Single-token sequences are batched
-    through :func:`paged_decode_attention`; longer ones go one by one through
-    :func:`paged_prefill_attention`. Returns ``[num_tokens, num_heads, head_dim]``.
+    through :func:`paged_decode_attention` (in buckets of similar length); longer ones
+    go one by one through :func:`paged_prefill_attention`.
+    Returns ``[num_tokens, num_heads, head_dim]``.
     """
     out = torch.empty_like(q)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     qlens = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
     decode_idx = [i for i, n in enumerate(qlens) if n == 1]
-    if decode_idx:
-        idx = torch.tensor(decode_idx, device=q.device)
-        tok = torch.tensor([qsl[i] for i in decode_idx], device=q.device)
+    for bucket in _length_buckets([lens[i] for i in decode_idx]) if decode_idx else []:
+        seqs = [decode_idx[j] for j in bucket]
+        idx = torch.tensor(seqs, device=q.device)
+        tok = torch.tensor([qsl[i] for i in seqs], device=q.device)
         out[tok] = paged_decode_attention(
             q[tok], key_cache, value_cache, block_tables[idx], seq_lens[idx], scale, k_scale, v_scale
         )
