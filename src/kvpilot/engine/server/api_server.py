@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,21 +227,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions", response_model=None)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        header_id = request.headers.get("x-request-id")
-        if body.stream:
-            events = await completions.stream(body, header_id)
-            return sse(events, header_id)
-        result = await until_disconnected(request, completions.complete(body, header_id))
-        return json_response(result, header_id)
+        return await respond(completions, body, request)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        header_id = request.headers.get("x-request-id")
-        if body.stream:
-            events = await chat.stream(body, header_id)
-            return sse(events, header_id)
-        result = await until_disconnected(request, chat.complete(body, header_id))
-        return json_response(result, header_id)
+        return await respond(chat, body, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
@@ -266,21 +256,20 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+async def respond(handler: CompletionHandler | ChatHandler, body: Any, request: Request) -> Response:
+    """A streamed (SSE) or a whole JSON response; ``X-Request-Id`` names it and is echoed."""
+    header_id = request.headers.get("x-request-id")
+    headers = {"X-Request-Id": header_id} if header_id else None
+    if body.stream:
+        events = await handler.stream(body, header_id)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    result = await until_disconnected(request, handler.complete(body, header_id))
+    return result if isinstance(result, Response) else JSONResponse(result, headers=headers)
+
+
 def require_ready(state: ServerState) -> None:
     if not state.engine.is_ready:
         raise EngineDeadError("the model is still loading" if state.engine.is_alive else "the engine is not running")
-
-
-def json_response(body: dict[str, Any] | Response, header_id: str | None) -> Response:
-    if isinstance(body, Response):
-        return body
-    headers = {"X-Request-Id": header_id} if header_id else None
-    return JSONResponse(body, headers=headers)
-
-
-def sse(events: AsyncIterator[str], header_id: str | None) -> StreamingResponse:
-    headers = {"X-Request-Id": header_id} if header_id else None
-    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
 async def until_disconnected(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any] | Response:

@@ -10,7 +10,14 @@ from typing import Any
 from kvpilot.engine.outputs import TokenLogprob
 from kvpilot.engine.sampling_params import InvalidRequestError
 from kvpilot.engine.server.protocol import ChatCompletionRequest, ChatMessage
-from kvpilot.engine.server.serving import Choice, ServingContext, new_request_id, usage
+from kvpilot.engine.server.serving import (
+    Choice,
+    Delta,
+    ServingContext,
+    new_request_id,
+    started,
+    usage,
+)
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -111,13 +118,14 @@ class ChatHandler:
         ids, max_tokens, logprobs = self.prepare(req)
         public_id, internal_id = new_request_id("chatcmpl", header_id)
         params = req.to_sampling_params(max_tokens, logprobs)
-        gen = self.ctx.generate(internal_id, [ids], params, req.cache_salt)
-        first = await anext(gen)
-        return self._events(req, ids, public_id, gen, first)
+        deltas = await started(self.ctx.generate(internal_id, [ids], params, req.cache_salt))
+        return self._events(req, ids, public_id, deltas)
 
-    async def _events(self, req, ids, public_id, gen, first) -> AsyncIterator[str]:
+    async def _events(
+        self, req: ChatCompletionRequest, ids: list[int], public_id: str, deltas: AsyncIterator[Delta]
+    ) -> AsyncIterator[str]:
         created = int(time.time())
-        started: set[int] = set()
+        opened: set[int] = set()
         finished: list[Choice] = []
 
         def chunk(index: int, delta: dict[str, Any], finish: str | None = None, lp: Any = None, extra: dict | None = None) -> str:
@@ -128,16 +136,11 @@ class ChatHandler:
             body["choices"] = [choice]
             return f"data: {json.dumps(body)}\n\n"
 
-        async def deltas():
-            yield first
-            async for d in gen:
-                yield d
-
         try:
-            async for d in deltas():
+            async for d in deltas:
                 c = d.choice
-                if c.index not in started:
-                    started.add(c.index)
+                if c.index not in opened:
+                    opened.add(c.index)
                     yield chunk(c.index, {"role": "assistant", "content": ""})
                 lp = chat_logprobs(self.ctx, d.logprobs) if (req.logprobs and d.logprobs) else None
                 if d.text or lp:
@@ -152,4 +155,4 @@ class ChatHandler:
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            await gen.aclose()
+            await deltas.aclose()

@@ -10,7 +10,14 @@ from typing import Any
 from kvpilot.engine.outputs import TokenLogprob
 from kvpilot.engine.sampling_params import InvalidRequestError
 from kvpilot.engine.server.protocol import CompletionRequest
-from kvpilot.engine.server.serving import Choice, ServingContext, new_request_id, usage
+from kvpilot.engine.server.serving import (
+    Choice,
+    Delta,
+    ServingContext,
+    new_request_id,
+    started,
+    usage,
+)
 
 
 def parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[list[int]]:
@@ -118,23 +125,18 @@ class CompletionHandler:
             raise InvalidRequestError("max_tokens=0 with echo is not supported when streaming", "max_tokens")
         public_id, internal_id = new_request_id("cmpl", header_id)
         params = req.to_sampling_params(max_tokens, req.logprobs)
-        gen = self.ctx.generate(internal_id, prompts, params, req.cache_salt)
-        first = await anext(gen)  # starts the requests; add-time errors surface here
-        return self._events(req, prompts, public_id, gen, first)
+        deltas = await started(self.ctx.generate(internal_id, prompts, params, req.cache_salt))
+        return self._events(req, prompts, public_id, deltas)
 
-    async def _events(self, req, prompts, public_id, gen, first) -> AsyncIterator[str]:
+    async def _events(
+        self, req: CompletionRequest, prompts: list[list[int]], public_id: str, deltas: AsyncIterator[Delta]
+    ) -> AsyncIterator[str]:
         created = int(time.time())
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
         finished: list[Choice] = []
-
-        async def deltas():
-            yield first
-            async for d in gen:
-                yield d
-
         try:
-            async for d in deltas():
+            async for d in deltas:
                 c = d.choice
                 text = d.text
                 if req.echo and c.index not in echoed:
@@ -160,4 +162,4 @@ class CompletionHandler:
                 yield f"data: {json.dumps(chunk)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            await gen.aclose()
+            await deltas.aclose()

@@ -142,6 +142,22 @@ class ServingContext:
             self.engine.abort(unfinished)
 
 
+async def started(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """Pull the first delta now, so that errors at add time (a refused prompt) raise
+    before any byte of a stream is sent; return an iterator over all the deltas."""
+    first = await anext(deltas)
+
+    async def chain() -> AsyncIterator[Delta]:
+        try:
+            yield first
+            async for d in deltas:
+                yield d
+        finally:
+            await deltas.aclose()
+
+    return chain()
+
+
 def new_request_id(prefix: str, header_id: str | None) -> tuple[str, str]:
     """(public id for the response, unique internal id for the engine)."""
     public = f"{prefix}-{header_id}" if header_id else f"{prefix}-{uuid.uuid4().hex}"
