@@ -112,7 +112,7 @@ def autoscaler_fragments() -> list[dict]:
                         "value": None, "detail": "no data"}],
     }
     state = {"version": 1, "demand": [[1.0, 2.5]], "recommendations": [[1.0, 3, None]],
-             "lastScaleTime": None}
+             "lastScaleTime": 1.0, "lastScaleDownTime": 1.0}
     return [
         signals.to_status(T0), missing.to_status(T0),
         CapacityEstimate(16384.0, 1800.5, 9.0).to_status(),
@@ -160,6 +160,30 @@ def test_c14_autoscaler_policy_output_survives_pruning():
         k: v for k, v in state.to_dict().items() if v is not None}
     restored = PolicyState.from_dict(stored["autoscaler"]["policyState"])
     assert restored.recommendations == state.recommendations
+
+
+def test_c14_policy_state_after_a_scale_down_survives_pruning():
+    """The bug this pins: ``lastScaleDownTime`` was missing from the status schema, so the
+    API server pruned it and the wait after a step down was lost across operator restarts.
+    A real sequence that scales down 3 -> 2 -> 1 is stored, read back and restored."""
+    from kvpilot.autoscaler import FleetSignals, PodSignals, PolicyState, decide
+    from kvpilot.autoscaler.spec import AutoscalingSpec
+
+    spec = AutoscalingSpec.from_crd({"minReplicas": 1, "maxReplicas": 5,
+                                     "scaleDownStabilizationSeconds": 30})
+    state, replicas, patches, downs = PolicyState(), 3, [], 0
+    for i in range(6):
+        pods = tuple(PodSignals(f"chat-{k}", kv_usage=0.1, num_waiting=0, waiting_tokens=0,
+                                num_running=1, preemption_rate=0.0, kv_capacity_tokens=16384)
+                     for k in range(replicas))
+        decision = decide(FleetSignals(pods), state, spec, 1000.0 + 15.0 * i)
+        state, replicas = decision.state, decision.desired_replicas
+        downs += decision.direction == "down"
+        patches.append(autoscaler_status(decision.to_dict(), state.to_dict(), T0))
+    assert downs == 2 and state.last_scale_down_time is not None
+    stored = stored_status(*patches)
+    assert stored["autoscaler"]["policyState"]["lastScaleDownTime"] == state.last_scale_down_time
+    assert PolicyState.from_dict(stored["autoscaler"]["policyState"]) == state
 
 
 def test_c14_every_declared_status_field_is_written():
