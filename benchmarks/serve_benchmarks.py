@@ -67,7 +67,7 @@ def chunked() -> dict:
     for budget in (512, 4096):
         proc = serve("--max-num-batched-tokens", str(budget), "--max-model-len", "4096")
         try:
-            cfg = BenchConfig(base_url=proc.url, request_rate=0.25, background_streams=4, background_input_len=32,
+            cfg = BenchConfig(base_url=proc.url, request_rate=0.1, background_streams=4, background_input_len=32,
                               background_output_len=4000, seed=0, label=f"budget {budget}")
             res = run_benchmark(cfg, workload)
         finally:
