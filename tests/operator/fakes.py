@@ -116,6 +116,34 @@ class FakeKubeApi:
         self.calls.append(("has_api", group_version, kind))
         return f"{group_version}/{kind}" in self.apis
 
+    def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        self.calls.append(("list_pods", namespace, dict(labels)))
+        self._maybe_fail("list_pods")
+        return [copy.deepcopy(obj) for (kind, ns, _), obj in sorted(self.objects.items())
+                if kind == "Pod" and ns == namespace
+                and all((obj["metadata"].get("labels") or {}).get(k) == v
+                        for k, v in labels.items())]
+
+    # --------------------------------------------------------------- pods for the autoscaler
+    def add_pod(self, owner: str, name: str, ready: bool = True, namespace: str = "llm",
+                ip: str = "10.0.0.1", deleting: bool = False) -> None:
+        """An engine pod of InferenceDeployment ``owner``, ready or still starting."""
+        from kvpilot.operator.builders.labels import object_labels
+
+        meta: dict[str, Any] = {"name": name, "namespace": namespace,
+                                "labels": object_labels(owner)}
+        if deleting:
+            meta["deletionTimestamp"] = "2026-11-29T12:00:00Z"
+        status: dict[str, Any] = {"phase": "Running" if ready else "Pending",
+                                  "conditions": [{"type": "Ready",
+                                                  "status": "True" if ready else "False"}]}
+        if ready:
+            status["podIP"] = ip
+        self.put({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "status": status})
+
+    def remove_pod(self, name: str, namespace: str = "llm") -> None:
+        self.objects.pop(("Pod", namespace, name), None)
+
 
 def inference(name: str = "chat", namespace: str = "llm", spec: dict[str, Any] | None = None,
               status: dict[str, Any] | None = None, generation: int = 1) -> dict[str, Any]:

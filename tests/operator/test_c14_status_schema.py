@@ -31,7 +31,9 @@ from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.status import failure_status, workload_status
 
 from .crdschema import load_crd, merge_patch, prune, root_schema, sub_schema, validate
+from .fake_sources import empty, loaded, unreachable
 from .fakes import T0, Clock, FakeKubeApi, inference
+from .fleet_harness import Fleet
 
 STATUS_SCHEMA = sub_schema(root_schema(load_crd()), "status")
 EMBEDDED = {"uri": "embedded://smollm2-135m-instruct"}
@@ -122,6 +124,30 @@ def autoscaler_fragments() -> list[dict]:
     ]
 
 
+def autoscale_loop_statuses() -> list[dict]:
+    """Every status patch the real autoscaler loop sends, in order, over: scale up, an
+    unreachable source, an empty answer, data back, a long quiet spell (scale down)."""
+    fleet = Fleet(load=loaded(0.97, waiting=30), replicas=2)
+    fleet.pods(ready=2)
+    fleet.tick(0)
+    fleet.pods(ready=fleet.replicas)
+    for load, ticks in ((unreachable, 2), (empty, 2), (loaded(0.5), 1), (loaded(0.02), 12)):
+        fleet.source.load = load
+        for _ in range(ticks):
+            fleet.tick()
+            fleet.pods(ready=fleet.replicas)
+    assert "ScaledDown" in fleet.events.reasons()
+    return [call[4] for call in fleet.api.calls if call[0] == "patch_status"]
+
+
+def test_c14_autoscale_loop_statuses_survive_pruning():
+    stored = stored_status(*autoscale_loop_statuses())
+    assert stored["autoscaler"]["policyState"]["lastScaleDownTime"] > 0
+    assert {c["type"] for c in stored["conditions"]} == {
+        "Ready", "Progressing", "MetricsAvailable", "ScalingActive", "ScalingLimited"}
+    assert stored["capacity"]["kvCapacityTokensPerReplica"] == 16384
+
+
 def test_c14_reconcile_statuses_survive_pruning():
     stored = stored_status(*reconcile_statuses())
     assert stored["conditions"][0]["reason"] == "InvalidSpec"
@@ -188,7 +214,12 @@ def test_c14_policy_state_after_a_scale_down_survives_pruning():
 
 def test_c14_every_declared_status_field_is_written():
     written = set().union(*(paths(p) for p in reconcile_statuses() + autoscaler_fragments()))
+    loop_written = set().union(*(paths(p) for p in autoscale_loop_statuses()))
+    # An empty list of objects (no candidates on missing data) is one leaf, "candidates".
     declared = declared_paths(STATUS_SCHEMA)
+    lists = {d.split("[]")[0] for d in declared if "[]" in d}
+    assert loop_written - declared - lists == set(), "the loop writes undeclared fields"
+    written |= loop_written - lists
     assert declared - written == set(), "declared but never written"
     assert written - declared == set(), "written but not declared"
 

@@ -15,17 +15,20 @@ from kvpilot.operator.handlers import (
     CONFLICT_RETRY_SECONDS,
     TRANSIENT_RETRY_SECONDS,
     OperatorContext,
-    configure,
     on_delete,
     on_deployment_event,
     on_resync,
     on_spec,
-    register,
     run_reconcile,
 )
 from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.reconcile import CONFLICT_ATTEMPTS
+from kvpilot.operator.registration import (
+    DAEMON_CANCELLATION_TIMEOUT_SECONDS,
+    configure,
+    register,
+)
 
 from .fakes import Clock, FakeKubeApi, inference
 
@@ -186,8 +189,15 @@ def test_register_wires_every_trigger():
     changing = {h.id: h for h in registry._changing.get_all_handlers()}
     assert set(changing) == {"reconcile-create", "reconcile-update", "reconcile-resume", "forget"}
     assert changing["forget"].requires_finalizer is False  # optional: never blocks deletion
-    (timer,) = registry._spawning.get_all_handlers()
-    assert (timer.id, timer.interval, timer.initial_delay) == ("resync", 120, 120)
+    spawning = {h.id: h for h in registry._spawning.get_all_handlers()}
+    assert set(spawning) == {"resync", "autoscaler"}
+    timer = spawning["resync"]
+    assert (timer.interval, timer.initial_delay) == (120, 120)
+    # The autoscaler: a daemon per resource, only where spec.autoscaling is set.
+    daemon = spawning["autoscaler"]
+    assert daemon.cancellation_timeout == DAEMON_CANCELLATION_TIMEOUT_SECONDS
+    assert daemon.when(spec={"autoscaling": {"maxReplicas": 3}}) is True
+    assert daemon.when(spec={"replicas": 2}) is False
     (watch,) = registry._watching.get_all_handlers()
     assert watch.id == "engine-deployment"
     assert (watch.selector.group, watch.selector.any_name) == ("apps", "deployments")

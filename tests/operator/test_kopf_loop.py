@@ -31,6 +31,7 @@ from kvpilot.operator.options import OperatorOptions
 
 from .crdschema import REPO
 from .fake_apiserver import FakeApiServer
+from .fake_sources import FakeSource, SourceFactory, loaded
 
 CR = ("kvpilot.dev", "inferencedeployments")
 DEPLOYMENTS = ("apps", "deployments")
@@ -55,8 +56,9 @@ def condition(obj, type_: str) -> dict:
 
 
 @pytest.fixture
-def operator(tmp_path, monkeypatch):
-    """A running operator against a fresh fake API server; yields the server."""
+def operator(tmp_path, monkeypatch, request):
+    """A running operator against a fresh fake API server; yields the server and the
+    context. An indirect parameter replaces the autoscaler's metric source factory."""
     with FakeApiServer() as server:
         kubeconfig = tmp_path / "kubeconfig"
         kubeconfig.write_text(yaml.safe_dump({
@@ -74,6 +76,7 @@ def operator(tmp_path, monkeypatch):
             api=KubernetesApi(k8s.ApiClient(config)),
             options=OperatorOptions(engine_image="kvpilot/engine:test", resync_seconds=60),
             metrics=OperatorMetrics(),
+            **({"source_factory": request.param} if hasattr(request, "param") else {}),
         )
         stop, ready = threading.Event(), threading.Event()
         errors: list[BaseException] = []
@@ -211,3 +214,55 @@ def test_delete_during_retry_backoff_removes_the_finalizer(operator):
     store.delete(*CR, "llm", "stuck")
     wait_for("the object to be gone", lambda: store.get(*CR, "llm", "stuck") is None)
     assert store.get(*DEPLOYMENTS, "llm", "stuck") is None
+
+
+HOT = SourceFactory(FakeSource(loaded(0.97, waiting=12)))
+
+
+def engine_pod(name: str, owner: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "llm",
+                         "labels": {"app.kubernetes.io/component": "engine",
+                                    c.LABEL_OWNER: owner}},
+            "status": {"phase": "Running", "podIP": "10.1.0.7",
+                       "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def events(store, reason: str) -> list[dict]:
+    return [o for (g, p, *_), o in list(store.objects.items())
+            if p == "events" and o.get("reason") == reason]
+
+
+@pytest.mark.parametrize("operator", [HOT], indirect=True)
+def test_autoscaler_daemon_scales_from_metrics_and_stops_with_autoscaling(operator):
+    """The Kopf daemon runs the loop per autoscaled resource: it reads the ready pods'
+    signals, scales the Deployment (an Event, status, no spec write) and goes away when
+    spec.autoscaling is removed."""
+    server, _ = operator
+    store = server.store
+    spec = {"model": {"uri": "embedded://smollm2-135m-instruct"},
+            "autoscaling": {"minReplicas": 1, "maxReplicas": 3, "intervalSeconds": 1}}
+    store.create("", "pods", engine_pod("hot-abc", "hot"))
+    store.create(*CR, {"apiVersion": c.API_VERSION, "kind": c.KIND,
+                       "metadata": {"name": "hot", "namespace": "llm"}, "spec": spec})
+    wait_for("a scale-up", lambda: (d := store.get(*DEPLOYMENTS, "llm", "hot"))
+             and d["spec"]["replicas"] > 1)
+    wait_for("a ScaledUp event", lambda: events(store, "ScaledUp"))
+    cr = wait_for("the decision in status", lambda: (o := store.get(*CR, "llm", "hot"))
+                  and o.get("status", {}).get("autoscaler") and o)
+    assert cr["spec"] == spec  # C16
+    assert condition(cr, "MetricsAvailable")["reason"] == "SignalsReported"
+    assert HOT.source.reads and HOT.source.reads[0][0] == ("hot-abc",)
+
+    def static(obj):
+        obj["spec"].pop("autoscaling")
+        obj["spec"]["replicas"] = 2
+        return obj
+
+    store.update(*CR, "llm", "hot", static)
+    wait_for("the daemon to stop and close its source", lambda: HOT.source.closed)
+    reads = len(HOT.source.reads)
+    time.sleep(1.5)
+    assert len(HOT.source.reads) == reads
+    wait_for("the static count", lambda: store.get(*DEPLOYMENTS, "llm", "hot")["spec"]
+             ["replicas"] == 2)

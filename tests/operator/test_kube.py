@@ -121,6 +121,21 @@ def test_patch_status_is_a_merge_patch_on_the_subresource(server):
     assert request["body"] == {"status": {"readyReplicas": 2}}
 
 
+def test_list_pods_selects_by_labels_in_the_namespace(server):
+    path = "/api/v1/namespaces/llm/pods"
+    server.responses[("GET", path)] = [(200, {"kind": "PodList", "items": [
+        {"metadata": {"name": "chat-0"}}]}), (503, {"message": "overloaded"})]
+    api = api_for(server.server_address[1])
+    pods = api.list_pods("llm", {"kvpilot.dev/inference-deployment": "chat",
+                                 "app.kubernetes.io/component": "engine"})
+    assert pods == [{"metadata": {"name": "chat-0"}}]
+    (request,) = server.requests
+    assert request["query"]["labelSelector"] == [
+        "app.kubernetes.io/component=engine,kvpilot.dev/inference-deployment=chat"]
+    with pytest.raises(TransientApiError, match="list pods in llm"):
+        api.list_pods("llm", {"a": "b"})
+
+
 @pytest.mark.parametrize("status,error,text", [
     (409, ConflictError, "the object has been modified"),
     (422, InvalidObjectError, "HTTP 422"),

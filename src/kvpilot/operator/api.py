@@ -51,3 +51,8 @@ class KubeApi(Protocol):
     def has_api(self, group_version: str, kind: str) -> bool:
         """True when the cluster serves ``kind`` in ``group_version`` (discovery)."""
         ...
+
+    def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Pods in ``namespace`` carrying every label in ``labels`` (equality selector),
+        as the API returns them (metadata, spec, status)."""
+        ...

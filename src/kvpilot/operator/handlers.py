@@ -11,6 +11,9 @@ engine Deployment event                :func:`on_deployment_event` - copy replic
 InferenceDeployment delete             :func:`on_delete` - forget its metric series
 =====================================  ===============================================
 
+The autoscaler's daemon lives in :mod:`kvpilot.operator.autoscale_loop`; Kopf settings and
+registration in :mod:`kvpilot.operator.registration`.
+
 Errors carry retry intent: an invalid spec or an object the API refuses becomes a
 ``kopf.PermanentError`` plus a ``Ready=False`` condition saying why (no crash loop, no
 retry until the spec changes); 409 conflicts and API outages become a
@@ -38,6 +41,7 @@ from kvpilot.operator.api import (
     KubeApi,
 )
 from kvpilot.operator.metrics import OperatorMetrics
+from kvpilot.operator.metrics_source import MetricsSource, SourceConfig, build_source
 from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.reconcile import ReconcileResult, Resource, reconcile
 from kvpilot.operator.spec import SpecError
@@ -67,6 +71,8 @@ class OperatorContext:
         metrics: the operator's Prometheus series.
         clock: returns the current time (timezone-aware).
         post_event: posts an Event on an object.
+        source_factory: builds the autoscaler's metric source for a resource (a fake in
+            tests).
     """
 
     api: KubeApi
@@ -74,23 +80,7 @@ class OperatorContext:
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     clock: Callable[[], datetime] = _utc_now
     post_event: EventPoster = post_kopf_event
-
-
-def configure(settings: kopf.OperatorSettings) -> None:
-    """Kopf settings: our finalizer and annotations under kvpilot.dev, no peering objects
-    (one operator replica, Recreate strategy), bounded watch timeouts."""
-    settings.persistence.finalizer = c.FINALIZER
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-        prefix=c.ANNOTATION_PREFIX
-    )
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=c.ANNOTATION_PREFIX, key="last-handled-configuration"
-    )
-    settings.peering.standalone = True
-    settings.posting.level = logging.WARNING
-    settings.watching.server_timeout = 300
-    settings.watching.client_timeout = 330
-    settings.execution.max_workers = 8
+    source_factory: Callable[[SourceConfig], MetricsSource] = build_source
 
 
 def run_reconcile(ctx: OperatorContext, body: Mapping[str, Any], patch: kopf.Patch,
@@ -179,7 +169,8 @@ def _only_times_differ(changed: Mapping[str, Any], current: Mapping[str, Any]) -
         return False
 
     def strip(conds: Any) -> list[dict[str, Any]]:
-        return [{k: v for k, v in cond.items() if k != "lastTransitionTime"} for cond in conds or ()]
+        return [{k: v for k, v in cond.items() if k != "lastTransitionTime"}
+                for cond in conds or ()]
 
     return strip(changed["conditions"]) == strip(current.get("conditions"))
 
@@ -189,23 +180,3 @@ def on_delete(body: kopf.Body, memo: OperatorContext, **_: Any) -> None:
     go with the owner through garbage collection."""
     meta = body.get("metadata", {})
     memo.metrics.forget(meta.get("namespace", ""), meta.get("name", ""))
-
-
-def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
-    """Attach the handlers to ``registry`` (no module-level registration, so tests and
-    the process each build their own)."""
-    resource = (c.GROUP, c.VERSION, c.PLURAL)
-    # A fresh registry has no login handler (only Kopf's default one does): log in through
-    # the kubernetes client, i.e. the in-cluster token or the kubeconfig.
-    kopf.on.login(registry=registry, id="login-via-client")(kopf.login_via_client)
-    kopf.on.startup(registry=registry, id="configure")(
-        lambda settings, **_: configure(settings)
-    )
-    for cause, decorator in (("create", kopf.on.create), ("update", kopf.on.update),
-                             ("resume", kopf.on.resume)):
-        decorator(*resource, registry=registry, id=f"reconcile-{cause}")(on_spec)
-    kopf.timer(*resource, registry=registry, id="resync", interval=options.resync_seconds,
-               initial_delay=options.resync_seconds)(on_resync)
-    kopf.on.event("apps", "v1", "deployments", registry=registry, id="engine-deployment",
-                  labels={c.LABEL_MANAGED_BY: c.FIELD_MANAGER})(on_deployment_event)
-    kopf.on.delete(*resource, registry=registry, id="forget", optional=True)(on_delete)

@@ -7,6 +7,7 @@ Requests are generic (any kind, by apiVersion and kind) and bodies stay plain di
                     ``kvpilot-operator``, force=true (we own what we apply)
 * ``patch_status``: PATCH ``application/merge-patch+json`` on ``.../status``
 * ``has_api``:      GET ``/apis/GROUP/VERSION`` (discovery), cached for DISCOVERY_TTL_SECONDS
+* ``list_pods``:    GET ``/api/v1/namespaces/NS/pods?labelSelector=k=v,...``
 
 HTTP errors become :mod:`kvpilot.operator.api` errors: 409 ConflictError; 400/404/415/422
 on writes InvalidObjectError; 401/403, 429, 5xx and connection failures TransientApiError
@@ -48,6 +49,11 @@ def resource_path(api_version: str, kind: str, namespace: str, name: str) -> str
         raise ValueError(f"kind {kind!r} is not one the operator writes; known: {sorted(PLURALS)}")
     prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     return f"{prefix}/namespaces/{namespace}/{PLURALS[kind]}/{name}"
+
+
+def selector_string(labels: Mapping[str, str]) -> str:
+    """An equality label selector, ``k1=v1,k2=v2`` (sorted, so requests are stable)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
 def _message(status: int, body: bytes, what: str) -> str:
@@ -130,6 +136,13 @@ class KubernetesApi:
                                    query=[("fieldManager", c.FIELD_MANAGER)],
                                    content_type="application/merge-patch+json")
         raise_for_status(code, data, what, write=True)
+
+    def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        what = f"list pods in {namespace} ({selector_string(labels)})"
+        status, data = self._request("GET", f"/api/v1/namespaces/{namespace}/pods", what,
+                                     query=[("labelSelector", selector_string(labels))])
+        raise_for_status(status, data, what, write=False)
+        return list(json.loads(data).get("items") or ())
 
     def has_api(self, group_version: str, kind: str) -> bool:
         key = f"{group_version}/{kind}"

@@ -102,7 +102,7 @@ async def operate(context: OperatorContext, *, liveness_endpoint: str | None = N
     """
     import kopf
 
-    from kvpilot.operator.handlers import register
+    from kvpilot.operator.registration import register
 
     registry = kopf.OperatorRegistry()
     register(registry, context.options)

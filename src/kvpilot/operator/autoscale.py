@@ -1,0 +1,176 @@
+"""One autoscaler decision for one InferenceDeployment, as a pure function.
+
+::
+
+    FleetObservation  (Deployment count, ready pods, pending)
+    MetricsReading    (PodSignals per ready pod, FinOps inputs)
+    PolicyState       (from the last decision, or from status)
+    InferenceSpec, previous conditions, now
+        --autoscale_step-->  AutoscaleStep
+                               decision         kvpilot.autoscaler.decide()
+                               requested        the count for the Deployment, or None
+                               requested_reason rule, signal, value (Event, lastScaleReason)
+                               status           signals, capacity, cost, autoscaler.*
+                               conditions       MetricsAvailable, ScalingActive, ScalingLimited
+                               events           MetricsUnavailable / MetricsRestored
+
+Nothing here reads a clock, the API or the network; the loop in
+:mod:`kvpilot.operator.autoscale_loop` does that and applies the step. The count goes to
+the Deployment only when the policy moved it (``requested``); a hold never writes it, so a
+surge pod during a rollout is not mistaken for a replica to keep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from kvpilot.autoscaler import AutoscalingSpec as PolicySpec
+from kvpilot.autoscaler import Decision, FleetSignals, PolicyState, decide
+from kvpilot.autoscaler import capacity as finops
+from kvpilot.operator.autoscale_conditions import (
+    metrics_condition,
+    scaling_active_condition,
+    scaling_limited_condition,
+    transition_events,
+)
+from kvpilot.operator.autoscale_status import (
+    CapacityEstimate,
+    CostEstimate,
+    ObservedSignals,
+    autoscaler_status,
+)
+from kvpilot.operator.conditions import Condition
+from kvpilot.operator.fleet import FleetObservation
+from kvpilot.operator.metrics_source import MetricsReading
+from kvpilot.operator.reconcile import Event
+from kvpilot.operator.spec import InferenceSpec
+
+
+@dataclass(frozen=True)
+class AutoscaleStep:
+    """What one decision changes.
+
+    Attributes:
+        decision: the policy's answer (its ``state`` is the next PolicyState).
+        requested: the replica count to apply to the Deployment, or None to leave it.
+        requested_reason: rule, signal and value behind ``requested`` (Event, lastScaleReason).
+        status: status merge-patch fragments (no conditions).
+        conditions: MetricsAvailable, ScalingActive, ScalingLimited.
+        events: MetricsUnavailable / MetricsRestored on a transition.
+    """
+
+    decision: Decision
+    requested: int | None
+    requested_reason: str
+    status: dict[str, Any]
+    conditions: tuple[Condition, ...]
+    events: tuple[Event, ...]
+
+
+def policy_spec(spec: InferenceSpec) -> PolicySpec:
+    """The policy's spec from the operator's validated one (defaults already applied)."""
+    auto = spec.autoscaling
+    if auto is None:
+        raise ValueError("spec.autoscaling is not set: nothing to autoscale")
+    return PolicySpec(
+        min_replicas=auto.min_replicas,
+        max_replicas=auto.max_replicas,
+        target_cache_usage=auto.target_cache_usage,
+        target_queue_depth=auto.target_queue_depth,
+        startup_seconds=auto.startup_seconds,
+        scale_up_stabilization_seconds=auto.scale_up_stabilization_seconds,
+        scale_down_stabilization_seconds=auto.scale_down_stabilization_seconds,
+        interval_seconds=auto.interval_seconds,
+    )
+
+
+def scale_reason(decision: Decision) -> str:
+    """``rule forecast, kv_demand=3.21: <the policy's sentence>``."""
+    what = f"rule {decision.rule}"
+    if decision.signal is not None:
+        value = "n/a" if decision.value is None else f"{decision.value:.4g}"
+        what += f", {decision.signal}={value}"
+    return f"{what}: {decision.reason}"
+
+
+def observed_signals(reading: MetricsReading) -> ObservedSignals:
+    """Fleet-wide figures over the pods that reported each value (None if none did)."""
+    def values(field: str) -> list[float]:
+        return [v for v in (getattr(p, field) for p in reading.pods) if v is not None]
+
+    def total(field: str) -> float | None:
+        found = values(field)
+        return sum(found) if found else None
+
+    usage = values("kv_usage")
+    return ObservedSignals(
+        source=reading.source,
+        ready_pods=len(reading.pods),
+        cache_usage=sum(usage) / len(usage) if usage else None,
+        max_cache_usage=max(usage) if usage else None,
+        requests_running=total("num_running"),
+        requests_waiting=total("num_waiting"),
+        waiting_tokens=total("waiting_tokens"),
+        preemption_rate=total("preemption_rate"),
+    )
+
+
+def finops_estimates(reading: MetricsReading, replicas: int, cost_per_replica_hour: float | None,
+                     block_size: int) -> tuple[CapacityEstimate, CostEstimate]:
+    """Capacity per replica, concurrent requests at the mean context, cost per hour for
+    ``replicas`` and per million generated tokens (kvpilot.autoscaler.capacity formulas)."""
+    kv = reading.kv_capacity_tokens
+    context = reading.mean_context_tokens
+    concurrent = None
+    if kv is not None and context:
+        concurrent = finops.max_concurrent_requests(int(kv), context, block_size)
+    hourly = per_million = None
+    if cost_per_replica_hour is not None:
+        hourly = finops.cost_per_hour(cost_per_replica_hour, replicas)
+        if reading.generated_tokens_per_second is not None:
+            per_million = finops.cost_per_million_tokens(hourly,
+                                                         reading.generated_tokens_per_second)
+    return (CapacityEstimate(kv, context, concurrent), CostEstimate(hourly, per_million))
+
+
+def autoscale_step(observation: FleetObservation, reading: MetricsReading, state: PolicyState,
+                   spec: InferenceSpec, previous_conditions: Iterable[Mapping[str, Any]] | None,
+                   now: datetime) -> AutoscaleStep:
+    """Decide and describe one interval (pure).
+
+    Args:
+        observation: the Deployment's count and its ready and pending pods; must have a
+            Deployment (``deployment_replicas`` not None).
+        reading: the metric source's answer for ``observation.ready``, same order.
+        state: the policy state the previous decision returned.
+        spec: the validated spec, with ``autoscaling`` set.
+        previous_conditions: ``status.conditions`` as stored (for transition Events).
+        now: timezone-aware; the policy's clock is ``now.timestamp()``.
+    """
+    if observation.deployment_replicas is None:
+        raise ValueError("no engine Deployment yet: nothing to scale")
+    pspec = policy_spec(spec)
+    decision = decide(FleetSignals(reading.pods, observation.pending_replicas), state, pspec,
+                      now.timestamp())
+    requested = None
+    if (decision.direction != "hold"
+            and decision.desired_replicas != observation.deployment_replicas):
+        requested = decision.desired_replicas
+    capacity, cost = finops_estimates(reading, decision.desired_replicas,
+                                      spec.cost_per_replica_hour, spec.engine.block_size)
+    status: dict[str, Any] = {}
+    status.update(observed_signals(reading).to_status(now))
+    status.update(capacity.to_status())
+    status.update(cost.to_status())
+    status.update(autoscaler_status(decision.to_dict(), decision.state.to_dict(), now))
+    metrics = metrics_condition(reading, decision, observation.pending_replicas)
+    conditions = (
+        metrics,
+        scaling_active_condition(decision),
+        scaling_limited_condition(decision, pspec.min_replicas, pspec.max_replicas),
+    )
+    return AutoscaleStep(decision, requested, scale_reason(decision), status, conditions,
+                         transition_events(previous_conditions, metrics))

@@ -1,0 +1,185 @@
+"""The autoscaler's per-resource loop: read the fleet and its metrics, decide, apply.
+
+One :class:`AutoscalerLoop` per InferenceDeployment with ``spec.autoscaling``, driven by
+the Kopf daemon :func:`autoscaler_daemon` (Kopf starts it when ``autoscaling`` is set and
+stops it when it is removed or the object goes). Every ``intervalSeconds``::
+
+    observe_fleet (GET Deployment, LIST pods)  ->  source.read(ready pods)
+    -> autoscale_step (pure)  ->  run_reconcile(requested=N) if the policy moved the count
+    -> PATCH status (signals, capacity, cost, autoscaler, conditions)  ->  Events
+
+State that must survive an operator restart lives on the object: ``status.autoscaler
+.policyState`` (the policy's history, last scale times) and ``lastDecision.time`` (so a
+restarted loop waits out the interval instead of deciding twice). The loop also keeps both
+in memory, because the body Kopf hands it may lag behind its own last status write.
+A restart in the middle of a scale-up cannot scale twice: the Deployment's count is read
+back and the pods not ready yet count as pending supply (:mod:`kvpilot.operator.fleet`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+import kopf
+
+from kvpilot.autoscaler import PolicyState
+from kvpilot.operator.api import ApiError
+from kvpilot.operator.autoscale import AutoscaleStep, autoscale_step
+from kvpilot.operator.conditions import set_conditions
+from kvpilot.operator.fleet import observe_fleet
+from kvpilot.operator.handlers import OperatorContext, run_reconcile
+from kvpilot.operator.metrics_source import MetricsSource, SourceConfig
+from kvpilot.operator.metrics_source.episodes import EpisodeLog
+from kvpilot.operator.reconcile import Resource
+from kvpilot.operator.spec import InferenceSpec, SpecError, parse_spec
+
+# How soon to look again when there is nothing to decide on (invalid spec, no Deployment)
+# or the last attempt failed.
+RETRY_SECONDS = 5.0
+# A tick this close to the interval counts as due (timers are not exact).
+DUE_SLACK_SECONDS = 0.05
+_log = logging.getLogger(__name__)
+
+
+def state_from_status(status: Mapping[str, Any]) -> PolicyState:
+    """``status.autoscaler.policyState``; a malformed or newer one starts fresh (logged):
+    acting on half-read history is worse than rebuilding it over one window."""
+    raw = (status.get("autoscaler") or {}).get("policyState")
+    try:
+        return PolicyState.from_dict(raw)
+    except ValueError as exc:
+        _log.warning("ignoring stored autoscaler state, starting fresh: %s", exc)
+        return PolicyState()
+
+
+def last_decision_time(status: Mapping[str, Any]) -> float | None:
+    """``status.autoscaler.lastDecision.time`` as Unix seconds, or None."""
+    stamp = ((status.get("autoscaler") or {}).get("lastDecision") or {}).get("time")
+    if not isinstance(stamp, str):
+        return None
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+class AutoscalerLoop:
+    """One resource's autoscaler between decisions.
+
+    Holds the policy state, the time of the last decision and the metric source (the pods
+    source keeps counter samples for its rates). Not thread-safe: one tick at a time.
+
+    Args:
+        ctx: API, clock, Events, metrics and the source factory.
+        body: the InferenceDeployment as first seen (its status seeds the state).
+    """
+
+    def __init__(self, ctx: OperatorContext, body: Mapping[str, Any]) -> None:
+        self.ctx = ctx
+        status = body.get("status") or {}
+        self.state = state_from_status(status)
+        self.decided_at = last_decision_time(status)
+        self._source: MetricsSource | None = None
+        self._source_config: SourceConfig | None = None
+        meta = body.get("metadata") or {}
+        self._episodes = EpisodeLog(logging.getLogger(__name__))
+        self._key = f"{meta.get('namespace')}/{meta.get('name')} autoscaler"
+
+    def close(self) -> None:
+        if self._source is not None:
+            self._source.close()
+            self._source = None
+
+    def _source_for(self, config: SourceConfig) -> MetricsSource:
+        if self._source is None or config != self._source_config:
+            self.close()
+            self._source, self._source_config = self.ctx.source_factory(config), config
+        return self._source
+
+    def tick(self, body: Mapping[str, Any]) -> float:
+        """Decide if an interval has passed since the last decision; returns the seconds
+        to wait before the next tick. Raises ApiError and kopf errors (see
+        :meth:`tick_safely`)."""
+        resource = Resource.from_body(body)
+        try:
+            spec = parse_spec(resource.spec)
+        except SpecError:
+            return RETRY_SECONDS  # the reconcile reports it (Ready=False, InvalidSpec)
+        if spec.autoscaling is None:
+            return RETRY_SECONDS
+        interval = float(spec.autoscaling.interval_seconds)
+        now = self.ctx.clock()
+        if self.decided_at is not None:
+            waited = now.timestamp() - self.decided_at
+            if 0 <= waited < interval - DUE_SLACK_SECONDS:
+                return interval - waited
+        step = self.decide(body, resource, spec, now)
+        return interval if step is not None else RETRY_SECONDS
+
+    def tick_safely(self, body: Mapping[str, Any]) -> float:
+        """:meth:`tick`, with every failure logged once per episode and retried later:
+        the daemon must never exit (Kopf would not restart it)."""
+        try:
+            delay = self.tick(body)
+        except (ApiError, kopf.TemporaryError, kopf.PermanentError) as exc:
+            self._episodes.failing(self._key, f"{type(exc).__name__}: {exc}",
+                                   self.ctx.clock().timestamp())
+            return RETRY_SECONDS
+        except Exception as exc:  # a bug must not stop autoscaling for good
+            _log.exception("%s: unexpected error", self._key)
+            self._episodes.failing(self._key, repr(exc), self.ctx.clock().timestamp())
+            return RETRY_SECONDS
+        self._episodes.ok(self._key, self.ctx.clock().timestamp())
+        return delay
+
+    def decide(self, body: Mapping[str, Any], resource: Resource, spec: InferenceSpec,
+               now: datetime) -> AutoscaleStep | None:
+        """One decision, applied. None when there is no Deployment yet."""
+        api, ns, name = self.ctx.api, resource.namespace, resource.name
+        observation = observe_fleet(api, ns, name)
+        if observation.deployment_replicas is None:
+            return None
+        assert spec.autoscaling is not None
+        metrics = spec.autoscaling.metrics
+        source = self._source_for(SourceConfig(metrics.source, metrics.url, ns, name))
+        reading = source.read(observation.ready, now.timestamp())
+        step = autoscale_step(observation, reading, self.state, spec,
+                              resource.status.get("conditions"), now)
+        patch = kopf.Patch()
+        if step.requested is not None:
+            run_reconcile(self.ctx, body, patch, requested=step.requested,
+                          requested_reason=step.requested_reason)
+        # The count is applied (or needed no change): the decision has happened.
+        self.state, self.decided_at = step.decision.state, now.timestamp()
+        status = dict(patch.get("status") or {})
+        base = status.get("conditions") or resource.status.get("conditions")
+        status.update(step.status)
+        status["conditions"] = set_conditions(base, step.conditions, now, None)
+        api.patch_status(ns, name, status)
+        for event in step.events:
+            self.ctx.post_event(body, event.type, event.reason, event.message)
+        return step
+
+
+def has_autoscaling(spec: Mapping[str, Any], **_: Any) -> bool:
+    """Kopf ``when`` filter: run the autoscaler only for resources that ask for it."""
+    return bool(spec.get("autoscaling"))
+
+
+async def autoscaler_daemon(stopped: kopf.DaemonStopped, body: kopf.Body,
+                            memo: OperatorContext, **_: Any) -> None:
+    """Kopf daemon: one loop per autoscaled InferenceDeployment until Kopf stops it.
+    The blocking work (API, scrapes, PromQL) runs in a worker thread."""
+    loop = AutoscalerLoop(memo, copy.deepcopy(dict(body)))
+    try:
+        while not stopped:
+            snapshot = copy.deepcopy(dict(body))  # the live body may change under a thread
+            delay = await asyncio.to_thread(loop.tick_safely, snapshot)
+            await stopped.wait(delay)
+    finally:
+        loop.close()

@@ -1,0 +1,70 @@
+"""What the autoscaler knows about a fleet before it reads any metric: how many replicas
+the engine Deployment asks for, which pods are ready (to be read) and how many are still
+coming (supply that does not serve yet).
+
+::
+
+    Deployment spec.replicas = 4          pods: chat-a Ready, chat-b Ready, chat-c Ready,
+                                                chat-d ContainerCreating, chat-e Terminating
+    -> ready = (chat-a, chat-b, chat-c), pending_replicas = 4 - 3 = 1
+
+Pending is the Deployment's count minus the ready pods, whether the missing pods exist yet
+or not: right after a scale-up the ReplicaSet may not have created them, and right after an
+operator restart the only record of that scale-up is the Deployment itself. Counting them
+as supply is what keeps one pressure from being answered twice (llm-d WVA's cascade guard).
+Terminating pods are neither ready nor pending.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.operator.api import KubeApi
+from kvpilot.operator.builders.labels import selector_labels
+from kvpilot.operator.metrics_source import EnginePod
+
+
+@dataclass(frozen=True)
+class FleetObservation:
+    """Attributes:
+        deployment_replicas: the engine Deployment's ``spec.replicas`` (None = no
+            Deployment yet: the reconcile creates it, the autoscaler waits).
+        ready: the ready, non-terminating engine pods, by name.
+        pending_replicas: ``deployment_replicas`` minus ready pods, at least 0.
+    """
+
+    deployment_replicas: int | None
+    ready: tuple[EnginePod, ...]
+    pending_replicas: int
+
+
+def pod_is_ready(pod: Mapping[str, Any]) -> bool:
+    """True for a pod that serves: condition Ready=True and not being deleted."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    conditions = (pod.get("status") or {}).get("conditions") or ()
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def fleet_from(deployment: Mapping[str, Any] | None,
+               pods: list[Mapping[str, Any]]) -> FleetObservation:
+    """The observation from the objects as read (pure)."""
+    ready = tuple(sorted(
+        (EnginePod(p["metadata"]["name"], (p.get("status") or {}).get("podIP"))
+         for p in pods if pod_is_ready(p)),
+        key=lambda pod: pod.name,
+    ))
+    if deployment is None:
+        return FleetObservation(None, ready, 0)
+    replicas = (deployment.get("spec") or {}).get("replicas")
+    replicas = replicas if isinstance(replicas, int) and not isinstance(replicas, bool) else 1
+    return FleetObservation(replicas, ready, max(0, replicas - len(ready)))
+
+
+def observe_fleet(api: KubeApi, namespace: str, name: str) -> FleetObservation:
+    """Read the engine Deployment and its pods. Raises the api module's errors."""
+    deployment = api.get("apps/v1", "Deployment", namespace, name)
+    pods = api.list_pods(namespace, selector_labels(name)) if deployment is not None else []
+    return fleet_from(deployment, pods)

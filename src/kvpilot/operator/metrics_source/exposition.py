@@ -1,0 +1,99 @@
+"""Read an engine's ``/metrics`` page (Prometheus text format) into the values the
+autoscaler needs. Pure: text in, :class:`EngineSample` out; parsing is prometheus_client's.
+
+A series absent from the page is ``None``, so a renamed or misspelled metric is missing
+data, never zero (case C17). If an engine exported one series per model (it exports one),
+gauges take the highest value and counters are summed per name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.operator.metrics_source.names import EngineMetricNames
+
+
+class ExpositionError(ValueError):
+    """The page is not in the Prometheus text format."""
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    """One scrape of one engine; None = the series was not on the page.
+
+    Attributes:
+        kv_usage: 0..1 (not validated here).
+        num_waiting, waiting_tokens, num_running: gauges.
+        preemptions, generation_tokens, prompt_tokens, requests_finished: counter values.
+        kv_capacity_tokens: the capacity gauge, else ``num_gpu_blocks`` x ``block_size``
+            from the cache-config info series.
+    """
+
+    kv_usage: float | None
+    num_waiting: float | None
+    waiting_tokens: float | None
+    num_running: float | None
+    preemptions: float | None
+    kv_capacity_tokens: float | None
+    generation_tokens: float | None
+    prompt_tokens: float | None
+    requests_finished: float | None
+
+
+def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    by_name: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                by_name[sample.name].append((dict(sample.labels), float(sample.value)))
+    except ValueError as exc:  # the parser raises ValueError on malformed lines
+        raise ExpositionError(f"not Prometheus text format: {exc}") from exc
+    return by_name
+
+
+def _gauge(by_name, name: str) -> float | None:
+    values = [v for _, v in by_name.get(name, ()) if not math.isnan(v)]
+    return max(values) if values else None
+
+
+def _counter(by_name, name: str) -> float | None:
+    values = [v for _, v in by_name.get(name, ()) if not math.isnan(v)]
+    return sum(values) if values else None
+
+
+def _capacity_from_info(by_name, name: str) -> float | None:
+    for labels, _ in by_name.get(name, ()):
+        try:
+            blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
+        except (KeyError, ValueError):
+            continue
+        if blocks > 0 and size > 0:
+            return float(blocks * size)
+    return None
+
+
+def parse_engine_metrics(text: str, names: EngineMetricNames) -> EngineSample:
+    """The values of ``names`` on one ``/metrics`` page.
+
+    Raises:
+        ExpositionError: the text is not Prometheus text format.
+    """
+    by_name = _samples(text)
+    capacity = _gauge(by_name, names.kv_capacity)
+    if capacity is None or capacity <= 0:
+        capacity = _capacity_from_info(by_name, names.cache_config)
+    return EngineSample(
+        kv_usage=_gauge(by_name, names.kv_usage),
+        num_waiting=_gauge(by_name, names.num_waiting),
+        waiting_tokens=_gauge(by_name, names.waiting_tokens),
+        num_running=_gauge(by_name, names.num_running),
+        preemptions=_counter(by_name, names.preemptions),
+        kv_capacity_tokens=capacity,
+        generation_tokens=_counter(by_name, names.generation_tokens),
+        prompt_tokens=_counter(by_name, names.prompt_tokens),
+        requests_finished=_counter(by_name, names.requests_finished),
+    )

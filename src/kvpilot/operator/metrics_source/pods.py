@@ -1,0 +1,149 @@
+"""The ``pods`` metric source: scrape each ready engine pod's ``/metrics`` directly.
+
+For clusters without Prometheus (``autoscaling.metrics.source: pods``). Each read GETs
+``http://POD_IP:8000/metrics`` of every ready pod in parallel (bounded timeouts), parses it
+with prometheus_client's text parser (:mod:`.exposition`) and turns counters into rates
+from the previous scrape of the same pod, kept in memory:
+
+* ``preemption_rate`` = :func:`kvpilot.autoscaler.counter_rate` of
+  ``kvpilot:num_preemptions_total`` between the last two reads (resets handled);
+* generated tokens/s, the same on ``kvpilot:generation_tokens_total``.
+
+The first read of a pod (a new pod, or every pod after an operator restart) has no
+previous sample, so its rates are missing for one interval: the policy then holds (it
+never scales down on missing data), which is the safe way to lose the memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+
+from kvpilot.autoscaler import counter_rate
+from kvpilot.operator.metrics_source.episodes import EpisodeLog
+from kvpilot.operator.metrics_source.exposition import (
+    EngineSample,
+    ExpositionError,
+    parse_engine_metrics,
+)
+from kvpilot.operator.metrics_source.names import EngineMetricNames
+from kvpilot.operator.metrics_source.reading import (
+    EnginePod,
+    MetricsReading,
+    mean_context,
+    pod_signals,
+)
+
+SCRAPE_TIMEOUT_SECONDS = 3.0
+CONNECT_TIMEOUT_SECONDS = 1.0
+MAX_PARALLEL_SCRAPES = 16
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Previous:
+    time: float
+    preemptions: float | None
+    generation_tokens: float | None
+
+
+class PodScrapeSource:
+    """Scrapes engine pods. Not shared between resources: its counter memory is per fleet.
+
+    Args:
+        label: names this fleet in logs (``namespace/name``).
+        names: the series to read.
+        timeout_seconds: the whole request's limit per pod (connect limited to 1 s).
+        client: an httpx client to use (tests); by default one is made and owned.
+    """
+
+    name = "pods"
+
+    def __init__(self, label: str, names: EngineMetricNames | None = None,
+                 timeout_seconds: float = SCRAPE_TIMEOUT_SECONDS,
+                 client: httpx.Client | None = None) -> None:
+        if not timeout_seconds > 0:
+            raise ValueError(f"timeout_seconds must be > 0; got {timeout_seconds}")
+        self.label = label
+        self.names = names or EngineMetricNames()
+        timeout = httpx.Timeout(timeout_seconds, connect=min(CONNECT_TIMEOUT_SECONDS,
+                                                             timeout_seconds))
+        self._owns_client = client is None
+        self._client = client or httpx.Client(timeout=timeout, follow_redirects=False)
+        self._previous: dict[tuple[str, str | None], _Previous] = {}
+        self._episodes = EpisodeLog(_log)
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._client.close()
+
+    def _scrape(self, pod: EnginePod) -> EngineSample:
+        url = pod.metrics_url
+        if url is None:
+            raise ValueError("the pod has no IP yet")
+        response = self._client.get(url)
+        response.raise_for_status()
+        return parse_engine_metrics(response.text, self.names)
+
+    def _scrape_all(self, pods: Sequence[EnginePod]) -> list[EngineSample | Exception]:
+        def one(pod: EnginePod) -> EngineSample | Exception:
+            try:
+                return self._scrape(pod)
+            except (httpx.HTTPError, ExpositionError, ValueError) as exc:
+                return exc
+
+        if len(pods) <= 1:
+            return [one(p) for p in pods]
+        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SCRAPES, len(pods))) as pool:
+            return list(pool.map(one, pods))
+
+    def read(self, pods: Sequence[EnginePod], now: float) -> MetricsReading:
+        results = self._scrape_all(pods)
+        signals, rates, failures = [], [], []
+        prompt = generated = finished = 0.0
+        previous, self._previous = self._previous, {}
+        for pod, result in zip(pods, results):
+            if isinstance(result, Exception):
+                failures.append(f"{pod.name} ({type(result).__name__}: {result})")
+                signals.append(pod_signals(pod.name, None, None, None, None, None, None))
+                rates.append(None)
+                continue
+            key = (pod.name, pod.ip)
+            before = previous.get(key)
+            self._previous[key] = _Previous(now, result.preemptions, result.generation_tokens)
+            preemption_rate = gen_rate = None
+            if before is not None:
+                preemption_rate = counter_rate(before.preemptions, before.time,
+                                               result.preemptions, now)
+                gen_rate = counter_rate(before.generation_tokens, before.time,
+                                        result.generation_tokens, now)
+            signals.append(pod_signals(pod.name, result.kv_usage, result.num_waiting,
+                                       result.waiting_tokens, result.num_running,
+                                       preemption_rate, result.kv_capacity_tokens))
+            rates.append(gen_rate)
+            if None not in (result.prompt_tokens, result.generation_tokens,
+                            result.requests_finished):
+                prompt += result.prompt_tokens or 0.0
+                generated += result.generation_tokens or 0.0
+                finished += result.requests_finished or 0.0
+        key = f"{self.label} pods"
+        problem = None
+        if failures:
+            problem = (f"scraping /metrics failed for {len(failures)} of {len(pods)} ready"
+                       f" pods: {'; '.join(failures[:3])}")
+            self._episodes.failing(key, problem, now)
+        else:
+            self._episodes.ok(key, now)
+        return MetricsReading(
+            source=self.name,
+            pods=tuple(signals),
+            generated_tokens_per_second=(sum(r for r in rates if r is not None)
+                                         if rates and None not in rates else None),
+            mean_context_tokens=mean_context(prompt, generated, finished),
+            reachable=not pods or len(failures) < len(pods),
+            problem=problem,
+        )

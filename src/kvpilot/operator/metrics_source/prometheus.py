@@ -1,0 +1,168 @@
+"""The ``prometheus`` metric source: PromQL instant queries through prometheus-api-client.
+
+One read sends the queries of :func:`.promql.signal_queries` one after the other within a
+total time budget (``timeout_seconds``, default 5 s) and no retries: the next interval is
+the retry. The answers are matched to the ready pods by the ``pod`` label; a pod with no
+sample in a query's answer has that signal missing (``None``), never zero (case C17). A
+transport error (connection refused, timeout) ends the read: every value left is missing
+and, if nothing was answered at all, the reading is unreachable (case C15).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import requests
+from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+from urllib3.util.retry import Retry
+
+from kvpilot.operator.metrics_source.episodes import EpisodeLog
+from kvpilot.operator.metrics_source.names import EngineMetricNames
+from kvpilot.operator.metrics_source.promql import (
+    DEFAULT_RATE_WINDOW,
+    SeriesSelector,
+    signal_queries,
+)
+from kvpilot.operator.metrics_source.reading import (
+    EnginePod,
+    MetricsReading,
+    mean_context,
+    pod_signals,
+)
+
+QUERY_BUDGET_SECONDS = 5.0
+_log = logging.getLogger(__name__)
+PodValues = dict[str, dict[str, float]]  # signal -> pod -> value
+
+
+def _capacities(result: list[Mapping[str, Any]], pod_label: str) -> dict[str, float]:
+    """``num_gpu_blocks`` x ``block_size`` per pod from cache-config info samples."""
+    out: dict[str, float] = {}
+    for item in result:
+        labels = item.get("metric") or {}
+        try:
+            value = float(labels["num_gpu_blocks"]) * float(labels["block_size"])
+        except (KeyError, ValueError):
+            continue
+        if value > 0 and labels.get(pod_label):
+            out[labels[pod_label]] = value
+    return out
+
+
+def _per_pod(result: list[Mapping[str, Any]], pod_label: str) -> dict[str, float]:
+    """``{pod: value}`` from an instant-vector answer (values arrive as strings)."""
+    out: dict[str, float] = {}
+    for item in result:
+        pod = (item.get("metric") or {}).get(pod_label)
+        try:
+            out[pod] = float(item["value"][1])
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+    return {k: v for k, v in out.items() if k}
+
+
+class PrometheusSource:
+    """PromQL against one Prometheus for one InferenceDeployment's series.
+
+    Args:
+        url: Prometheus base URL (``spec.autoscaling.metrics.url``).
+        selector: which series belong to the fleet.
+        names: the series names (a misspelled one yields missing data).
+        rate_window: the ``rate()`` window.
+        timeout_seconds: the budget for one whole read.
+    """
+
+    name = "prometheus"
+
+    def __init__(self, url: str, selector: SeriesSelector, names: EngineMetricNames | None = None,
+                 rate_window: str = DEFAULT_RATE_WINDOW,
+                 timeout_seconds: float = QUERY_BUDGET_SECONDS) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"the Prometheus url must start with http:// or https://; got {url!r}")
+        if not timeout_seconds > 0:
+            raise ValueError(f"timeout_seconds must be > 0; got {timeout_seconds}")
+        self.url = url.rstrip("/")
+        self.selector = selector
+        self.names = names or EngineMetricNames()
+        self.queries = signal_queries(self.names, selector, rate_window)
+        self.timeout_seconds = timeout_seconds
+        self._client = PrometheusConnect(url=self.url, retry=Retry(total=0),
+                                         timeout=timeout_seconds)
+        self._episodes = EpisodeLog(_log)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _run_queries(self) -> tuple[PodValues, list[str], list[str], bool]:
+        """(values, failed query notes, empty signals, any answer at all)."""
+        values: PodValues = {}
+        failed: list[str] = []
+        empty: list[str] = []
+        answered = False
+        deadline = time.monotonic() + self.timeout_seconds
+        pod = self.selector.pod_label
+        for signal, query in self.queries.items():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                failed.append(f"{signal}: no time left of the {self.timeout_seconds:g} s budget")
+                break
+            try:
+                result = self._client.custom_query(query, timeout=left)
+            except requests.RequestException as exc:
+                failed.append(f"{type(exc).__name__}: {exc}")
+                break
+            except (PrometheusApiClientException, ValueError, KeyError) as exc:
+                answered = True
+                failed.append(f"{signal}: {exc}")
+                continue
+            answered = True
+            values[signal] = (_capacities(result, pod) if signal == "cache_config"
+                              else _per_pod(result, pod))
+            if not result and signal != "cache_config":
+                empty.append(signal)
+        return values, failed, empty, answered
+
+    def read(self, pods: Sequence[EnginePod], now: float) -> MetricsReading:
+        values, failed, empty, answered = self._run_queries()
+
+        def get(signal: str, name: str) -> float | None:
+            return values.get(signal, {}).get(name)
+
+        signals, rates = [], []
+        prompt = generated = finished = 0.0
+        for p in pods:
+            capacity = get("kv_capacity", p.name) or get("cache_config", p.name)
+            signals.append(pod_signals(p.name, get("kv_usage", p.name),
+                                       get("num_waiting", p.name), get("waiting_tokens", p.name),
+                                       get("num_running", p.name), get("preemption_rate", p.name),
+                                       capacity))
+            rates.append(get("generation_rate", p.name))
+            counters = (get("prompt_tokens", p.name), get("generation_tokens", p.name),
+                        get("requests_finished", p.name))
+            if None not in counters:
+                prompt, generated, finished = (a + (b or 0.0) for a, b in
+                                               zip((prompt, generated, finished), counters))
+        problem = None
+        if failed:
+            problem = f"Prometheus at {self.url}: {'; '.join(failed[:2])}"
+        elif pods and empty:
+            shown = ", ".join(f"{s}: {self.queries[s]}" for s in empty[:2])
+            problem = (f"Prometheus at {self.url} returned no series for {shown}"
+                       f"{' (and more)' if len(empty) > 2 else ''}")
+        key = f"{self.selector.namespace}/{self.selector.name} prometheus"
+        if problem and (failed or all(s.kv_usage is None for s in signals)):
+            self._episodes.failing(key, problem, now)
+        else:
+            self._episodes.ok(key, now)
+        return MetricsReading(
+            source=self.name,
+            pods=tuple(signals),
+            generated_tokens_per_second=(sum(r for r in rates if r is not None)
+                                         if rates and None not in rates else None),
+            mean_context_tokens=mean_context(prompt, generated, finished),
+            reachable=answered,
+            problem=problem,
+        )

@@ -1,0 +1,108 @@
+"""The PromQL the ``prometheus`` metric source sends, built in one place (pure).
+
+Series are selected by the labels the PodMonitor (or the relabelling in
+docs/operations.md) puts on every engine series: ``namespace`` and
+``inference_deployment``; ``pod`` tells the pods apart. With S =
+``{namespace="NS",inference_deployment="NAME"}`` and W the rate window (``1m``):
+
+=====================  ==========================================================
+signal                 query (one sample per pod)
+=====================  ==========================================================
+kv_usage               ``max by (pod) (kvpilot:gpu_cache_usage_factor{S})``
+num_waiting            ``max by (pod) (kvpilot:num_requests_waiting{S})``
+waiting_tokens         ``max by (pod) (kvpilot:num_waiting_tokens{S})``
+num_running            ``max by (pod) (kvpilot:num_requests_running{S})``
+preemption_rate        ``max by (pod) (rate(kvpilot:num_preemptions_total{S}[W]))``
+kv_capacity            ``max by (pod) (kvpilot:kv_cache_capacity_tokens{S})``
+cache_config           ``max by (pod, num_gpu_blocks, block_size)
+                       (kvpilot:cache_config_info{S})`` (capacity fallback)
+generation_rate        ``max by (pod) (rate(kvpilot:generation_tokens_total{S}[W]))``
+prompt_tokens          ``max by (pod) (kvpilot:prompt_tokens_total{S})``
+generation_tokens      ``max by (pod) (kvpilot:generation_tokens_total{S})``
+requests_finished      ``sum by (pod) (max by (pod, finished_reason)
+                       (kvpilot:request_success_total{S}))``
+=====================  ==========================================================
+
+``max by (pod)`` keeps one sample per pod even when two scrape jobs collect the same
+target (duplicates are equal; a sum would double them). An empty vector for a pod is
+missing data, never zero (case C17).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvpilot.operator.constants import SERIES_LABEL
+from kvpilot.operator.metrics_source.names import EngineMetricNames
+
+_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_DURATION = re.compile(r"^[1-9][0-9]*(ms|s|m|h)$")
+DEFAULT_RATE_WINDOW = "1m"
+
+
+def _quote(value: str) -> str:
+    """A PromQL string literal: backslashes, quotes and newlines escaped."""
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+@dataclass(frozen=True)
+class SeriesSelector:
+    """Which series belong to one InferenceDeployment.
+
+    Attributes:
+        namespace / name: the InferenceDeployment.
+        namespace_label / owner_label / pod_label: the series label names.
+    """
+
+    namespace: str
+    name: str
+    namespace_label: str = "namespace"
+    owner_label: str = SERIES_LABEL
+    pod_label: str = "pod"
+
+    def __post_init__(self) -> None:
+        for field_name in ("namespace_label", "owner_label", "pod_label"):
+            value = getattr(self, field_name)
+            if not _LABEL_NAME.match(value):
+                raise ValueError(
+                    f"{field_name} must be a Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*);"
+                    f" got {value!r}"
+                )
+
+    def matchers(self) -> str:
+        """``{namespace="NS",inference_deployment="NAME"}``."""
+        return (f"{{{self.namespace_label}={_quote(self.namespace)},"
+                f"{self.owner_label}={_quote(self.name)}}}")
+
+
+def signal_queries(names: EngineMetricNames, selector: SeriesSelector,
+                   rate_window: str = DEFAULT_RATE_WINDOW) -> dict[str, str]:
+    """Every query of the table above, by signal name.
+
+    Raises:
+        ValueError: ``rate_window`` is not a PromQL duration such as ``1m`` or ``30s``.
+    """
+    if not _DURATION.match(rate_window):
+        raise ValueError(
+            f"rate_window must be a PromQL duration like 30s or 1m; got {rate_window!r}")
+    s, pod = selector.matchers(), selector.pod_label
+
+    def per_pod(expr: str) -> str:
+        return f"max by ({pod}) ({expr})"
+
+    return {
+        "kv_usage": per_pod(f"{names.kv_usage}{s}"),
+        "num_waiting": per_pod(f"{names.num_waiting}{s}"),
+        "waiting_tokens": per_pod(f"{names.waiting_tokens}{s}"),
+        "num_running": per_pod(f"{names.num_running}{s}"),
+        "preemption_rate": per_pod(f"rate({names.preemptions}{s}[{rate_window}])"),
+        "kv_capacity": per_pod(f"{names.kv_capacity}{s}"),
+        "cache_config": f"max by ({pod}, num_gpu_blocks, block_size) ({names.cache_config}{s})",
+        "generation_rate": per_pod(f"rate({names.generation_tokens}{s}[{rate_window}])"),
+        "prompt_tokens": per_pod(f"{names.prompt_tokens}{s}"),
+        "generation_tokens": per_pod(f"{names.generation_tokens}{s}"),
+        "requests_finished": (f"sum by ({pod}) (max by ({pod}, finished_reason)"
+                              f" ({names.requests_finished}{s}))"),
+    }

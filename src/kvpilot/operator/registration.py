@@ -1,0 +1,68 @@
+"""Kopf settings and handler registration (no module-level registration, so tests and the
+process each build their own registry).
+
+=====================================  ===============================================
+trigger                                handler
+=====================================  ===============================================
+InferenceDeployment create/update/     :func:`~kvpilot.operator.handlers.on_spec`
+resume
+every ``--resync-seconds``             :func:`~kvpilot.operator.handlers.on_resync`
+engine Deployment event                :func:`~kvpilot.operator.handlers.on_deployment_event`
+InferenceDeployment delete             :func:`~kvpilot.operator.handlers.on_delete`
+``spec.autoscaling`` set               :func:`~kvpilot.operator.autoscale_loop.autoscaler_daemon`
+                                       (one loop per resource, every ``intervalSeconds``)
+=====================================  ===============================================
+"""
+
+from __future__ import annotations
+
+import logging
+
+import kopf
+
+from kvpilot.operator import constants as c
+from kvpilot.operator.autoscale_loop import autoscaler_daemon, has_autoscaling
+from kvpilot.operator.handlers import on_delete, on_deployment_event, on_resync, on_spec
+from kvpilot.operator.options import OperatorOptions
+
+# How long Kopf waits for the autoscaler daemon to finish its tick when stopping it.
+DAEMON_CANCELLATION_TIMEOUT_SECONDS = 30.0
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """Kopf settings: our finalizer and annotations under kvpilot.dev, no peering objects
+    (one operator replica, Recreate strategy), bounded watch timeouts."""
+    settings.persistence.finalizer = c.FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=c.ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=c.ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.peering.standalone = True
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.execution.max_workers = 8
+
+
+def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
+    """Attach the handlers to ``registry`` (no module-level registration, so tests and
+    the process each build their own)."""
+    resource = (c.GROUP, c.VERSION, c.PLURAL)
+    # A fresh registry has no login handler (only Kopf's default one does): log in through
+    # the kubernetes client, i.e. the in-cluster token or the kubeconfig.
+    kopf.on.login(registry=registry, id="login-via-client")(kopf.login_via_client)
+    kopf.on.startup(registry=registry, id="configure")(
+        lambda settings, **_: configure(settings)
+    )
+    for cause, decorator in (("create", kopf.on.create), ("update", kopf.on.update),
+                             ("resume", kopf.on.resume)):
+        decorator(*resource, registry=registry, id=f"reconcile-{cause}")(on_spec)
+    kopf.timer(*resource, registry=registry, id="resync", interval=options.resync_seconds,
+               initial_delay=options.resync_seconds)(on_resync)
+    kopf.on.event("apps", "v1", "deployments", registry=registry, id="engine-deployment",
+                  labels={c.LABEL_MANAGED_BY: c.FIELD_MANAGER})(on_deployment_event)
+    kopf.on.delete(*resource, registry=registry, id="forget", optional=True)(on_delete)
+    kopf.daemon(*resource, registry=registry, id="autoscaler", when=has_autoscaling,
+                cancellation_timeout=DAEMON_CANCELLATION_TIMEOUT_SECONDS)(autoscaler_daemon)
