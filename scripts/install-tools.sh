@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs the binaries the operator's tests need into .tools/bin (gitignored):
 #   helm      built from the Go module proxy (helm.sh/helm/v3/cmd/helm), pinned below
-#   promtool  from Debian's `prometheus` package (apt), linked into .tools/bin
+#   promtool, prometheus  from Debian's `prometheus` package (apt), linked into .tools/bin
+#             (promtool tests the alert rules; the autoscaler's metric-source tests start a
+#             real Prometheus server on 127.0.0.1 that scrapes a real engine)
 # Idempotent and fast when everything is already there (a version check per tool).
 # CI runs it as root on a clean machine, so apt-get is called directly when needed.
 # The Kubernetes JSON schemas used to validate rendered manifests come from the PyPI
@@ -35,20 +37,23 @@ install_helm() {
     "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
 }
 
-install_promtool() {
-  if [ -x "$TOOLS_BIN/promtool" ] && "$TOOLS_BIN/promtool" --version >/dev/null 2>&1; then
+install_prometheus() {
+  # Both binaries come from the one Debian package; the package's service is not started
+  # in containers without systemd, and the tests run their own server on a free port.
+  if [ -x "$TOOLS_BIN/promtool" ] && "$TOOLS_BIN/promtool" --version >/dev/null 2>&1 \
+      && [ -x "$TOOLS_BIN/prometheus" ] && "$TOOLS_BIN/prometheus" --version >/dev/null 2>&1; then
     return
   fi
-  if ! command -v promtool >/dev/null 2>&1; then
-    log "installing Debian package prometheus (for promtool)"
+  if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+    log "installing Debian package prometheus (promtool and the prometheus server)"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    # The package's service is not started in containers without systemd; we only need promtool.
     apt-get install -y -qq --no-install-recommends prometheus >/dev/null
   fi
   ln -sf "$(command -v promtool)" "$TOOLS_BIN/promtool"
+  ln -sf "$(command -v prometheus)" "$TOOLS_BIN/prometheus"
 }
 
 install_helm
-install_promtool
-log "ok: $("$TOOLS_BIN/helm" version --template '{{.Version}}'), promtool $("$TOOLS_BIN/promtool" --version 2>&1 | head -1 | awk '{print $3}')"
+install_prometheus
+log "ok: $("$TOOLS_BIN/helm" version --template '{{.Version}}'), promtool $("$TOOLS_BIN/promtool" --version 2>&1 | head -1 | awk '{print $3}'), prometheus $("$TOOLS_BIN/prometheus" --version 2>&1 | head -1 | awk '{print $3}')"

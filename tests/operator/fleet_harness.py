@@ -37,9 +37,9 @@ class Recorder:
 class Fleet:
     """One InferenceDeployment ``llm/chat``, reconciled once, with a loop on it."""
 
-    def __init__(self, spec=AUTO, load=unreachable, replicas=None):
+    def __init__(self, spec=AUTO, load=unreachable, replicas=None, factory=None):
         self.source = FakeSource(load)
-        self.factory = SourceFactory(self.source)
+        self.factory = factory or SourceFactory(self.source)
         self.events = Recorder()
         self.clock = Clock()
         self.api = FakeKubeApi()
