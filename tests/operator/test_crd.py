@@ -86,6 +86,9 @@ def test_crd_printer_columns_point_at_declared_fields(crd):
         "Queue": ".status.signals.requestsWaiting",
         "Age": ".metadata.creationTimestamp",
         "Cost/h": ".status.cost.costPerHour",
+        "Cost/Mtok": ".status.cost.costPerMillionTokens",
+        "KV-Tokens": ".status.capacity.kvCapacityTokensPerReplica",
+        "Max-Reqs": ".status.capacity.maxConcurrentRequestsEstimate",
         "Reason": ".status.lastScaleReason",
     }
     schema = root_schema(crd)
