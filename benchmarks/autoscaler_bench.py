@@ -3,6 +3,11 @@ and the simulator's own speed at 1,000 replicas.
 
     .venv/bin/python benchmarks/autoscaler_bench.py            # full run (~10 min, one core)
     .venv/bin/python benchmarks/autoscaler_bench.py --quick    # smaller fleet, one seed
+    .venv/bin/python benchmarks/autoscaler_bench.py --replica-model cpu-smollm2-135m
+
+The goal is stated for the default GPU-class replica (``h100-llama3-8b``: pods that take
+minutes to start and hold hundreds of thousands of KV tokens); ``cpu-smollm2-135m`` is our
+engine as measured on CPU (see docs/autoscaling.md, "Replica models").
 
 Goal (issue 6): on the burst and ramp traces with a 120 s start-up, our starvation seconds at
 most 0.5x the HPA-style policy's, at no more than 1.1x its replica-hours. Every policy sees
@@ -29,6 +34,7 @@ from kvpilot.autoscaler.sim import (
     make_trace,
     simulate,
 )
+from kvpilot.autoscaler.sim.calibration import DEFAULT_PRESET, PRESETS
 from kvpilot.autoscaler.sim.report import comparison_table
 
 GOAL_STARVATION = 0.5
@@ -157,10 +163,12 @@ def main() -> int:
     parser.add_argument("--speed-policies", nargs="+", default=["kvpilot", "hpa"])
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--replica-model", default=DEFAULT_PRESET, choices=list(PRESETS),
+                        help=f"replica model preset (default {DEFAULT_PRESET})")
     args = parser.parse_args()
     if args.quick:
         args.peak, args.seeds, args.speed_peak, args.speed_duration = 8.0, [1], 100.0, 300.0
-    model = ReplicaModel()
+    model = PRESETS[args.replica_model]
     print(machine())
     print(f"replica model: {model}")
     report = {"machine": machine(), "policies": policy_comparison(args, model)}

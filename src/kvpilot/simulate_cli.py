@@ -2,6 +2,12 @@
 
     kvpilot simulate                          # all traces, all three policies, 8-replica peak
     kvpilot simulate --trace burst --replicas 50 --json out.json --plot out.png
+    kvpilot simulate --replica-model cpu-smollm2-135m   # our engine as measured on CPU
+    kvpilot simulate --calibration my-gpu.json          # ReplicaModel fields from a file
+
+The replica model is a preset (``--replica-model``, default the GPU-class
+``h100-llama3-8b``), then a ``--calibration`` file, then any single-parameter flag, each
+overriding the one before.
 
 Each trace is generated once per seed and replayed for every policy, so the rows of the
 table differ only by the policy. See docs/autoscaling.md for how to read it.
@@ -12,8 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from kvpilot.autoscaler.sim import ReplicaModel, Scenario, compare
+from kvpilot.autoscaler.sim.calibration import DEFAULT_PRESET, PRESETS, load_calibration, preset
 from kvpilot.autoscaler.sim.controllers import POLICIES
 from kvpilot.autoscaler.sim.report import SimResult, comparison_table
 from kvpilot.autoscaler.sim.traces import TRACES
@@ -59,35 +67,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-cache-usage", type=float, default=0.75)
     parser.add_argument("--target-queue-depth", type=float, default=4.0)
     parser.add_argument(
+        "--replica-model",
+        default=DEFAULT_PRESET,
+        choices=list(PRESETS),
+        help=f"replica model preset (default {DEFAULT_PRESET}; see docs/autoscaling.md)",
+    )
+    parser.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="JSON object of ReplicaModel fields overriding the preset",
+    )
+    parser.add_argument(
         "--startup-seconds",
         type=float,
-        default=_MODEL.startup_seconds,
-        help=f"pod start-up delay (default {_MODEL.startup_seconds:g})",
+        help=f"pod start-up delay (preset default {_MODEL.startup_seconds:g})",
     )
-    parser.add_argument("--kv-capacity-tokens", type=int, default=_MODEL.kv_capacity_tokens)
-    parser.add_argument(
-        "--prefill-tokens-per-second", type=float, default=_MODEL.prefill_tokens_per_second
-    )
-    parser.add_argument(
-        "--decode-step-base-ms", type=float, default=_MODEL.decode_step_base_seconds * 1e3
-    )
-    parser.add_argument(
-        "--decode-step-per-seq-ms", type=float, default=_MODEL.decode_step_per_seq_seconds * 1e3
-    )
-    parser.add_argument("--max-num-seqs", type=int, default=_MODEL.max_num_seqs)
+    parser.add_argument("--kv-capacity-tokens", type=int, help="KV tokens per replica")
+    parser.add_argument("--prefill-tokens-per-second", type=float)
+    parser.add_argument("--decode-step-base-ms", type=float)
+    parser.add_argument("--decode-step-per-seq-ms", type=float)
+    parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--json", metavar="PATH", help="write results (with timelines) as JSON")
     parser.add_argument("--plot", metavar="PNG", help="write a timeline plot (needs matplotlib)")
 
 
 def _model(args: argparse.Namespace) -> ReplicaModel:
-    return ReplicaModel(
-        kv_capacity_tokens=args.kv_capacity_tokens,
-        prefill_tokens_per_second=args.prefill_tokens_per_second,
-        decode_step_base_seconds=args.decode_step_base_ms / 1e3,
-        decode_step_per_seq_seconds=args.decode_step_per_seq_ms / 1e3,
-        max_num_seqs=args.max_num_seqs,
-        startup_seconds=args.startup_seconds,
-    )
+    """Preset, then calibration file, then single flags (raises ValueError on bad input)."""
+    model = preset(args.replica_model)
+    if args.calibration:
+        model = load_calibration(args.calibration, model)
+    flags = {
+        "kv_capacity_tokens": args.kv_capacity_tokens,
+        "prefill_tokens_per_second": args.prefill_tokens_per_second,
+        "decode_step_base_seconds": None if args.decode_step_base_ms is None
+        else args.decode_step_base_ms / 1e3,
+        "decode_step_per_seq_seconds": None if args.decode_step_per_seq_ms is None
+        else args.decode_step_per_seq_ms / 1e3,
+        "max_num_seqs": args.max_num_seqs,
+        "startup_seconds": args.startup_seconds,
+    }
+    return replace(model, **{k: v for k, v in flags.items() if v is not None})
 
 
 def _progress(result: SimResult) -> None:

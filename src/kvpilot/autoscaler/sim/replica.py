@@ -165,7 +165,9 @@ class Replica:
         return held
 
     def kv_usage(self, now: float) -> float:
-        return min(1.0, self.kv_tokens(now) / self.cap)
+        # Clamped at both ends: the aggregate (dec_const + n x v) can round to -1e-16
+        # when the last decoding request leaves.
+        return min(1.0, max(0.0, self.kv_tokens(now) / self.cap))
 
     @property
     def num_running(self) -> int:
@@ -261,7 +263,9 @@ class Replica:
         if self.kv_tokens(now) + need > self.limit:
             return
         self.waiting.popleft()
-        self.waiting_tokens -= need
+        # Reset when empty: a running float sum drifts below zero (-4e-12 was seen), which
+        # the policy refuses as input.
+        self.waiting_tokens = self.waiting_tokens - need if self.waiting else 0.0
         prefill_seconds = (need - req.cached) / self.model.prefill_tokens_per_second
         stats.charge_wait(req, now, prefill_seconds)
         self.prefilling = req

@@ -1,0 +1,150 @@
+"""Replica models for the fleet simulator: named presets and calibration files.
+
+Two presets:
+
+* ``h100-llama3-8b`` (the default, :class:`ReplicaModel`'s own defaults): a GPU-class
+  replica, Llama-3-8B in bf16 on one H100-80GB. Its rates are placeholders (we have no GPU
+  measurements of our engine yet); the autoscaler benchmark and its goal use it, because
+  pod start-up times and KV sizes of that class are what the goal is about.
+* ``cpu-smollm2-135m``: our engine as measured on the project's CPU machine (SmolLM2-135M
+  fp32, 2 cores), derived by :func:`replica_model_from` from the benchmark results in
+  ``benchmarks/results/`` (figures copied into :data:`CPU_SMOLLM2_135M` below).
+
+A calibration file (``kvpilot simulate --calibration FILE``) is a JSON object whose keys
+are :class:`ReplicaModel` fields; keys it omits keep the preset's values.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from kvpilot.autoscaler.sim.model import ReplicaModel
+
+
+@dataclass(frozen=True)
+class EngineMeasurements:
+    """What our engine's benchmarks measure, in the units they report.
+
+    Attributes:
+        prefill_tokens / prefill_seconds: a prefill-only run (one output token per
+            request, no prefix reuse): prompt tokens and wall time.
+        small_batch / small_batch_step_seconds: running requests and the median
+            inter-token latency while only they decode (a decode step at that batch).
+        large_batch / large_batch_prompt_tokens / large_batch_output_tokens_each /
+            large_batch_seconds: an offline run of ``large_batch`` requests decoding
+            together, its prompt tokens, output tokens per request and wall time.
+        kv_capacity_tokens: ``kvpilot:kv_cache_capacity_tokens`` of the engine.
+        startup_seconds: process start to ``/ready``.
+        max_num_seqs: the engine's ``--max-num-seqs``.
+    """
+
+    prefill_tokens: int
+    prefill_seconds: float
+    small_batch: int
+    small_batch_step_seconds: float
+    large_batch: int
+    large_batch_prompt_tokens: int
+    large_batch_output_tokens_each: int
+    large_batch_seconds: float
+    kv_capacity_tokens: int
+    startup_seconds: float
+    max_num_seqs: int = 256
+
+
+# SmolLM2-135M-Instruct fp32 on 2 AMD EPYC cores (benchmarks/results, 2026-11-29):
+#   shared_prefix.json "off": 64 x (512 + 32) = 34,816 prompt tokens, 1 output each, 78.13 s
+#   serve_chunked.json "budget 512": 4 background streams, p50 inter-token latency 130.1 ms
+#   offline_throughput.json: 64 requests, 18,463 prompt + 64 x 128 output tokens, 98.04 s
+#   /metrics of `kvpilot serve` on CPU: 1,456 blocks x 16 = 23,296 KV tokens; ready in ~20 s
+CPU_SMOLLM2_135M = EngineMeasurements(
+    prefill_tokens=34_816,
+    prefill_seconds=78.126,
+    small_batch=4,
+    small_batch_step_seconds=0.1301,
+    large_batch=64,
+    large_batch_prompt_tokens=18_463,
+    large_batch_output_tokens_each=128,
+    large_batch_seconds=98.044,
+    kv_capacity_tokens=23_296,
+    startup_seconds=20.0,
+)
+
+
+def replica_model_from(m: EngineMeasurements) -> ReplicaModel:
+    """Fit the simulator's replica model to measurements.
+
+    * prefill rate = prefill tokens / prefill seconds;
+    * a decode step at the large batch = (offline seconds - its prompt tokens / prefill
+      rate) / output tokens per request (the offline run prefills, then decodes together);
+    * a decode step is linear in the batch (the model's ``base + per_seq x batch``) through
+      that point and the small-batch median step.
+
+    Raises ValueError when the figures give a non-positive rate or step cost.
+    """
+    prefill_rate = m.prefill_tokens / m.prefill_seconds
+    decode_seconds = m.large_batch_seconds - m.large_batch_prompt_tokens / prefill_rate
+    large_step = decode_seconds / m.large_batch_output_tokens_each
+    if m.large_batch <= m.small_batch:
+        raise ValueError(
+            f"large_batch ({m.large_batch}) must exceed small_batch ({m.small_batch})")
+    per_seq = (large_step - m.small_batch_step_seconds) / (m.large_batch - m.small_batch)
+    base = m.small_batch_step_seconds - per_seq * m.small_batch
+    if not (prefill_rate > 0 and large_step > 0 and per_seq >= 0 and base > 0):
+        raise ValueError(
+            f"measurements give prefill {prefill_rate:.1f} tok/s, decode step"
+            f" {base:.4f} s + {per_seq:.5f} s/seq: check the figures ({m})"
+        )
+    return ReplicaModel(
+        kv_capacity_tokens=m.kv_capacity_tokens,
+        prefill_tokens_per_second=round(prefill_rate, 1),
+        decode_step_base_seconds=round(base, 5),
+        decode_step_per_seq_seconds=round(per_seq, 6),
+        max_num_seqs=m.max_num_seqs,
+        startup_seconds=m.startup_seconds,
+    )
+
+
+PRESETS: dict[str, ReplicaModel] = {
+    "h100-llama3-8b": ReplicaModel(),
+    "cpu-smollm2-135m": replica_model_from(CPU_SMOLLM2_135M),
+}
+DEFAULT_PRESET = "h100-llama3-8b"
+
+
+def preset(name: str) -> ReplicaModel:
+    if name not in PRESETS:
+        raise ValueError(
+            f"replica model preset must be one of {', '.join(PRESETS)}; got {name!r}")
+    return PRESETS[name]
+
+
+def load_calibration(path: str | Path, base: ReplicaModel | None = None) -> ReplicaModel:
+    """A replica model from a JSON calibration file (keys: ReplicaModel fields, any subset;
+    the rest from ``base``). Raises ValueError naming the file and the bad key or value."""
+    known = {f.name for f in fields(ReplicaModel)}
+    try:
+        data: Any = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"calibration file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"calibration file {path}: must be a JSON object; got {type(data).__name__}")
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(
+            f"calibration file {path}: unknown keys {unknown}; allowed: {', '.join(sorted(known))}"
+        )
+    for key, value in data.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"calibration file {path}: {key} must be a number; got {value!r}")
+        if key in _WHOLE and not float(value).is_integer():
+            raise ValueError(f"calibration file {path}: {key} must be a whole number; got {value}")
+        if key in _WHOLE:
+            data[key] = int(value)
+    return replace(base or ReplicaModel(), **data)
+
+
+_WHOLE = ("kv_capacity_tokens", "max_num_seqs")
