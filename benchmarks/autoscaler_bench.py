@@ -4,6 +4,7 @@ and the simulator's own speed at 1,000 replicas.
     .venv/bin/python benchmarks/autoscaler_bench.py            # full run (~10 min, one core)
     .venv/bin/python benchmarks/autoscaler_bench.py --quick    # smaller fleet, one seed
     .venv/bin/python benchmarks/autoscaler_bench.py --replica-model cpu-smollm2-135m
+    .venv/bin/python benchmarks/autoscaler_bench.py --calibration my-gpu.json
 
 The goal is stated for the default GPU-class replica (``h100-llama3-8b``: pods that take
 minutes to start and hold hundreds of thousands of KV tokens); ``cpu-smollm2-135m`` is our
@@ -34,7 +35,7 @@ from kvpilot.autoscaler.sim import (
     make_trace,
     simulate,
 )
-from kvpilot.autoscaler.sim.calibration import DEFAULT_PRESET, PRESETS
+from kvpilot.autoscaler.sim.calibration import DEFAULT_PRESET, PRESETS, load_calibration
 from kvpilot.autoscaler.sim.report import comparison_table
 
 GOAL_STARVATION = 0.5
@@ -165,10 +166,14 @@ def main() -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument("--replica-model", default=DEFAULT_PRESET, choices=list(PRESETS),
                         help=f"replica model preset (default {DEFAULT_PRESET})")
+    parser.add_argument("--calibration", metavar="FILE",
+                        help="JSON object of ReplicaModel fields overriding the preset")
     args = parser.parse_args()
     if args.quick:
         args.peak, args.seeds, args.speed_peak, args.speed_duration = 8.0, [1], 100.0, 300.0
     model = PRESETS[args.replica_model]
+    if args.calibration:
+        model = load_calibration(args.calibration, model)
     print(machine())
     print(f"replica model: {model}")
     report = {"machine": machine(), "policies": policy_comparison(args, model)}
