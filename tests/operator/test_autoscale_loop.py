@@ -259,3 +259,20 @@ def test_source_is_rebuilt_when_the_spec_names_another_one_and_closed():
     assert len(fleet.factory.configs) == 2
     fleet.loop.close()
     assert fleet.source.closed
+
+
+def test_a_lagging_body_does_not_repeat_the_metrics_event():
+    """Kopf's body may not show the loop's own last status write yet: the transition is
+    judged against what the loop wrote, so the outage still gets one Warning."""
+    fleet = Fleet(load=unreachable, replicas=2)
+    fleet.pods(ready=2)
+    stale = fleet.body()  # before any autoscaler condition was written
+    fleet.tick(0)
+    for _ in range(3):
+        fleet.clock.advance(15)
+        fleet.loop.tick(stale)
+    assert fleet.events.reasons() == ["MetricsUnavailable"]
+    fleet.source.load = loaded(0.5)
+    fleet.clock.advance(15)
+    fleet.loop.tick(stale)
+    assert fleet.events.reasons() == ["MetricsUnavailable", "MetricsRestored"]

@@ -86,6 +86,9 @@ class AutoscalerLoop:
         self.decided_at = last_decision_time(status)
         self._source: MetricsSource | None = None
         self._source_config: SourceConfig | None = None
+        # The conditions this loop last wrote: transition Events compare against them, not
+        # against a body that may not show the last write yet.
+        self._written_conditions: list[dict[str, Any]] | None = None
         meta = body.get("metadata") or {}
         self._episodes = EpisodeLog(logging.getLogger(__name__))
         self._key = f"{meta.get('namespace')}/{meta.get('name')} autoscaler"
@@ -148,8 +151,10 @@ class AutoscalerLoop:
         metrics = spec.autoscaling.metrics
         source = self._source_for(SourceConfig(metrics.source, metrics.url, ns, name))
         reading = source.read(observation.ready, now.timestamp())
-        step = autoscale_step(observation, reading, self.state, spec,
-                              resource.status.get("conditions"), now)
+        previous = self._written_conditions
+        if previous is None:
+            previous = resource.status.get("conditions")
+        step = autoscale_step(observation, reading, self.state, spec, previous, now)
         patch = kopf.Patch()
         if step.requested is not None:
             run_reconcile(self.ctx, body, patch, requested=step.requested,
@@ -161,6 +166,7 @@ class AutoscalerLoop:
         status.update(step.status)
         status["conditions"] = set_conditions(base, step.conditions, now, None)
         api.patch_status(ns, name, status)
+        self._written_conditions = status["conditions"]
         for event in step.events:
             self.ctx.post_event(body, event.type, event.reason, event.message)
         return step
