@@ -1,7 +1,6 @@
-"""Metric sources without servers of their own: the /metrics parser, the PromQL text,
-pod scraping over httpx's mock transport, Prometheus answers from a scripted HTTP server,
-once-per-episode logging, and the fleet observation (ready vs pending pods). The same
-sources against a real engine and a real Prometheus: test_metric_sources_real.py."""
+"""Pod scraping over httpx's mock transport, Prometheus answers from a scripted HTTP
+server, once-per-episode logging and the fleet observation (ready vs pending pods). The
+same sources against a real engine and a real Prometheus: test_metric_sources_real.py."""
 
 from __future__ import annotations
 
@@ -18,125 +17,15 @@ import pytest
 
 from kvpilot.operator.fleet import fleet_from
 from kvpilot.operator.metrics_source import (
-    EngineMetricNames,
     EnginePod,
     PodScrapeSource,
     PrometheusSource,
     SeriesSelector,
-    SourceConfig,
-    build_source,
-    signal_queries,
 )
 from kvpilot.operator.metrics_source.episodes import EpisodeLog
-from kvpilot.operator.metrics_source.exposition import ExpositionError, parse_engine_metrics
-from kvpilot.operator.metrics_source.reading import pod_signals
 from tests.serverproc import free_port
 
-NAMES = EngineMetricNames()
-
-
-def page(usage=0.25, waiting=3, preemptions=7, generated=1000, capacity=True,
-         finished=4) -> str:
-    """An engine /metrics page in the format our engine writes."""
-    lines = [
-        "# TYPE kvpilot:gpu_cache_usage_factor gauge",
-        f'kvpilot:gpu_cache_usage_factor{{model_name="m"}} {usage}',
-        "# TYPE kvpilot:num_requests_waiting gauge",
-        f'kvpilot:num_requests_waiting{{model_name="m"}} {waiting}',
-        "# TYPE kvpilot:num_waiting_tokens gauge",
-        f'kvpilot:num_waiting_tokens{{model_name="m"}} {waiting * 100}',
-        "# TYPE kvpilot:num_requests_running gauge",
-        'kvpilot:num_requests_running{model_name="m"} 5',
-        "# TYPE kvpilot:num_preemptions counter",
-        f'kvpilot:num_preemptions_total{{model_name="m"}} {preemptions}',
-        "# TYPE kvpilot:generation_tokens counter",
-        f'kvpilot:generation_tokens_total{{model_name="m"}} {generated}',
-        "# TYPE kvpilot:prompt_tokens counter",
-        'kvpilot:prompt_tokens_total{model_name="m"} 3000',
-        "# TYPE kvpilot:cache_config_info gauge",
-        'kvpilot:cache_config_info{block_size="16",cache_dtype="float32",'
-        'enable_prefix_caching="true",model_name="m",num_gpu_blocks="1456"} 1.0',
-    ]
-    if capacity:
-        lines += ["# TYPE kvpilot:kv_cache_capacity_tokens gauge",
-                  'kvpilot:kv_cache_capacity_tokens{model_name="m"} 20000']
-    if finished:
-        lines += ["# TYPE kvpilot:request_success counter",
-                  'kvpilot:request_success_total{finished_reason="stop",model_name="m"}'
-                  f" {finished - 1}",
-                  'kvpilot:request_success_total{finished_reason="length",model_name="m"} 1']
-    return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------- /metrics parsing
-def test_parse_reads_every_signal_and_sums_counters_over_labels():
-    sample = parse_engine_metrics(page(), NAMES)
-    assert (sample.kv_usage, sample.num_waiting, sample.waiting_tokens, sample.num_running) == (
-        0.25, 3.0, 300.0, 5.0)
-    assert (sample.preemptions, sample.generation_tokens, sample.prompt_tokens) == (7, 1000, 3000)
-    assert sample.requests_finished == 4.0  # stop + length
-    assert sample.kv_capacity_tokens == 20000.0
-
-
-def test_c17_a_misspelled_counter_is_missing_not_zero():
-    names = dataclasses.replace(NAMES, preemptions="kvpilot:num_preemptions")
-    assert parse_engine_metrics(page(), names).preemptions is None
-    assert parse_engine_metrics("", NAMES).kv_usage is None
-
-
-def test_capacity_falls_back_to_cache_config_info():
-    assert parse_engine_metrics(page(capacity=False), NAMES).kv_capacity_tokens == 1456 * 16
-
-
-def test_a_page_that_is_not_prometheus_text_is_an_error():
-    with pytest.raises(ExpositionError, match="not Prometheus text format"):
-        parse_engine_metrics("kvpilot:gpu_cache_usage_factor{ oops", NAMES)
-
-
-@pytest.mark.parametrize("usage,expected", [(0.4, 0.4), (1.5, None), (-0.1, None),
-                                            (float("nan"), None), (float("inf"), None)])
-def test_values_out_of_range_are_missing(usage, expected):
-    assert pod_signals("p", usage, 1, 1, 1, 0, 100).kv_usage == expected
-
-
-def test_metric_names_and_labels_are_validated():
-    with pytest.raises(ValueError, match="metric name for kv_usage must match"):
-        EngineMetricNames(kv_usage="kvpilot gpu")
-    with pytest.raises(ValueError, match="pod_label must be a Prometheus label name"):
-        SeriesSelector("llm", "chat", pod_label="pod-name")
-    with pytest.raises(ValueError, match="rate_window must be a PromQL duration"):
-        signal_queries(NAMES, SeriesSelector("llm", "chat"), "1 minute")
-    with pytest.raises(ValueError, match=r"metrics\.url is required"):
-        SourceConfig("prometheus", None, "llm", "chat")
-    with pytest.raises(ValueError, match=r"metrics\.source must be one of prometheus, pods"):
-        SourceConfig("datadog", None, "llm", "chat")
-
-
-def test_promql_is_the_documented_text_and_escapes_label_values():
-    queries = signal_queries(NAMES, SeriesSelector("llm", "chat"))
-    assert queries["preemption_rate"] == (
-        'max by (pod) (rate(kvpilot:num_preemptions_total'
-        '{namespace="llm",inference_deployment="chat"}[1m]))')
-    assert queries["kv_usage"] == (
-        'max by (pod) (kvpilot:gpu_cache_usage_factor'
-        '{namespace="llm",inference_deployment="chat"})')
-    odd = SeriesSelector('we"ird', "a\\b").matchers()
-    assert odd == '{namespace="we\\"ird",inference_deployment="a\\\\b"}'
-
-
-def test_engine_pod_urls():
-    assert EnginePod("p", "10.0.0.5").metrics_url == "http://10.0.0.5:8000/metrics"
-    assert EnginePod("p", "fd00::5", 9000).metrics_url == "http://[fd00::5]:9000/metrics"
-    assert EnginePod("p").metrics_url is None
-
-
-def test_build_source_picks_the_kind():
-    pods = build_source(SourceConfig("pods", None, "llm", "chat"))
-    prom = build_source(SourceConfig("prometheus", "http://prom:9090/", "llm", "chat"))
-    assert isinstance(pods, PodScrapeSource) and isinstance(prom, PrometheusSource)
-    assert prom.url == "http://prom:9090"
-    pods.close()
-    prom.close()
+from .engine_pages import page
 
 
 # ---------------------------------------------------------------- pod scraping
