@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpilot.kernels.triton_utils import (
+from .triton_utils import (
     FLOAT_DTYPES,
     check,
     check_cache_pair,
