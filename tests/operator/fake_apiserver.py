@@ -41,6 +41,10 @@ def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+class _Conflict(Exception):
+    """A merge patch's resourceVersion precondition failed."""
+
+
 class Store:
     """Objects by (group, plural, namespace, name), a global resourceVersion, an event log."""
 
@@ -229,13 +233,23 @@ class Handler(BaseHTTPRequestHandler):
             except JsonPatchError as exc:
                 return self._send(422, {"kind": "Status", "code": 422, "message": str(exc)})
             return self._send(200, updated) if updated else self._not_found(f"{plural} {name}")
+        precondition = (body.get("metadata") or {}).pop("resourceVersion", None)
         if sub == ["status"]:
             change = lambda obj: {**obj, "status": merge_patch(obj.get("status") or {},  # noqa: E731
                                                                 body.get("status") or {})}
         else:
             patch = {k: v for k, v in body.items() if k != "status"}
             change = lambda obj: merge_patch(obj, patch)  # noqa: E731
-        updated = store.update(group, plural, namespace, name, change)
+
+        def guarded(obj):  # runs under the store's lock: check and write are one step
+            if precondition and obj["metadata"]["resourceVersion"] != precondition:
+                raise _Conflict
+            return change(obj)
+        try:
+            updated = store.update(group, plural, namespace, name, guarded)
+        except _Conflict:
+            return self._send(409, {"kind": "Status", "code": 409, "reason": "Conflict",
+                                    "message": "the object has been modified"})
         return self._send(200, updated) if updated else self._not_found(f"{plural} {name}")
 
     def _watch(self, group, plural, namespace, selector, query):

@@ -106,11 +106,15 @@ class FakeKubeApi:
         self.objects[key] = obj
         return copy.deepcopy(obj)
 
-    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any],
+                     resource_version: str | None = None) -> None:
         self.calls.append(("patch_status", c.KIND, namespace, name, copy.deepcopy(dict(status))))
         self._maybe_fail(f"patch_status:{c.KIND}")
         obj = self.objects[(c.KIND, namespace, name)]
+        if resource_version is not None and obj["metadata"]["resourceVersion"] != resource_version:
+            raise ConflictError(f"{c.KIND} {namespace}/{name} has been modified", 409)
         obj["status"] = merge_patch(obj.get("status") or {}, dict(status))
+        obj["metadata"]["resourceVersion"] = str(next(self._rv))
 
     def has_api(self, group_version: str, kind: str) -> bool:
         self.calls.append(("has_api", group_version, kind))

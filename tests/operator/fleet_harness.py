@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import kopf
-
 from kvpilot.operator import constants as c
 from kvpilot.operator.autoscale_loop import AutoscalerLoop
 from kvpilot.operator.handlers import OperatorContext, on_spec
@@ -49,9 +47,7 @@ class Fleet:
         self.spec = copy.deepcopy(spec)
         body = inference(spec=self.spec)
         self.api.put(body)
-        patch = kopf.Patch()
-        on_spec(body=body, patch=patch, memo=self.ctx)
-        self.api.patch_status("llm", "chat", dict(patch.status))
+        on_spec(body=body, memo=self.ctx)  # writes the status itself
         if replicas is not None:
             self.api.objects[("Deployment", "llm", "chat")]["spec"]["replicas"] = replicas
         self.events.events.clear()

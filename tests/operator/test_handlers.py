@@ -1,4 +1,5 @@
-"""Kopf handlers against the in-memory API: status written through Kopf's patch, Events,
+"""Kopf handlers against the in-memory API: status written by the handlers (under a
+resourceVersion precondition, owning only their condition types), Events,
 retry intent of errors (PermanentError for bad specs, TemporaryError for 409s and
 outages), the Deployment watch, metrics, registration and settings."""
 
@@ -54,15 +55,19 @@ def metric(ctx, name, **labels) -> float | None:
     return ctx.metrics.registry.get_sample_value(name, labels)
 
 
-def test_on_spec_writes_status_through_the_patch_and_posts_events(ctx):
+def stored_status(ctx):
+    return ctx.api.stored(c.KIND, "llm", "chat")["status"]
+
+
+def test_on_spec_writes_status_and_posts_events(ctx):
     body = inference(spec=AUTO)
     ctx.api.put(body)
     patch = kopf.Patch()
     assert on_spec(body=body, patch=patch, memo=ctx, logger=logging.getLogger()) is None
-    assert patch.status["desiredReplicas"] == 2
-    assert patch.status["observedGeneration"] == 1
+    assert stored_status(ctx)["desiredReplicas"] == 2
+    assert stored_status(ctx)["observedGeneration"] == 1
     assert [e[2] for e in ctx.post_event.events] == ["Created"]
-    assert "spec" not in patch and "metadata" not in patch
+    assert patch == {}  # nothing for Kopf to merge-patch: no spec, no stale status
     assert metric(ctx, "kvpilot_operator_reconcile_total", result="success") == 1
     keys = {"namespace": "llm", "inference_deployment": "chat"}
     assert metric(ctx, "kvpilot_operator_desired_replicas", **keys) == 2
@@ -71,16 +76,16 @@ def test_on_spec_writes_status_through_the_patch_and_posts_events(ctx):
 
 def test_resync_repairs_a_manually_edited_deployment(ctx):
     body = inference(spec={"model": EMBEDDED, "replicas": 2})
+    ctx.api.put(body)
     on_spec(body=body, patch=kopf.Patch(), memo=ctx)
     ctx.api.objects[("Deployment", "llm", "chat")]["spec"]["template"]["spec"]["containers"][0][
         "image"] = "hacked:1"
     ctx.api.objects[("Deployment", "llm", "chat")]["spec"]["replicas"] = 7
-    patch = kopf.Patch()
-    on_resync(body=body, patch=patch, memo=ctx)
+    on_resync(body=body, patch=kopf.Patch(), memo=ctx)
     stored = ctx.api.stored("Deployment", "llm", "chat")
     assert stored["spec"]["template"]["spec"]["containers"][0]["image"] == "e:1"
     assert stored["spec"]["replicas"] == 2
-    assert patch.status["lastScaleReason"] == "7 -> 2: spec.replicas is 2"
+    assert stored_status(ctx)["lastScaleReason"] == "7 -> 2: spec.replicas is 2"
     keys = {"namespace": "llm", "inference_deployment": "chat", "direction": "down"}
     assert metric(ctx, "kvpilot_operator_scale_events_total", **keys) == 1
 
@@ -141,9 +146,7 @@ def _engine_deployment(ctx, ready: int):
 def test_deployment_event_refreshes_the_owner_status(ctx):
     body = inference(spec=AUTO)
     ctx.api.put(body)
-    patch = kopf.Patch()
-    on_spec(body=body, patch=patch, memo=ctx)
-    ctx.api.patch_status("llm", "chat", dict(patch.status))
+    on_spec(body=body, memo=ctx)
     deployment = _engine_deployment(ctx, ready=2)
     on_deployment_event(body=deployment, type="MODIFIED", memo=ctx)
     status = ctx.api.stored(c.KIND, "llm", "chat")["status"]

@@ -121,6 +121,17 @@ def test_patch_status_is_a_merge_patch_on_the_subresource(server):
     assert request["body"] == {"status": {"readyReplicas": 2}}
 
 
+def test_patch_status_with_a_resource_version_is_a_precondition(server):
+    path = "/apis/kvpilot.dev/v1alpha1/namespaces/llm/inferencedeployments/chat/status"
+    server.responses[("PATCH", path)] = [(409, {"message": "the object has been modified"})]
+    with pytest.raises(ConflictError, match="modified"):
+        api_for(server.server_address[1]).patch_status("llm", "chat", {"readyReplicas": 2},
+                                                       resource_version="41")
+    (request,) = server.requests
+    assert request["body"] == {"status": {"readyReplicas": 2},
+                               "metadata": {"resourceVersion": "41"}}
+
+
 def test_list_pods_selects_by_labels_in_the_namespace(server):
     path = "/api/v1/namespaces/llm/pods"
     server.responses[("GET", path)] = [(200, {"kind": "PodList", "items": [

@@ -44,8 +44,11 @@ class KubeApi(Protocol):
         precondition: ConflictError when the stored object has moved on."""
         ...
 
-    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
-        """JSON-merge-patch an InferenceDeployment's ``status`` subresource."""
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any],
+                     resource_version: str | None = None) -> None:
+        """JSON-merge-patch an InferenceDeployment's ``status`` subresource. With
+        ``resource_version``, a precondition: ConflictError when the object has moved on
+        (use :func:`kvpilot.operator.status_writer.write_status`, which retries)."""
         ...
 
     def has_api(self, group_version: str, kind: str) -> bool:

@@ -6,7 +6,7 @@ stops it when it is removed or the object goes). Every ``intervalSeconds``::
 
     observe_fleet (GET Deployment, LIST pods)  ->  source.read(ready pods)
     -> autoscale_step (pure)  ->  run_reconcile(requested=N) if the policy moved the count
-    -> PATCH status (signals, capacity, cost, autoscaler, conditions)  ->  Events
+    -> write_status (signals, capacity, cost, autoscaler, its conditions)  ->  Events
 
 State that must survive an operator restart lives on the object: ``status.autoscaler
 .policyState`` (the policy's history, last scale times) and ``lastDecision.time`` (so a
@@ -28,6 +28,7 @@ from typing import Any
 import kopf
 
 from kvpilot.autoscaler import PolicyState
+from kvpilot.operator import constants as c
 from kvpilot.operator.api import ApiError
 from kvpilot.operator.autoscale import AutoscaleStep, autoscale_step
 from kvpilot.operator.conditions import set_conditions
@@ -37,6 +38,7 @@ from kvpilot.operator.metrics_source import MetricsSource, SourceConfig
 from kvpilot.operator.metrics_source.episodes import EpisodeLog
 from kvpilot.operator.reconcile import Resource
 from kvpilot.operator.spec import InferenceSpec, SpecError, parse_spec
+from kvpilot.operator.status_writer import write_status
 
 # How soon to look again when there is nothing to decide on (invalid spec, no Deployment)
 # or the last attempt failed.
@@ -162,10 +164,13 @@ class AutoscalerLoop:
         # The count is applied (or needed no change): the decision has happened.
         self.state, self.decided_at = step.decision.state, now.timestamp()
         status = dict(patch.get("status") or {})
+        # Ready/Progressing only when the reconcile just computed them from the Deployment
+        # it applied; otherwise the snapshot's copies may be stale and are not written.
+        owned = c.AUTOSCALER_CONDITIONS + (c.RECONCILE_CONDITIONS if status else ())
         base = status.get("conditions") or resource.status.get("conditions")
         status.update(step.status)
         status["conditions"] = set_conditions(base, step.conditions, now, None)
-        api.patch_status(ns, name, status)
+        write_status(api, ns, name, status, owned)
         self._written_conditions = status["conditions"]
         for event in step.events:
             self.ctx.post_event(body, event.type, event.reason, event.message)

@@ -40,3 +40,4 @@ SERIES_LABEL = "inference_deployment"
 CONDITION_TYPES = ("Ready", "Progressing", "MetricsAvailable", "ScalingActive", "ScalingLimited")
 # The ones the reconcile loop owns; the autoscaler timer owns the rest.
 RECONCILE_CONDITIONS = ("Ready", "Progressing")
+AUTOSCALER_CONDITIONS = ("MetricsAvailable", "ScalingActive", "ScalingLimited")

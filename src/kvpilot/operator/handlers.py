@@ -17,9 +17,10 @@ registration in :mod:`kvpilot.operator.registration`.
 Errors carry retry intent: an invalid spec or an object the API refuses becomes a
 ``kopf.PermanentError`` plus a ``Ready=False`` condition saying why (no crash loop, no
 retry until the spec changes); 409 conflicts and API outages become a
-``kopf.TemporaryError`` with a delay. Handlers return None, so Kopf stores nothing in
-``status`` (its progress lives in ``kvpilot.dev/`` annotations), and nothing here writes
-``spec``.
+``kopf.TemporaryError`` with a delay. Handlers return None and write ``status``
+themselves (:mod:`kvpilot.operator.status_writer`: each writer owns its condition types,
+under a resourceVersion precondition), so Kopf stores nothing there (its progress lives in
+``kvpilot.dev/`` annotations), and nothing here writes ``spec``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.reconcile import ReconcileResult, Resource, reconcile
 from kvpilot.operator.spec import SpecError
 from kvpilot.operator.status import failure_status, workload_status
+from kvpilot.operator.status_writer import write_status
 
 EventPoster = Callable[[Mapping[str, Any], str, str, str], None]
 CONFLICT_RETRY_SECONDS = 2.0
@@ -127,14 +129,39 @@ def run_reconcile(ctx: OperatorContext, body: Mapping[str, Any], patch: kopf.Pat
     return result
 
 
-def on_spec(body: kopf.Body, patch: kopf.Patch, memo: OperatorContext, **_: Any) -> None:
+def reconcile_and_write_status(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
+    """:func:`run_reconcile`, then its status written with
+    :func:`~kvpilot.operator.status_writer.write_status` (also when it raised), owning
+    only Ready and Progressing.
+
+    Not through Kopf's patch: that is a merge patch of a list built from ``body``, which
+    may predate the autoscaler's last write and would erase its conditions.
+
+    Raises what run_reconcile raises; a failed status write is a kopf.TemporaryError.
+    """
+    patch = kopf.Patch()
+    try:
+        run_reconcile(ctx, body, patch)
+    finally:
+        status = patch.get("status")
+        if status:
+            meta = body.get("metadata") or {}
+            try:
+                write_status(ctx.api, meta.get("namespace", ""), meta.get("name", ""),
+                             dict(status), c.RECONCILE_CONDITIONS)
+            except ApiError as exc:
+                raise kopf.TemporaryError(f"status write failed: {exc}",
+                                          delay=TRANSIENT_RETRY_SECONDS) from exc
+
+
+def on_spec(body: kopf.Body, memo: OperatorContext, **_: Any) -> None:
     """create / update / resume of an InferenceDeployment."""
-    run_reconcile(memo, body, patch)
+    reconcile_and_write_status(memo, body)
 
 
-def on_resync(body: kopf.Body, patch: kopf.Patch, memo: OperatorContext, **_: Any) -> None:
+def on_resync(body: kopf.Body, memo: OperatorContext, **_: Any) -> None:
     """The slow periodic pass: re-applies the children (repairs manual edits and drift)."""
-    run_reconcile(memo, body, patch)
+    reconcile_and_write_status(memo, body)
 
 
 def on_deployment_event(body: kopf.Body, type: str | None, memo: OperatorContext,
@@ -155,7 +182,7 @@ def on_deployment_event(body: kopf.Body, type: str | None, memo: OperatorContext
         status = workload_status(name, body, None, current.get("conditions"), memo.clock())
         changed = {k: v for k, v in status.items() if current.get(k) != v}
         if changed and not _only_times_differ(changed, current):
-            memo.api.patch_status(namespace, name, status)
+            write_status(memo.api, namespace, name, status, c.RECONCILE_CONDITIONS)
         memo.metrics.observe(namespace, name, status, (owner.get("spec") or {}).get("autoscaling"))
     except ApiError as exc:
         # Not worth a retry loop: the resync timer and the next event repair it.

@@ -5,7 +5,8 @@ Requests are generic (any kind, by apiVersion and kind) and bodies stay plain di
 
 * ``apply``:        PATCH ``application/apply-patch+yaml`` (JSON is YAML), fieldManager
                     ``kvpilot-operator``, force=true (we own what we apply)
-* ``patch_status``: PATCH ``application/merge-patch+json`` on ``.../status``
+* ``patch_status``: PATCH ``application/merge-patch+json`` on ``.../status`` (optionally with
+                    a ``metadata.resourceVersion`` precondition)
 * ``has_api``:      GET ``/apis/GROUP/VERSION`` (discovery), cached for DISCOVERY_TTL_SECONDS
 * ``list_pods``:    GET ``/api/v1/namespaces/NS/pods?labelSelector=k=v,...``
 
@@ -129,10 +130,15 @@ class KubernetesApi:
         raise_for_status(status, data, what, write=True)
         return json.loads(data)
 
-    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any],
+                     resource_version: str | None = None) -> None:
         what = f"patch status of {c.KIND} {namespace}/{name}"
         path = resource_path(c.API_VERSION, c.KIND, namespace, name) + "/status"
-        code, data = self._request("PATCH", path, what, body={"status": dict(status)},
+        body: dict[str, Any] = {"status": dict(status)}
+        if resource_version is not None:
+            # The API server checks a resourceVersion in a merge patch (409 on mismatch).
+            body["metadata"] = {"resourceVersion": resource_version}
+        code, data = self._request("PATCH", path, what, body=body,
                                    query=[("fieldManager", c.FIELD_MANAGER)],
                                    content_type="application/merge-patch+json")
         raise_for_status(code, data, what, write=True)
