@@ -8,6 +8,7 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels on CPU; read when triton builds them
 
 
 @pytest.fixture(scope="session")

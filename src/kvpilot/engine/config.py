@@ -41,7 +41,8 @@ class EngineArgs:
     """User-facing engine settings; names match vLLM's flags.
 
     Attributes:
-        model: GGUF file, HF folder or ``embedded://smollm2-135m-instruct`` (default).
+        model: GGUF file, HF folder, ``embedded://smollm2-135m-instruct`` (default) or
+            ``preset:<name>`` (an architecture without weights, for ``load_format="dummy"``).
         dtype: activation/weight dtype; ``auto`` = float32 on CPU, bfloat16 on CUDA.
         kv_cache_dtype: ``auto`` (= dtype) or one of :data:`KV_CACHE_DTYPES`.
         kv_cache_memory: GiB for the KV cache on CPU.
@@ -49,6 +50,10 @@ class EngineArgs:
         num_gpu_blocks_override: exact number of KV blocks (wins over both above).
         max_model_len: context limit; default min(model's, KV pool's).
         load_format: ``auto`` (real weights) or ``dummy`` (random weights, for benchmarks).
+        kv_cache_key_rotation: with an FP8 cache, rotate K and Q heads by a Hadamard
+            matrix before quantizing (exact in full precision; lowers FP8 logit error).
+        skip_tokenizer_init: run without a tokenizer (token ids in, token ids out; no
+            text, no stop strings), as vLLM's flag of that name.
     """
 
     model: str | None = None
@@ -68,6 +73,8 @@ class EngineArgs:
     attention_backend: str = "auto"
     load_format: str = "auto"
     seed: int = 0
+    kv_cache_key_rotation: bool = True
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         _choice("--dtype", self.dtype, ["auto", *DTYPES])
@@ -94,7 +101,12 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         d = EngineArgs()
         g = parser.add_argument_group("engine")
-        g.add_argument("--model", default=None, help="GGUF file, HF folder or embedded://smollm2-135m-instruct (default)")
+        g.add_argument(
+            "--model",
+            default=None,
+            help="GGUF file, HF folder, embedded://smollm2-135m-instruct (default), or "
+            "preset:<name> (architecture only, with --load-format dummy)",
+        )
         g.add_argument("--served-model-name", default=None, help="model id reported by the API (default: the model's name)")
         g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's own)")
         g.add_argument("--dtype", default=d.dtype, choices=["auto", *DTYPES])
@@ -116,6 +128,18 @@ class EngineArgs:
         g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"])
         g.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS)
         g.add_argument("--seed", type=int, default=d.seed, help="seed for unseeded sampling")
+        g.add_argument(
+            "--kv-cache-key-rotation",
+            action=argparse.BooleanOptionalAction,
+            default=d.kv_cache_key_rotation,
+            help="FP8 KV cache: rotate K/Q heads by a Hadamard matrix before quantizing",
+        )
+        g.add_argument(
+            "--skip-tokenizer-init",
+            action="store_true",
+            default=d.skip_tokenizer_init,
+            help="no tokenizer: token ids in and out (dummy benchmarks, preset:<name> models)",
+        )
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:

@@ -80,6 +80,8 @@ class LLM:
         try:
             for p_idx, (prompt, sp) in enumerate(zip(prompts, params)):
                 if isinstance(prompt, str):
+                    if self.tokenizer is None:
+                        raise ValueError("this engine runs without a tokenizer: pass prompts as token ids")
                     ids = self.tokenizer.encode(prompt)
                     text: str | None = prompt
                 else:

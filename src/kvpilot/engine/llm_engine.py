@@ -10,12 +10,12 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvpilot.engine.config import EngineArgs, ResolvedConfig
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig
-from kvpilot.engine.detokenizer import IncrementalDetokenizer
 from kvpilot.engine.model_runner import LoadedModel, ModelRunner, load_model
 from kvpilot.engine.outputs import (
     FinishedRequestStats,
@@ -28,6 +28,18 @@ from kvpilot.engine.sampler import Sampler
 from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class _NoText:
+    """Detokenizer stand-in for an engine without a tokenizer: token ids only, no text."""
+
+    output_text = ""
+
+    def add_tokens(self, token_ids: Sequence[int]) -> None:
+        return None
+
+    def take_delta(self, finished: bool) -> str:
+        return ""
 
 
 def _eos_ids(model_eos: Sequence[int], tokenizer: object, source_path: object) -> tuple[int, ...]:
@@ -84,7 +96,7 @@ class LLMEngine:
             clock,
         )
         self.sampler = Sampler(cfg.device, args.seed)
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._detok: dict[str, Any] = {}
         self._prompt_len: dict[str, int] = {}
         self._stats = IterationStats()  # accumulates until take_stats()
         self._stats_preemptions = 0
@@ -117,8 +129,16 @@ class LLMEngine:
             cache_salt=cache_salt,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
         )
+        if self.tokenizer is None and params.stop:
+            raise InvalidRequestError("stop strings need a tokenizer; this engine runs without one", "stop")
         self.scheduler.add_request(req)
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
+        if self.tokenizer is None:
+            self._detok[request_id] = _NoText()
+        else:
+            # Imported here: the `tokenizers` package is not needed for token-id-only use.
+            from kvpilot.engine.detokenizer import IncrementalDetokenizer
+
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
 
     def abort_request(self, request_ids: Sequence[str]) -> list[str]:
         """Abort requests (unknown or finished ids are ignored); their blocks are freed

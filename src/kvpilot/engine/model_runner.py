@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvpilot.engine.attention.backend import (
@@ -132,8 +131,13 @@ def load_model(args: EngineArgs) -> LoadedModel:
     """
     t0 = time.monotonic()
     source = resolve_model(args.model)
+    if source.kind == "preset" and args.load_format != "dummy":
+        raise ValueError(f"--model preset:{source.name} is an architecture without weights; add --load-format dummy")
     config, gguf_file = load_model_config(source)
-    tokenizer = load_tokenizer(source, args.tokenizer)
+    if args.skip_tokenizer_init or (source.kind == "preset" and args.tokenizer is None):
+        tokenizer = None  # token ids in and out
+    else:
+        tokenizer = load_tokenizer(source, args.tokenizer)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     if device.type == "cpu":
@@ -169,7 +173,10 @@ class ModelRunner:
         max_model_len = args.max_model_len or min(loaded.model_max_len, capacity)
         self.kv_cache = PagedKVCache(
             model_config.num_layers, num_blocks, args.block_size, model_config.num_kv_heads,
-            model_config.head_dim, kv_dtype, device,
+            model_config.head_dim, kv_dtype, device, act_dtype=dtype, rotate_keys=args.kv_cache_key_rotation,
+        )
+        self.kv_cache.load_checkpoint_scales(
+            {i: (d["k"], d["v"]) for i, d in loaded.model.kv_cache_scales.items() if "k" in d and "v" in d}
         )
         backend_name = resolve_backend_name(args.attention_backend, device)
         self.backend = get_attention_backend(backend_name, device)
@@ -187,7 +194,8 @@ class ModelRunner:
         logger.info(
             "engine ready: %s %s on %s, weights %.0f MiB (loaded in %.1fs); KV cache %s, %d blocks x %d = %d tokens; attention %s",
             self.resolved.served_model_name, dtype, device, loaded.weight_bytes / 2**20, loaded.load_seconds,
-            kv_name, num_blocks, args.block_size, capacity, backend_name,
+            kv_name + (" (keys rotated)" if self.kv_cache.rotates_keys else ""), num_blocks, args.block_size,
+            capacity, backend_name,
         )
 
     # ------------------------------------------------------------- inputs
@@ -212,16 +220,17 @@ class ModelRunner:
             if it.sample:
                 logits_rows.append(qsl[-1] - 1)
             max_blocks = max(max_blocks, len(it.block_ids))
-        tables = np.zeros((len(items), max_blocks), dtype=np.int32)
-        for i, it in enumerate(items):
-            tables[i, : len(it.block_ids)] = it.block_ids
+        tables: list[int] = []
+        for it in items:
+            tables.extend(it.block_ids)
+            tables.extend([0] * (max_blocks - len(it.block_ids)))
         dev = self.device
         meta = AttentionMetadata(
             num_decodes=out.num_decodes,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev).view(len(items), max_blocks),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
             max_query_len=max(it.num_tokens for it in items),
@@ -239,6 +248,6 @@ class ModelRunner:
         """Run one step. Returns logits ``[num_sampling_requests, vocab]`` fp32, in the
         order of the sampling entries of ``out.scheduled``. Mutates the KV cache."""
         input_ids, positions, meta, logits_rows = self.prepare_inputs(out)
-        calibrate = self.kv_cache.calibrate if self.kv_cache.needs_calibration else None
+        calibrate = self.kv_cache.calibrate if self.kv_cache.calibrating else None
         hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, self.backend, logits_rows, calibrate)
         return self.model.compute_logits(hidden)

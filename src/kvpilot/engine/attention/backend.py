@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpilot.kernels.rotation import rotate_heads
+
 
 @dataclass
 class AttentionMetadata:
@@ -55,13 +57,27 @@ class LayerKVCache:
 
     Attributes:
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-        k_scale, v_scale: fp32 0-d tensors; 1.0 for unquantized dtypes.
+        k_scale, v_scale: fp32 0-d tensors; 1.0 for unquantized dtypes. The cache holds
+            ``x / scale`` (FP8); readers multiply back.
+        key_rotation: ``[head_dim, head_dim]`` orthogonal matrix (activation dtype) or
+            None. When set, the cache holds rotated keys ``k @ R`` and queries must be
+            rotated the same way before attention (:func:`rotate_query_key`); see
+            :mod:`kvpilot.kernels.rotation`.
     """
 
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     k_scale: torch.Tensor
     v_scale: torch.Tensor
+    key_rotation: torch.Tensor | None = None
+
+
+def rotate_query_key(q: torch.Tensor, k: torch.Tensor, kv: LayerKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply the layer's key rotation to ``q`` and ``k`` (unchanged when it has none).
+    ``(q R) . (k R) = q . k``, so attention is the same in exact arithmetic."""
+    if kv.key_rotation is None:
+        return q, k
+    return rotate_heads(q, kv.key_rotation), rotate_heads(k, kv.key_rotation)
 
 
 class AttentionBackend(ABC):
@@ -81,6 +97,9 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Store ``k``/``v`` at ``meta.slot_mapping`` (mutates ``kv``), then attend.
 
+        Every backend applies ``kv.key_rotation`` (:func:`rotate_query_key`), writes
+        with ``kv.k_scale``/``kv.v_scale`` and reads with them on every path.
+
         Args:
             q: ``[num_tokens, num_heads, head_dim]``.
             k, v: ``[num_tokens, num_kv_heads, head_dim]``.
@@ -93,6 +112,7 @@ class AttentionBackend(ABC):
 # name -> "module:Class", imported on first use so CPU installs never import triton.
 ATTENTION_BACKENDS = {
     "torch": "kvpilot.engine.attention.torch_backend:TorchAttentionBackend",
+    "triton": "kvpilot.engine.attention.triton_backend:TritonAttentionBackend",
 }
 
 

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from kvpilot.engine.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
+from kvpilot.engine.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerKVCache,
+    rotate_query_key,
+)
 from kvpilot.kernels import reference
 
 
@@ -25,6 +30,7 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        q, k = rotate_query_key(q, k, kv)
         reference.store_kv(k, v, kv.key_cache, kv.value_cache, meta.slot_mapping, kv.k_scale, kv.v_scale)
         return reference.paged_attention(
             q,

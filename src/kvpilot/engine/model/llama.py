@@ -8,6 +8,7 @@ matrices when the weights are loaded.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -102,6 +103,9 @@ class DecoderLayer(nn.Module):
 
 # HF checkpoint names of the projections we fuse: (fused module, shard index).
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+# FP8 KV-cache scales in checkpoints (stored = x / scale): compressed-tensors/llm-compressor
+# ``self_attn.{k,v}_scale``, AutoFP8 ``self_attn.kv_scale``, ModelOpt ``{k,v}_proj.{k,v}_scale``.
+_KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:k_proj\.|v_proj\.)?(k|v|kv)_scale$")
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
 
 
@@ -122,6 +126,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.max_positions = max_positions
         self.rotary: RotaryEmbedding | None = None
+        # FP8 KV-cache scales found in the checkpoint: layer -> {"k": s, "v": s}.
+        self.kv_cache_scales: dict[int, dict[str, float]] = {}
 
     def init_rotary(self, device: torch.device) -> None:
         self.rotary = RotaryEmbedding(self.config, self.max_positions, device)
@@ -163,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...) in,
-        fusing q/k/v and gate/up.
+        fusing q/k/v and gate/up. FP8 KV-cache scales are kept in ``kv_cache_scales``.
 
         Raises:
             ValueError: an unexpected tensor name or shape, or a missing tensor.
@@ -174,6 +180,12 @@ class LlamaForCausalLM(nn.Module):
         qkv_rows = [0, c.q_size, c.q_size + c.kv_size, c.q_size + 2 * c.kv_size]
         inter = c.intermediate_size
         for name, tensor in weights:
+            scale = _KV_SCALE.search(name)
+            if scale is not None:
+                layer_scales = self.kv_cache_scales.setdefault(int(scale.group(1)), {})
+                for kind in ("k", "v") if scale.group(2) == "kv" else (scale.group(2),):
+                    layer_scales[kind] = float(tensor.float().max())
+                continue
             target, rows = self._map_name(name, qkv_rows, inter)
             if target is None or (target == "lm_head.weight" and self.lm_head is None):
                 continue

@@ -6,6 +6,11 @@ Accepted ``--model`` values::
     /path/model.gguf | file:///path/model.gguf  one GGUF file (dequantized with ``gguf``)
     /path/folder                                config.json + *.safetensors (+ tokenizer)
                                                 or a folder holding exactly one .gguf
+    preset:<name>                               an architecture only (model/presets.py),
+                                                for --load-format dummy
+
+numpy and gguf are imported only when a GGUF file is read, so a preset model runs with
+torch alone.
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from kvpilot.engine.model.config import ModelConfig, UnsupportedModelError
+from kvpilot.engine.model.presets import PRESET_PREFIX, preset_config
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +49,8 @@ class ModelNotFoundError(FileNotFoundError):
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a model lives. ``kind`` is ``gguf`` (``path`` is the file) or ``hf`` (a folder)."""
+    """Where a model lives. ``kind`` is ``gguf`` (``path`` is the file), ``hf`` (a folder)
+    or ``preset`` (no files; ``name`` is the preset)."""
 
     kind: str
     path: Path
@@ -70,6 +79,9 @@ def resolve_model(model: str | None) -> ModelSource:
     """
     if model is None or model in (EMBEDDED_MODEL_URI, "smollm2-135m-instruct", EMBEDDED_MODEL_NAME):
         return ModelSource("gguf", embedded_model_path(), EMBEDDED_MODEL_NAME)
+    if model.startswith(PRESET_PREFIX):
+        name = preset_config(model).name
+        return ModelSource("preset", Path(), name)
     if model.startswith("embedded://"):
         raise ModelNotFoundError(f"unknown embedded model {model!r}; the only one is {EMBEDDED_MODEL_URI}")
     raw = model.removeprefix("file://")
@@ -164,12 +176,15 @@ class GGUFModelFile:
 
     @staticmethod
     def _dequantize(tensor: Any) -> np.ndarray:
+        import numpy as np
         from gguf import quants
 
         return np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
 
     def iter_weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """Dequantized tensors with HF names, Q/K rows restored to the HF rotary layout."""
+        import numpy as np
+
         unpermute = config.architecture == "llama"
         for name, tensor in self.tensors.items():
             hf = gguf_hf_name(name)
@@ -206,6 +221,8 @@ def load_model_config(source: ModelSource) -> tuple[ModelConfig, GGUFModelFile |
         return gf.model_config(), gf
     if source.kind == "hf":
         return ModelConfig.from_hf_config(source.path), None
+    if source.kind == "preset":
+        return preset_config(source.name), None
     raise UnsupportedModelError(f"unknown model source kind {source.kind!r}")
 
 
@@ -213,4 +230,6 @@ def iter_weights(source: ModelSource, config: ModelConfig, gguf_file: GGUFModelF
     if source.kind == "gguf":
         assert gguf_file is not None
         return gguf_file.iter_weights(config)
+    if source.kind == "preset":
+        raise UnsupportedModelError(f"preset:{source.name} has no weights; use --load-format dummy")
     return iter_safetensors(source.path)

@@ -1,0 +1,130 @@
+"""KV-cache quality: perplexity and greedy agreement of quantized KV caches against the
+full-precision cache, on the embedded SmolLM2-135M (CPU is enough).
+
+- Perplexity of ``data/public_domain_en.txt`` (3,162 tokens), teacher-forced through the
+  engine's own model runner, attention backend and paged cache (kvpilot.engine.scoring),
+  in chunks of ``--chunk`` tokens: the first chunk is a prefill, the rest extend over the
+  cached (quantized) prefix. Also the share of positions whose greedy prediction equals
+  the full-precision one.
+- Greedy agreement: the 16 prompts of ``data/kv_quality_prompts.json``, 64 tokens each,
+  batched through the engine: tokens until the first difference, prompts identical over
+  all 64 tokens, and position-wise agreement.
+
+Usage: OMP_NUM_THREADS=1 python benchmarks/kv_cache_quality.py [--configs ...]
+Writes results/kv_cache_quality.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from common import machine_info, write_result
+
+DATA = Path(__file__).resolve().parent / "data"
+
+# name -> (kv_cache_dtype, kv_cache_key_rotation)
+CONFIGS = {
+    "full": ("auto", True),
+    "bfloat16": ("bfloat16", True),
+    "fp8_e4m3": ("fp8_e4m3", True),
+    "fp8_e4m3-no-rotation": ("fp8_e4m3", False),
+    "fp8_e5m2": ("fp8_e5m2", True),
+    "fp8_e5m2-no-rotation": ("fp8_e5m2", False),
+}
+
+
+def greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from kvpilot.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"q{i}", p, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.output_token_ids)
+    return [done[f"q{i}"] for i in range(len(prompts))]
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--dtype", default="float32", help="model dtype (the full-precision cache uses it)")
+    ap.add_argument("--attention-backend", default="torch")
+    ap.add_argument("--chunk", type=int, default=512, help="tokens per perplexity step")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", default="kv_cache_quality")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from kvpilot.engine.config import EngineArgs
+    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.model_runner import load_model
+    from kvpilot.engine.scoring import score_tokens
+
+    base_args = {"device": "cpu", "dtype": args.dtype, "kv_cache_memory": 0.25, "max_num_seqs": 16,
+                 "attention_backend": args.attention_backend}
+    loaded = load_model(EngineArgs(**base_args))
+    tok = loaded.tokenizer
+    text_ids = tok.encode((DATA / "public_domain_en.txt").read_text())
+    prompts = [tok.encode(p) for p in json.loads((DATA / "kv_quality_prompts.json").read_text())]
+    configs = ["full"] + [c for c in args.configs if c != "full"]
+    rows = []
+    base = None
+    for name in configs:
+        kv_dtype, rotation = CONFIGS[name]
+        t0 = time.monotonic()
+        engine = LLMEngine(EngineArgs(**base_args, kv_cache_dtype=kv_dtype, kv_cache_key_rotation=rotation),
+                           loaded=loaded)
+        scores = score_tokens(engine, text_ids, chunk_size=args.chunk)
+        outs = greedy(LLMEngine(EngineArgs(**base_args, kv_cache_dtype=kv_dtype, kv_cache_key_rotation=rotation),
+                                loaded=loaded), prompts, args.max_tokens)
+        row = {"config": name, "kv_cache_dtype": engine.config.kv_cache_dtype_name,
+               "key_rotation": engine.runner.kv_cache.rotates_keys, "perplexity": scores.perplexity,
+               "seconds": round(time.monotonic() - t0, 1)}
+        if base is None:
+            base = {"scores": scores, "outs": outs}
+        else:
+            firsts = [first_difference(a, b) for a, b in zip(base["outs"], outs)]
+            row |= {
+                "perplexity_delta_pct": 100 * (scores.perplexity / base["scores"].perplexity - 1),
+                "teacher_forced_top1_agreement": float((scores.argmax == base["scores"].argmax).float().mean()),
+                "greedy_mean_tokens_to_first_difference": sum(firsts) / len(firsts),
+                "greedy_first_differences": firsts,
+                "greedy_identical_prompts": sum(f == args.max_tokens for f in firsts),
+                "greedy_positionwise_agreement": sum(
+                    sum(x == y for x, y in zip(a, b)) for a, b in zip(base["outs"], outs)
+                ) / (len(outs) * args.max_tokens),
+            }
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "greedy_first_differences"}), flush=True)
+    payload = {"machine": machine_info(), "model": loaded.source.name, "dtype": args.dtype,
+               "attention_backend": args.attention_backend, "text_tokens": len(text_ids),
+               "chunk": args.chunk, "prompts": len(prompts), "max_tokens": args.max_tokens,
+               "torch": torch.__version__, "results": rows}
+    path = write_result(args.out, payload)
+    print(f"\nwrote {path}\n")
+    print("| KV cache | keys rotated | perplexity | vs full | top-1 agree (text) | greedy: tokens to 1st diff (mean) | identical / 16 | position-wise agree |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["config"] == "full":
+            print(f"| {r['kv_cache_dtype']} (full) | - | {r['perplexity']:.3f} | - | - | - | - | - |")
+            continue
+        print(f"| {r['kv_cache_dtype']} | {'yes' if r['key_rotation'] else 'no'} | {r['perplexity']:.3f} | "
+              f"{r['perplexity_delta_pct']:+.2f}% | {r['teacher_forced_top1_agreement']:.3f} | "
+              f"{r['greedy_mean_tokens_to_first_difference']:.1f} | {r['greedy_identical_prompts']} | "
+              f"{r['greedy_positionwise_agreement']:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
