@@ -122,7 +122,11 @@ def test_pods_and_prometheus_sources_read_the_same_signals_as_the_engine(engine,
                          and m.num_running == 1 and m.num_waiting == 2 and m)
         first = pods_source.read([pod], time.monotonic())
         assert first.pods[0].preemption_rate is None  # no previous sample yet: missing
-        time.sleep(1.0)
+        # Not a fixed sleep: on a loaded machine one step can outlast it, and the rate
+        # would honestly be zero. Wait until tokens were generated since that sample.
+        since = engine_metrics(engine).generation_tokens
+        wait_until("a token generated after the first read", lambda: (
+            engine_metrics(engine).generation_tokens > since))
         reading = pods_source.read([pod], time.monotonic())
         (signals,) = reading.pods
         # The pods source says what /metrics says.
