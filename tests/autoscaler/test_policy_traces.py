@@ -168,3 +168,46 @@ def test_pod_signals_are_what_a_metric_source_builds():
         "num_running",
         "preemption_rate",
     )
+
+
+def _hot_spot(ready: int, pending: int, hot: float = 0.96) -> FleetSignals:
+    """One pod full (0.96), every other nearly idle: a Service routed long requests there."""
+    def pod(name, usage):
+        return PodSignals(name, kv_usage=usage, num_waiting=0, waiting_tokens=0, num_running=1,
+                          preemption_rate=0.0, kv_capacity_tokens=100_000)
+    return FleetSignals((pod("hot", hot), *(pod(f"p{i}", 0.05) for i in range(ready - 1))),
+                        pending)
+
+
+def test_a_hot_spot_gets_one_replica_per_episode_not_a_ratchet_to_max():
+    """Found in review: the alarm asked for ready + 1 at every decision, so each pod it
+    added, once ready, raised the ask again: 2 -> 20 in 18 minutes while the fleet idled
+    at 10% usage, and never back down. Now: +1 when the episode begins, then it holds."""
+    spec = AutoscalingSpec(min_replicas=2, max_replicas=20, startup_seconds=60)
+    state, ready, pending, t = PolicyState(), 2, 0, 0.0
+    started: list[float] = []
+    for _ in range(120):  # 30 minutes at the 15 s interval
+        ready += sum(1 for s in started if t - s >= 60)
+        started = [s for s in started if t - s < 60]
+        pending = len(started)
+        d = decide(_hot_spot(ready, pending), state, spec, t)
+        state = d.state
+        started += [t] * max(0, d.desired_replicas - ready - pending)
+        t += spec.interval_seconds
+    assert ready + pending == 3
+    assert state.starvation_base_replicas == 2
+    # The episode ends when no pod starves; the next one may add one again.
+    calm = decide(_hot_spot(3, 0, hot=0.5), state, spec, t)
+    assert calm.state.starvation_base_replicas is None
+    again = decide(_hot_spot(3, 0), calm.state, spec, t + 15)
+    assert (again.direction, again.desired_replicas, again.rule) == ("up", 4, "starvation")
+
+
+def test_the_starvation_episode_survives_a_restart_through_the_state_dict():
+    spec = AutoscalingSpec(min_replicas=2, max_replicas=20)
+    first = decide(_hot_spot(2, 0), PolicyState(), spec, 0.0)
+    assert (first.direction, first.desired_replicas) == ("up", 3)
+    restored = PolicyState.from_dict(first.state.to_dict())
+    assert restored.starvation_base_replicas == 2
+    later = decide(_hot_spot(3, 0), restored, spec, 120.0)  # the new pod is ready, still hot
+    assert later.desired_replicas == 3

@@ -133,11 +133,18 @@ def decide(
     trend = fit_trend(settled, now)
     rising = still_rising(settled, now, spec.forecast_window_seconds)
     drain = rules.queue_drain(load, ready, current, spec)
+    # A starvation episode lasts while some pod starves; it remembers the ready count it
+    # began at (that count + 1 is the alarm's whole answer).
+    if rules.is_starving(load, spec):
+        if state.starvation_base_replicas is None:
+            state = replace(state, starvation_base_replicas=ready)
+    elif state.starvation_base_replicas is not None:
+        state = replace(state, starvation_base_replicas=None)
     candidates = (
         rules.headroom(load, current, spec),
         drain,
         rules.forecast(trend, latest_demand, current, spec, drain.replicas is not None, rising),
-        rules.starvation(load, ready, current, spec),
+        rules.starvation(load, ready, current, spec, state.starvation_base_replicas),
     )
     by_rule = {c.rule: c for c in candidates}
     reactive = _highest(by_rule["headroom"], by_rule["queue_drain"])

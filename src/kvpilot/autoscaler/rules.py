@@ -218,16 +218,30 @@ def forecast(
     )
 
 
-def starvation(load: FleetLoad, ready: int, current: int, spec: AutoscalingSpec) -> Candidate:
+def is_starving(load: FleetLoad, spec: AutoscalingSpec) -> bool:
+    """Any pod preempting, or any pod at or above ``starvation_usage`` KV usage."""
+    return bool(load.preempting_pods) or bool(
+        load.usage_reported and load.max_usage >= spec.starvation_usage
+    )
+
+
+def starvation(
+    load: FleetLoad, ready: int, current: int, spec: AutoscalingSpec, base: int | None = None
+) -> Candidate:
     """Requests are being starved now: at least one more replica, now.
 
     Ours, after llm-d WVA's per-replica saturation test: any preemption, or any pod at or
     above ``starvation_usage`` (0.95) KV usage, means requests are losing work or about to.
-    It asks for ``ready + 1``, so a pod already pending answers it (no double scaling for
-    one pressure), and it never waits for a stabilization window.
+    It asks for ``base + 1``, where ``base`` is the ready count when this starvation
+    episode began (``ready`` if it begins now): a pod already pending answers it (no double
+    scaling for one pressure), it never waits for a stabilization window, and it is one
+    replica per episode. A hot spot that one more replica does not relieve (a Service
+    routes at random, so one pod can stay full while the rest idle) must not ratchet the
+    fleet to ``maxReplicas`` one start-up at a time; sustained fleet-wide pressure is the
+    sizing rules' to answer (headroom, queue drain, forecast).
     """
+    replicas = (ready if base is None else base) + 1
     if load.preempting_pods:
-        replicas = ready + 1
         return Candidate(
             "starvation",
             replicas,
@@ -237,7 +251,6 @@ def starvation(load: FleetLoad, ready: int, current: int, spec: AutoscalingSpec)
             f" ({', '.join(load.preempting_pods[:3])}): at least {replicas} replicas now",
         )
     if load.usage_reported and load.max_usage >= spec.starvation_usage:
-        replicas = ready + 1
         return Candidate(
             "starvation",
             replicas,

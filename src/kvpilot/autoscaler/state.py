@@ -47,12 +47,17 @@ class PolicyState:
         last_scale_time: when the policy last changed the count (``None`` = never).
         last_scale_down_time: when it last scaled down; the forecast ignores the samples
             taken while that step's load was moving onto the remaining pods.
+        starvation_base_replicas: the ready count when the current starvation episode
+            began (``None`` = no pod starving at the last decision with usage data). The
+            alarm asks for this + 1 until the episode ends, so a hot spot that one more
+            replica does not relieve cannot ratchet the fleet up one pod per start-up.
     """
 
     demand: tuple[tuple[float, float], ...] = ()
     recommendations: tuple[Recommendation, ...] = ()
     last_scale_time: float | None = None
     last_scale_down_time: float | None = None
+    starvation_base_replicas: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serializable form (inverse of :meth:`from_dict`)."""
@@ -62,6 +67,7 @@ class PolicyState:
             "recommendations": [[r.time, r.replicas, r.reactive] for r in self.recommendations],
             "lastScaleTime": self.last_scale_time,
             "lastScaleDownTime": self.last_scale_down_time,
+            "starvationBaseReplicas": self.starvation_base_replicas,
         }
 
     @classmethod
@@ -82,12 +88,13 @@ class PolicyState:
             )
             last_time = _opt_float(data.get("lastScaleTime"))
             last_down = _opt_float(data.get("lastScaleDownTime"))
+            starvation_base = _opt_int(data.get("starvationBaseReplicas"))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"malformed policy state {dict(data)!r}: {exc}") from exc
         for t, d in demand:
             if not (math.isfinite(t) and math.isfinite(d)):
                 raise ValueError(f"malformed policy state: non-finite demand sample {(t, d)}")
-        return cls(demand, recs, last_time, last_down)
+        return cls(demand, recs, last_time, last_down, starvation_base)
 
     def pruned(self, now: float, demand_window: float, rec_window: float) -> PolicyState:
         """Drop what no window can use any more. Entries from the future (a clock that
