@@ -163,6 +163,22 @@ def test_foreign_deployment_is_not_taken_over():
     assert [call for call in api.writes() if call[0] == "apply"] == []
 
 
+@pytest.mark.parametrize(("api_version", "kind"), [
+    ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"),
+    ("monitoring.coreos.com/v1", "PodMonitor")])
+def test_a_foreign_child_of_the_same_name_is_not_taken_over(api_version, kind):
+    """Found in review: only the Deployment was checked, so a user's Service ``chat``
+    (selecting their web pods) got our selector and our controller owner reference, and
+    deleting the InferenceDeployment would have garbage-collected it. Nothing is written."""
+    api = FakeKubeApi(apis=(PODMONITOR,))
+    api.put({"apiVersion": api_version, "kind": kind,
+             "metadata": {"name": "chat", "namespace": "llm"}, "spec": {"selector": {"app": "web"}}})
+    with pytest.raises(InvalidObjectError, match=f"{kind} llm/chat exists and is not managed"):
+        run(api)
+    assert [call for call in api.writes() if call[0] == "apply"] == []
+    assert api.stored(kind, "llm", "chat")["spec"] == {"selector": {"app": "web"}}
+
+
 def test_deployment_of_a_deleted_namesake_waits_for_garbage_collection():
     api = FakeKubeApi()
     api.put({"apiVersion": "apps/v1", "kind": "Deployment",

@@ -9,32 +9,34 @@ children are removed by garbage collection through their owner references.
 - apiGroups: ["kvpilot.dev"]
   resources: ["inferencedeployments"]
   verbs: ["get", "list", "watch", "patch"]
-# Write status (replica counts, conditions, observed signals, autoscaler state).
+# Write status (replica counts, conditions, observed signals, autoscaler state); each write
+# reads the object first (the get above) and patches under its resourceVersion.
 - apiGroups: ["kvpilot.dev"]
   resources: ["inferencedeployments/status"]
-  verbs: ["get", "patch"]
+  verbs: ["patch"]
 # Server-side apply the engine Deployment (create on the first apply), read its replica
 # count before each apply, and watch it to copy pod readiness into the owner's status.
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch"]
-# Server-side apply the engine Service (create on the first apply).
+# Server-side apply the engine Service (create on the first apply); read it first, so an
+# existing Service of that name that kvpilot does not control is never taken over.
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["create", "patch"]
-# Server-side apply the engine PodDisruptionBudget (create on the first apply).
+  verbs: ["get", "create", "patch"]
+# The same for the engine PodDisruptionBudget.
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["create", "patch"]
-# Server-side apply the engine PodMonitor when the Prometheus operator's API exists.
+  verbs: ["get", "create", "patch"]
+# The same for the engine PodMonitor, when the Prometheus operator's API exists.
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
-  verbs: ["create", "patch"]
+  verbs: ["get", "create", "patch"]
 # Find the ready engine pods whose /metrics the autoscaler scrapes (metrics.source: pods)
-# and count pending pods as supply.
+# and count pending pods as supply (one list per interval; no watch).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["list"]
 # Record reconciles and every scaling decision as Events on the InferenceDeployment.
 - apiGroups: [""]
   resources: ["events"]

@@ -5,7 +5,7 @@
     body --Resource.from_body--> Resource --parse_spec--> InferenceSpec
     GET Deployment --decide_replicas--> ReplicaDecision --build_children--> Children
     SSA Deployment (resourceVersion precondition; 409 -> re-read, up to CONFLICT_ATTEMPTS)
-    SSA Service, PodDisruptionBudget[, PodMonitor]
+    GET + SSA Service, PodDisruptionBudget[, PodMonitor] (never one we do not control)
     -> ReconcileResult(status merge patch, events)
 
 Idempotent: running it twice on an unchanged object applies identical configurations and
@@ -90,8 +90,10 @@ class ReconcileResult:
     applied: tuple[str, ...]
 
 
-def _check_owner(existing: Mapping[str, Any], resource: Resource) -> None:
-    """Refuse to take over a Deployment some other controller owns."""
+def _check_owner(existing: Mapping[str, Any], resource: Resource, kind: str = "Deployment") -> None:
+    """Refuse to take over a child (``kind`` of the resource's name) that this
+    InferenceDeployment does not control: applying ours would re-point a user's Service or
+    PDB, and our owner reference would let garbage collection delete it with us."""
     for ref in (existing.get("metadata") or {}).get("ownerReferences") or ():
         if not ref.get("controller"):
             continue
@@ -99,16 +101,16 @@ def _check_owner(existing: Mapping[str, Any], resource: Resource) -> None:
             return
         if ref.get("kind") == c.KIND and ref.get("name") == resource.name:
             raise TransientApiError(
-                f"Deployment {resource.name} still belongs to a deleted {c.KIND} of the same"
+                f"{kind} {resource.name} still belongs to a deleted {c.KIND} of the same"
                 " name; waiting for garbage collection"
             )
         raise InvalidObjectError(
-            f"Deployment {resource.namespace}/{resource.name} is controlled by"
-            f" {ref.get('kind')}/{ref.get('name')}; rename the {c.KIND} or delete that Deployment"
+            f"{kind} {resource.namespace}/{resource.name} is controlled by"
+            f" {ref.get('kind')}/{ref.get('name')}; rename the {c.KIND} or delete that {kind}"
         )
     raise InvalidObjectError(
-        f"Deployment {resource.namespace}/{resource.name} exists and is not managed by"
-        f" kvpilot; rename the {c.KIND} or delete that Deployment"
+        f"{kind} {resource.namespace}/{resource.name} exists and is not managed by"
+        f" kvpilot; rename the {c.KIND} or delete that {kind}"
     )
 
 
@@ -173,6 +175,13 @@ def reconcile(api: KubeApi, resource: Resource, options: OperatorOptions, now: d
     """
     check_name(resource.name)
     pod_monitor = want_pod_monitor(api, options)
+    # Every child's name is the resource's: refuse before writing anything if one of them
+    # exists and is someone else's (the Deployment is checked inside its apply loop).
+    others = [("v1", "Service"), ("policy/v1", "PodDisruptionBudget")]
+    for api_version, kind in others + ([(POD_MONITOR_API_VERSION, "PodMonitor")] if pod_monitor else []):
+        existing = api.get(api_version, kind, resource.namespace, resource.name)
+        if existing is not None:
+            _check_owner(existing, resource, kind)
     deployment, decision, children, created = _apply_deployment(
         api, resource, options, pod_monitor, requested, requested_reason
     )
