@@ -19,11 +19,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpilot", description="kvpilot: paged-KV LLM engine and Kubernetes operator")
+    parser = argparse.ArgumentParser(prog="kvpilot", description="kvpilot: paged-KV LLM engine and Kubernetes operator",
+                                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         p.set_defaults(_module=module)
         importlib.import_module(module).add_arguments(p)
     return parser
@@ -35,7 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     # for the operator); fall back to the full parser for help and errors.
     if argv and argv[0] in COMMANDS:
         module = importlib.import_module(COMMANDS[argv[0]][0])
-        parser = argparse.ArgumentParser(prog=f"kvpilot {argv[0]}", description=COMMANDS[argv[0]][1])
+        # No abbreviations: "--por=9001" in an InferenceDeployment's extraArgs must not
+        # silently override the --port the operator manages (it is an unknown flag).
+        parser = argparse.ArgumentParser(prog=f"kvpilot {argv[0]}", description=COMMANDS[argv[0]][1],
+                                         allow_abbrev=False)
         module.add_arguments(parser)
         return int(module.run(parser.parse_args(argv[1:])) or 0)
     parser = build_parser()

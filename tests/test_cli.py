@@ -1,0 +1,21 @@
+"""The ``kvpilot`` console script's dispatch."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot import cli
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--por=9001"], ["serve", "--po", "9001"], ["serve", "--hos=0.0.0.0"],
+    ["serve", "--kv-cache-dt=fp8"], ["serve", "--no-enable-prefix"],
+])
+def test_abbreviated_flags_are_unknown_not_the_managed_ones(argv, capsys):
+    """Found in review: argparse took ``--por=9001`` for ``--port``, so an
+    InferenceDeployment's ``engine.extraArgs`` could override the port, host or model the
+    operator manages (and fail the probes). Abbreviations are now refused outright."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
