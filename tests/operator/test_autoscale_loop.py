@@ -10,6 +10,7 @@ missing data, not zero load), and a restart in the middle of a scale-up.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import kopf
 import pytest
@@ -58,6 +59,24 @@ def test_finops_status_from_capacity_context_and_counters():
     # 2 replicas x 2.0 per hour; 200 generated tokens/s -> 4.0 / 720,000 tokens.
     assert status["cost"]["costPerHour"] == 4.0
     assert status["cost"]["costPerMillionTokens"] == round(4.0 / (200 * 3600) * 1e6, 4)
+
+
+@pytest.mark.parametrize("garbage", [float("inf"), -5.0, float("nan")])
+def test_garbage_finops_inputs_leave_estimates_out_and_scaling_goes_on(garbage):
+    """A source that reports a nonsense token rate or context (a buggy exporter) must not
+    stop the decision: the estimates it feeds are left out, the scale-up still happens."""
+    def read(pods, now):
+        return dataclasses.replace(loaded(0.97, waiting=8)(pods, now),
+                                   generated_tokens_per_second=garbage,
+                                   mean_context_tokens=garbage)
+    fleet = Fleet(load=read, replicas=2)
+    fleet.pods(ready=2)
+    fleet.tick(0)
+    assert fleet.replicas > 2
+    status = fleet.status
+    assert status["cost"].get("costPerMillionTokens") is None
+    assert status["cost"]["costPerHour"] > 0
+    assert status["capacity"].get("maxConcurrentRequestsEstimate") is None
 
 
 def test_c15_unreachable_source_holds_then_scaling_resumes_when_data_returns():

@@ -34,6 +34,17 @@ def test_parse_reads_every_signal_and_sums_counters_over_labels():
     assert sample.kv_capacity_tokens == 20000.0
 
 
+@pytest.mark.parametrize("garbage", ["-5", "+Inf", "-Inf", "NaN"])
+def test_a_counter_or_gauge_that_is_no_measurement_is_missing(garbage):
+    """Found in review: a generation counter of -5 or +Inf reached the FinOps arithmetic,
+    which raised, and every autoscaler tick after it failed while that pod lived."""
+    sample = parse_engine_metrics(page(generated=garbage, usage=garbage), NAMES)
+    assert sample.generation_tokens is None
+    # A negative gauge is a value here; pod_signals refuses it as KV usage (tested above).
+    assert sample.kv_usage == (-5.0 if garbage == "-5" else None)
+    assert sample.prompt_tokens == 3000  # the rest of the page still counts
+
+
 def test_c17_a_misspelled_counter_is_missing_not_zero():
     names = dataclasses.replace(NAMES, preemptions="kvpilot:num_preemptions")
     assert parse_engine_metrics(page(), names).preemptions is None

@@ -22,6 +22,8 @@ surge pod during a rollout is not mistaken for a replica to keep.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -118,21 +120,28 @@ def observed_signals(reading: MetricsReading) -> ObservedSignals:
     )
 
 
+def _usable(value: float | None) -> float | None:
+    """``value`` when it is a finite, non-negative number, else None."""
+    return value if value is not None and math.isfinite(value) and value >= 0 else None
+
+
 def finops_estimates(reading: MetricsReading, replicas: int, cost_per_replica_hour: float | None,
                      block_size: int) -> tuple[CapacityEstimate, CostEstimate]:
     """Capacity per replica, concurrent requests at the mean context, cost per hour for
     ``replicas`` and per million generated tokens (kvpilot.autoscaler.capacity formulas)."""
-    kv = reading.kv_capacity_tokens
-    context = reading.mean_context_tokens
+    # Estimates only: an input a source could not vouch for is left out, never raised on
+    # (an exception here would stop the scaling decision that follows).
+    kv = _usable(reading.kv_capacity_tokens)
+    context = _usable(reading.mean_context_tokens)
+    rate = _usable(reading.generated_tokens_per_second)
     concurrent = None
     if kv is not None and context:
         concurrent = finops.max_concurrent_requests(int(kv), context, block_size)
     hourly = per_million = None
     if cost_per_replica_hour is not None:
         hourly = finops.cost_per_hour(cost_per_replica_hour, replicas)
-        if reading.generated_tokens_per_second is not None:
-            per_million = finops.cost_per_million_tokens(hourly,
-                                                         reading.generated_tokens_per_second)
+        if rate is not None:
+            per_million = finops.cost_per_million_tokens(hourly, rate)
     return (CapacityEstimate(kv, context, concurrent), CostEstimate(hourly, per_million))
 
 

@@ -56,13 +56,18 @@ def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 
 def _gauge(by_name, name: str) -> float | None:
-    values = [v for _, v in by_name.get(name, ()) if not math.isnan(v)]
+    """The largest finite sample (NaN and +-Inf are not measurements: missing)."""
+    values = [v for _, v in by_name.get(name, ()) if math.isfinite(v)]
     return max(values) if values else None
 
 
 def _counter(by_name, name: str) -> float | None:
-    values = [v for _, v in by_name.get(name, ()) if not math.isnan(v)]
-    return sum(values) if values else None
+    """The sum of the series; a non-finite or negative sample is no counter value, and
+    makes the whole counter missing (a partial sum would fake a reset)."""
+    values = [v for _, v in by_name.get(name, ())]
+    if not values or not all(math.isfinite(v) and v >= 0 for v in values):
+        return None
+    return sum(values)
 
 
 def _capacity_from_info(by_name, name: str) -> float | None:
