@@ -43,19 +43,21 @@ ARGS = [
         "--host", "0.0.0.0", "--port", "8000", "--model", "embedded://smollm2-135m-instruct",
         "--device", "cpu", "--kv-cache-dtype", "auto", "--max-num-batched-tokens", "2048",
         "--max-num-seqs", "256", "--block-size", "16", "--enable-prefix-caching",
+        "--drain-timeout", "285",
     ]),
     ("cpu-sample", sample("smollm2-cpu"), [
         "--host", "0.0.0.0", "--port", "8000", "--model", "embedded://smollm2-135m-instruct",
         "--served-model-name", "smollm2-135m-instruct", "--device", "cpu",
         "--kv-cache-dtype", "auto", "--max-num-batched-tokens", "2048", "--max-num-seqs", "32",
-        "--block-size", "16", "--enable-prefix-caching", "--max-model-len", "4096",
+        "--block-size", "16", "--enable-prefix-caching", "--drain-timeout", "45",
+        "--max-model-len", "4096",
     ]),
     ("gpu-fp8-sample", sample("llama3-8b-fp8-gpu"), [
         "--host", "0.0.0.0", "--port", "8000", "--model", "/models/Meta-Llama-3-8B-Instruct",
         "--served-model-name", "meta-llama/Meta-Llama-3-8B-Instruct", "--device", "cuda",
         "--kv-cache-dtype", "fp8", "--max-num-batched-tokens", "8192", "--max-num-seqs", "256",
-        "--block-size", "16", "--enable-prefix-caching", "--gpu-memory-utilization", "0.9",
-        "--max-model-len", "8192",
+        "--block-size", "16", "--enable-prefix-caching", "--drain-timeout", "585",
+        "--gpu-memory-utilization", "0.9", "--max-model-len", "8192",
     ]),
     ("hf-no-prefix-cache-extra-args", {
         "model": {"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct"},
@@ -66,12 +68,13 @@ ARGS = [
         "--served-model-name", "Qwen/Qwen2.5-0.5B-Instruct", "--device", "cpu",
         "--kv-cache-dtype", "fp8_e5m2", "--max-num-batched-tokens", "2048",
         "--max-num-seqs", "256", "--block-size", "16", "--no-enable-prefix-caching",
-        "--attention-backend", "torch", "--seed=7",
+        "--drain-timeout", "285", "--attention-backend", "torch", "--seed=7",
     ]),
     ("file-uri", {"model": {"uri": "file:///opt/models/smol.gguf"}}, [
         "--host", "0.0.0.0", "--port", "8000", "--model", "/opt/models/smol.gguf",
         "--device", "cpu", "--kv-cache-dtype", "auto", "--max-num-batched-tokens", "2048",
         "--max-num-seqs", "256", "--block-size", "16", "--enable-prefix-caching",
+        "--drain-timeout", "285",
     ]),
 ]
 
@@ -158,6 +161,17 @@ def test_graceful_drain():
     assert engine(children)["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "10"]}}
     short = build({"model": EMBEDDED, "terminationGracePeriodSeconds": 6})
     assert engine(short)["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "2"]
+
+
+@pytest.mark.parametrize(("grace", "drain"), [(900, 885), (300, 285), (60, 45), (6, 0), (0, 0)])
+def test_the_engine_drains_for_what_the_grace_period_leaves(grace, drain):
+    """Found in review: the engine kept its 120 s default drain, cutting generations a
+    900 s grace would have let finish, and outliving a 60 s one (SIGKILL mid-drain)."""
+    args = engine(build({"model": EMBEDDED, "terminationGracePeriodSeconds": grace}))["args"]
+    assert args[args.index("--drain-timeout") + 1] == str(drain)
+    sleep = int(engine(build({"model": EMBEDDED, "terminationGracePeriodSeconds": grace}))[
+        "lifecycle"]["preStop"]["exec"]["command"][1])
+    assert sleep + drain <= max(0, grace - 5) or drain == 0
 
 
 def test_restricted_security_context_and_writable_volumes():

@@ -31,6 +31,7 @@ MANAGED_FLAGS = (
     "--model", "--served-model-name", "--host", "--port", "--kv-cache-dtype",
     "--max-num-batched-tokens", "--max-num-seqs", "--block-size", "--enable-prefix-caching",
     "--no-enable-prefix-caching", "--gpu-memory-utilization", "--max-model-len", "--device",
+    "--drain-timeout",
 )
 MAX_REPLICAS = 1000
 # The autoscaler's starvation alarm fires at this per-pod usage; a target must stay below.

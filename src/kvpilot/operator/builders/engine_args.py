@@ -11,6 +11,23 @@ from kvpilot.operator import constants as c
 from kvpilot.operator.spec import InferenceSpec
 
 ENGINE_COMMAND = ("kvpilot", "serve")
+# On deletion the kubelet runs the preStop sleep (so the Service drops the pod first), then
+# sends SIGTERM; terminationGracePeriodSeconds counts from the start of both. The engine's
+# drain gets what is left, minus time to exit before the SIGKILL.
+PRESTOP_SLEEP_SECONDS = 10
+EXIT_MARGIN_SECONDS = 5
+
+
+def prestop_sleep_seconds(spec: InferenceSpec) -> int:
+    """The preStop sleep: 10 s, or a third of a shorter grace period."""
+    return min(PRESTOP_SLEEP_SECONDS, spec.pod.termination_grace_period_seconds // 3)
+
+
+def drain_timeout_seconds(spec: InferenceSpec) -> int:
+    """``--drain-timeout``: how long in-flight generations may run after SIGTERM, so that
+    the engine exits 0 on its own before the grace period ends (never negative)."""
+    grace = spec.pod.termination_grace_period_seconds
+    return max(0, grace - prestop_sleep_seconds(spec) - EXIT_MARGIN_SECONDS)
 
 
 def gpu_resource_names(spec: InferenceSpec) -> list[str]:
@@ -38,6 +55,7 @@ def engine_args(spec: InferenceSpec) -> list[str]:
         "--max-num-seqs", str(e.max_num_seqs),
         "--block-size", str(e.block_size),
         "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--drain-timeout", str(drain_timeout_seconds(spec)),
     ]
     if e.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", repr(e.gpu_memory_utilization)]

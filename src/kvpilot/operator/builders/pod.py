@@ -12,8 +12,10 @@ Layout of one engine pod::
 Probes: a startup probe on /health that tolerates slow model loads (at least 10 minutes,
 or 5 x autoscaling.startupSeconds), liveness on /health, readiness on /ready (the engine
 answers 503 while loading or draining). On deletion a short preStop sleep lets the
-Service drop the pod before SIGTERM starts the engine's drain, and
-terminationGracePeriodSeconds bounds how long in-flight generations may still run.
+Service drop the pod before SIGTERM starts the engine's drain, and the engine's
+``--drain-timeout`` is what terminationGracePeriodSeconds leaves after it (minus 5 s to exit),
+so in-flight generations run as long as the grace period allows and the engine exits 0
+before the kubelet's SIGKILL.
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ import math
 from typing import Any
 
 from kvpilot.operator import constants as c
-from kvpilot.operator.builders.engine_args import ENGINE_COMMAND, engine_args, gpu_resource_names
+from kvpilot.operator.builders.engine_args import (
+    ENGINE_COMMAND,
+    engine_args,
+    gpu_resource_names,
+    prestop_sleep_seconds,
+)
 from kvpilot.operator.builders.labels import object_labels
 from kvpilot.operator.model_uri import MODELS_DIR
 from kvpilot.operator.spec import InferenceSpec
@@ -33,7 +40,6 @@ ENGINE_UID = 10001
 DEFAULT_STARTUP_SECONDS = 120
 MIN_STARTUP_BUDGET_SECONDS = 600
 STARTUP_PERIOD_SECONDS = 10
-PRESTOP_SLEEP_SECONDS = 10
 CACHE_DIR = "/cache"
 # Downloads an hf:// repository's weights, config and tokenizer (not *.bin/*.pth copies).
 HF_DOWNLOAD_SCRIPT = (
@@ -110,7 +116,6 @@ def _probe(path: str, period: int, timeout: int, failures: int) -> dict[str, Any
 
 
 def _engine_container(spec: InferenceSpec, image: str, mounts: list[dict[str, Any]]) -> dict:
-    grace = spec.pod.termination_grace_period_seconds
     startup_failures = math.ceil(startup_budget_seconds(spec) / STARTUP_PERIOD_SECONDS)
     return {
         "name": "engine",
@@ -125,7 +130,7 @@ def _engine_container(spec: InferenceSpec, image: str, mounts: list[dict[str, An
         "livenessProbe": _probe(c.HEALTH_PATH, 15, 10, 4),
         "readinessProbe": _probe(c.READY_PATH, 5, 3, 2),
         "lifecycle": {
-            "preStop": {"exec": {"command": ["sleep", str(min(PRESTOP_SLEEP_SECONDS, grace // 3))]}}
+            "preStop": {"exec": {"command": ["sleep", str(prestop_sleep_seconds(spec))]}}
         },
         "securityContext": _container_security(),
         "volumeMounts": mounts,
