@@ -135,7 +135,24 @@ def test_full_scenario_passes_values_through(rendered):
             assert alert["annotations"]["runbook_url"].startswith("https://runbooks.example/kvpilot#")
     burn = next(a for g in rule["spec"]["groups"] for a in g["rules"]
             if a["alert"] == "KVPilotTTFTBudgetBurnFast")
-    assert 'le="5"' in burn["expr"] and "> 0.072" in burn["expr"]  # 14.4 x 0.5%
+    # full.yaml says "5"; the engine's histogram writes le="5.0" (found in review: the
+    # alert matched no series and could never fire).
+    assert 'le="5.0"' in burn["expr"] and "> 0.072" in burn["expr"]  # 14.4 x 0.5%
+
+
+def test_the_ttft_bounds_the_chart_accepts_are_the_engines_buckets():
+    from prometheus_client.utils import floatToGoString
+
+    from kvpilot.engine.server.metrics import REQUEST_BUCKETS
+
+    text = (CHART / "files" / "alerts.yaml").read_text()
+    listed = re.search(r'\$bounds := list ((?:"[^"]+" ?)+)', text).group(1).split()
+    assert [b.strip('"') for b in listed] == [floatToGoString(b) for b in REQUEST_BUCKETS]
+
+
+def test_a_ttft_bound_that_is_no_bucket_fails_the_render():
+    with pytest.raises(AssertionError, match="must be one of the engine's TTFT bucket bounds"):
+        helm_template(sets=["alerts.ttftSlo.thresholdSeconds=3"])
 
 
 def test_selector_labels_never_carry_a_version(rendered):
