@@ -118,6 +118,17 @@ def test_owner_reference_and_labels_on_every_child():
         assert meta["labels"][c.LABEL_OWNER] == "chat"
 
 
+def test_pod_monitor_labels_for_a_prometheus_that_selects_by_them():
+    """kube-prometheus-stack's Prometheus selects PodMonitors labelled ``release: <name>``
+    (found in review: there was no way to put it on the engine PodMonitors)."""
+    children = build_children(OWNER, parse_spec({"model": EMBEDDED}), 1, IMAGE, True,
+                              (("release", "kps"), (c.LABEL_OWNER, "spoofed")))
+    labels = children.pod_monitor["metadata"]["labels"]
+    assert labels["release"] == "kps"
+    assert labels[c.LABEL_OWNER] == "chat"  # ours win
+    assert "release" not in children.deployment["metadata"]["labels"]
+
+
 def test_selectors_are_stable_and_match_the_pods():
     children = build({"model": EMBEDDED}, pod_monitor=True)
     selector = {c.LABEL_COMPONENT: "engine", c.LABEL_OWNER: "chat"}

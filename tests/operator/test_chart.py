@@ -123,6 +123,7 @@ def test_full_scenario_passes_values_through(rendered):
     pod = deployment["spec"]["template"]["spec"]
     assert pod["containers"][0]["image"] == "registry.example/kvpilot/operator:0.1.0-rc1"
     assert "--engine-image=registry.example/kvpilot/engine:0.1.0-cu128" in pod["containers"][0]["args"]
+    assert "--pod-monitor-label=release=kube-prometheus-stack" in pod["containers"][0]["args"]
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     assert pod["priorityClassName"] == "system-cluster-critical"
     (dashboard,) = by_kind(docs, "ConfigMap")

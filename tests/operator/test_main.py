@@ -36,6 +36,15 @@ def test_flags_and_environment(monkeypatch):
     assert options.engine_image == "my/engine:2" and options.pod_monitor == "never"
 
 
+def test_pod_monitor_labels(capsys):
+    options = options_from_args(parse(["--pod-monitor-label", "release=kps",
+                                       "--pod-monitor-label", "team=ml=1"]))
+    assert options.pod_monitor_labels == (("release", "kps"), ("team", "ml=1"))
+    with pytest.raises(SystemExit):
+        parse(["--pod-monitor-label", "release"])
+    assert "a label is KEY=VALUE; got 'release'" in capsys.readouterr().err
+
+
 def test_bad_values_name_the_flag():
     with pytest.raises(ValueError, match=r"resync_seconds must be >= 10; got 1\.0"):
         options_from_args(parse(["--resync-seconds", "1"]))

@@ -5,6 +5,7 @@ Flags (each also read from the environment variable in brackets, as the Helm cha
   --namespace NS            watch only NS; repeatable (default: the whole cluster)
   --engine-image IMAGE      default engine image  [KVPILOT_ENGINE_IMAGE]
   --pod-monitor MODE        auto | always | never  [KVPILOT_POD_MONITOR]
+  --pod-monitor-label K=V   a label on every engine PodMonitor; repeatable
   --resync-seconds S        period of the drift-repair reconcile (default 300)
   --metrics-port P          operator metrics on 0.0.0.0:P/metrics (0 = off; default 9090)
   --health-port P           Kopf liveness probe on 0.0.0.0:P/healthz (0 = off; default 8080)
@@ -34,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pod-monitor", choices=POD_MONITOR_MODES,
                         default=os.environ.get("KVPILOT_POD_MONITOR", d.pod_monitor),
                         help="create PodMonitors: auto = when the Prometheus operator's API exists")
+    parser.add_argument("--pod-monitor-label", action="append", default=[], metavar="KEY=VALUE",
+                        dest="pod_monitor_labels", type=_label,
+                        help="label every engine PodMonitor (repeatable), e.g. release=kps for"
+                             " a kube-prometheus-stack Prometheus that selects by it")
     parser.add_argument("--resync-seconds", type=float, default=d.resync_seconds,
                         help="period of the drift-repair reconcile")
     parser.add_argument("--metrics-port", type=int, default=9090,
@@ -44,6 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"a label is KEY=VALUE; got {text!r}")
+    return key, value
+
+
 def options_from_args(args: argparse.Namespace) -> OperatorOptions:
     """The frozen options; raises ValueError naming a bad flag value."""
     return OperatorOptions(
@@ -51,6 +63,7 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
         pod_monitor=args.pod_monitor,
         resync_seconds=args.resync_seconds,
         namespaces=tuple(args.namespaces),
+        pod_monitor_labels=tuple(args.pod_monitor_labels),
     )
 
 

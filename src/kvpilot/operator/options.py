@@ -16,12 +16,16 @@ class OperatorOptions:
             exists, ``always``/``never`` force it.
         resync_seconds: period of the slow reconcile timer that repairs drift.
         namespaces: namespaces to watch; empty = the whole cluster.
+        pod_monitor_labels: ``(key, value)`` labels on every engine PodMonitor, for a
+            Prometheus that selects PodMonitors by label (kube-prometheus-stack's default
+            wants ``release: <its release name>``).
     """
 
     engine_image: str = "kvpilot/engine:0.1.0"
     pod_monitor: str = "auto"
     resync_seconds: float = 300.0
     namespaces: tuple[str, ...] = ()
+    pod_monitor_labels: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.pod_monitor not in POD_MONITOR_MODES:
@@ -30,5 +34,8 @@ class OperatorOptions:
             )
         if not self.engine_image:
             raise ValueError("engine_image must be a non-empty image reference")
+        for key, _ in self.pod_monitor_labels:
+            if not key or "=" in key:
+                raise ValueError(f"pod monitor label keys must be non-empty without '='; got {key!r}")
         if self.resync_seconds < 10:
             raise ValueError(f"resync_seconds must be >= 10; got {self.resync_seconds}")

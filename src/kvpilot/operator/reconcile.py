@@ -138,7 +138,7 @@ def _apply_deployment(api: KubeApi, resource: Resource, options: OperatorOptions
             _check_owner(current, resource)
         decision = decide_replicas(spec, _current_replicas(current), requested, requested_reason)
         children = build_children(resource.owner, spec, decision.replicas, options.engine_image,
-                                  pod_monitor)
+                                  pod_monitor, options.pod_monitor_labels)
         config = children.deployment
         if current is not None:
             # A precondition: if anyone resized or changed it since the read, 409.

@@ -123,16 +123,21 @@ def build_pod_disruption_budget(owner: Owner) -> dict[str, Any]:
     }
 
 
-def build_pod_monitor(owner: Owner) -> dict[str, Any]:
+def build_pod_monitor(owner: Owner,
+                      extra_labels: tuple[tuple[str, str], ...] = ()) -> dict[str, Any]:
     """A Prometheus-operator PodMonitor scraping every engine pod's /metrics, with the
-    owner's name copied into the ``inference_deployment`` series label."""
+    owner's name copied into the ``inference_deployment`` series label. ``extra_labels``
+    go on the PodMonitor itself (what a Prometheus's podMonitorSelector matches); ours win
+    on a clash."""
     owner_label = "__meta_kubernetes_pod_label_" + "".join(
         ch if ch.isalnum() else "_" for ch in c.LABEL_OWNER
     )
+    metadata = _metadata(owner)
+    metadata["labels"] = {**dict(extra_labels), **metadata["labels"]}
     return {
         "apiVersion": POD_MONITOR_API_VERSION,
         "kind": "PodMonitor",
-        "metadata": _metadata(owner),
+        "metadata": metadata,
         "spec": {
             "selector": {"matchLabels": selector_labels(owner.name)},
             "podMetricsEndpoints": [{
@@ -150,7 +155,8 @@ def build_pod_monitor(owner: Owner) -> dict[str, Any]:
 
 
 def build_children(owner: Owner, spec: InferenceSpec, replicas: int, default_image: str,
-                   pod_monitor: bool) -> Children:
+                   pod_monitor: bool,
+                   pod_monitor_labels: tuple[tuple[str, str], ...] = ()) -> Children:
     """Everything one InferenceDeployment owns, for ``replicas`` engine pods."""
     if replicas < 0:
         raise ValueError(f"replicas must be >= 0; got {replicas}")
@@ -158,5 +164,5 @@ def build_children(owner: Owner, spec: InferenceSpec, replicas: int, default_ima
         deployment=build_deployment(owner, spec, replicas, default_image),
         service=build_service(owner),
         pod_disruption_budget=build_pod_disruption_budget(owner),
-        pod_monitor=build_pod_monitor(owner) if pod_monitor else None,
+        pod_monitor=build_pod_monitor(owner, pod_monitor_labels) if pod_monitor else None,
     )
