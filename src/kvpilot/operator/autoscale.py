@@ -23,7 +23,6 @@ surge pod during a rollout is not mistaken for a replica to keep.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
