@@ -194,3 +194,16 @@ def test_refused_child_surfaces_as_invalid_object():
     api.fail_next("apply:Service", InvalidObjectError("Service is invalid: ports", 422))
     with pytest.raises(InvalidObjectError, match="Service is invalid"):
         run(api)
+
+
+def test_removing_autoscaling_without_replicas_keeps_the_fleet():
+    """Found in review: the fleet dropped from 8 pods to 1 at once when autoscaling was
+    removed and replicas not written (cutting generations on 7 pods)."""
+    api = FakeKubeApi()
+    run(api, AUTO, requested=5)
+    assert deployment_replicas(api) == 5
+    result = run(api, {"model": EMBEDDED})
+    assert deployment_replicas(api) == 5 and not result.decision.is_scale
+    run(api, {"model": EMBEDDED, "replicas": 2})
+    assert deployment_replicas(api) == 2
+    assert run(FakeKubeApi(), {"model": EMBEDDED}).decision.replicas == 1  # a new one

@@ -2,7 +2,10 @@
 
 Two controllers must never fight over ``Deployment.spec.replicas`` (case C16):
 
-* static (``spec.replicas``, or neither field = 1): the spec is the truth.
+* static (``spec.replicas``): the spec is the truth.
+* neither field: the Deployment keeps its current count (1 when it is created). So removing
+  ``autoscaling`` without writing ``replicas`` leaves the fleet as the autoscaler left it,
+  as removing an HPA leaves its Deployment, instead of dropping it to one pod at once.
 * autoscaling: the autoscaler is the truth. A reconcile keeps the Deployment's current
   count (clamped to [minReplicas, maxReplicas], e.g. after the bounds changed) and only an
   explicit ``requested`` count from the autoscaler timer moves it. A new Deployment
@@ -47,6 +50,8 @@ def decide_replicas(spec: InferenceSpec, current: int | None, requested: int | N
             count comes from the spec alone).
         requested_reason: the autoscaler's explanation, kept in the decision's reason.
     """
+    if spec.autoscaling is None and spec.replicas is None:
+        return ReplicaDecision(1 if current is None else current, current, "")
     static = spec.static_replicas
     if static is not None:
         reason = f"spec.replicas is {static}" if current is not None and current != static else ""
