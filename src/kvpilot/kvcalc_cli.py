@@ -121,15 +121,26 @@ def compute(args: argparse.Namespace) -> dict:
         if args.gpu_memory_gib <= 0:
             raise ValueError(f"--gpu-memory-gib must be > 0; got {args.gpu_memory_gib}")
         gpu_bytes = args.gpu_memory_gib * capacity.GIB
-    if args.tensor_parallel_size < 1:
-        raise ValueError(f"--tensor-parallel-size must be >= 1; got {args.tensor_parallel_size}")
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1; got {tp}")
+    kv_heads = model.num_kv_heads
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(
+            f"--tensor-parallel-size {tp} must divide the model's {kv_heads} KV heads or be a"
+            f" multiple of them (as vLLM requires); got {tp}"
+        )
     if gpu_bytes is not None:
-        gpu_bytes *= args.tensor_parallel_size
-        out["tensor_parallel_size"] = args.tensor_parallel_size
+        gpu_bytes *= tp
+        out["tensor_parallel_size"] = tp
+        # Beyond one KV head per GPU, each head is replicated on tp / kv_heads GPUs (vLLM's
+        # layout): the fleet of GPUs stores that many copies of every token's K/V.
+        replication = tp // kv_heads if tp > kv_heads else 1
+        out["kv_head_replication"] = replication
         kv_mem = capacity.kv_memory_bytes(
             gpu_bytes, args.gpu_memory_utilization, weight_bytes, args.reserved_gib * capacity.GIB
         )
-        tokens = capacity.kv_capacity_tokens(kv_mem, per_token, args.block_size)
+        tokens = capacity.kv_capacity_tokens(kv_mem, per_token * replication, args.block_size)
         out.update(
             gpu_memory_bytes=gpu_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,

@@ -121,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     traces = list(TRACES) if args.trace == "all" else [args.trace]
     try:
+        if not policies:
+            raise ValueError(f"--policies must name at least one of {', '.join(POLICIES)}")
         for p in policies:
             if p not in POLICIES:
                 raise ValueError(f"--policies must name {', '.join(POLICIES)}; got {p!r}")

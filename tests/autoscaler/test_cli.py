@@ -112,3 +112,31 @@ def test_simulate_compares_policies_and_writes_json_and_png(tmp_path, capsys):
 def test_simulate_refuses_an_unknown_policy(capsys):
     assert main(["simulate", "--policies", "kvpilot,vpa", "--duration", "600"]) == 2
     assert "--policies must name kvpilot, hpa, kpa; got 'vpa'" in capsys.readouterr().err
+
+
+def test_kv_calc_tensor_parallel_replicates_kv_heads_beyond_one_per_gpu(capsys):
+    """Found in review: TP 16 over Llama-3-70B's 8 KV heads was counted as 16-way split,
+    doubling the capacity; vLLM replicates each KV head on tp / kv_heads GPUs."""
+    def tokens(tp):
+        main(["kv-calc", "--model", "llama-3-70b", "--gpu", "H100-80GB",
+              "--tensor-parallel-size", str(tp), "--json"])
+        return json.loads(capsys.readouterr().out)
+    t8, t16 = tokens(8), tokens(16)
+    assert t16["kv_head_replication"] == 2 and t8["kv_head_replication"] == 1
+    # Twice the memory, each token stored twice: about what 8 GPUs hold (weights shared).
+    assert t16["kv_capacity_tokens"] < 1.2 * t8["kv_capacity_tokens"]
+    assert main(["kv-calc", "--model", "llama-3-70b", "--gpu", "H100-80GB",
+                 "--tensor-parallel-size", "3"]) == 2
+    assert "must divide the model's 8 KV heads" in capsys.readouterr().err
+
+
+def test_simulate_refuses_bad_numbers_with_the_flag_and_value(capsys):
+    """Found in review: tracebacks for --policies , and --replicas inf; 0 and NaN accepted."""
+    for argv, message in (
+        (["--policies", ","], "--policies must name at least one of"),
+        (["--replicas", "inf"], "peak_replicas must be finite and in (0, 100000]; got inf"),
+        (["--max-factor", "0"], "max_factor must be finite and in [1, 100]; got 0.0"),
+        (["--slo-seconds", "nan"], "slo_wait_seconds must be finite and > 0; got nan"),
+    ):
+        assert main(["simulate", "--duration", "600", *argv]) == 2, argv
+        assert message in capsys.readouterr().err

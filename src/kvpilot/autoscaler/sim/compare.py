@@ -36,6 +36,20 @@ class Scenario:
     target_cache_usage: float = 0.75
     target_queue_depth: float = 4.0
 
+    def __post_init__(self) -> None:
+        checks = (
+            ("peak_replicas", self.peak_replicas, 0 < self.peak_replicas <= 100_000, "in (0, 100000]"),
+            ("max_factor", self.max_factor, 1 <= self.max_factor <= 100, "in [1, 100]"),
+            ("slo_wait_seconds", self.slo_wait_seconds, self.slo_wait_seconds > 0, "> 0"),
+            ("duration_seconds", self.duration_seconds, self.duration_seconds > 0, "> 0"),
+            ("warmup_seconds", self.warmup_seconds,
+             0 <= self.warmup_seconds < self.duration_seconds, "in [0, duration)"),
+        )
+        for name, value, ok, allowed in checks:
+            # NaN fails every comparison, so it is refused here too; so is inf by the bounds.
+            if not (ok and math.isfinite(value)):
+                raise ValueError(f"{name} must be finite and {allowed}; got {value!r}")
+
     def bounds(self, trace: Trace) -> tuple[int, int]:
         """(minReplicas, maxReplicas): the trough's need, and headroom above the peak."""
         low = max(1, math.floor(trace.base_replicas))
