@@ -180,6 +180,8 @@ REFUSED = [
     ("hf-uri-without-org", {"model": {"uri": "hf://llama"}}, "unsupported model.uri hf://llama"),
     ("relative-file-uri", {"model": {"uri": "file://models/x"}}, "unsupported model.uri"),
     ("other-embedded-model", {"model": {"uri": "embedded://tinyllama"}}, "unsupported model.uri"),
+    ("pvc-path-climbing-out", {"model": {"uri": "pvc://w/../../etc"}},
+     "a pvc:// path may not contain '..' segments"),
     ("target-usage-zero", {"model": EMBEDDED,
                            "autoscaling": {"maxReplicas": 2, "targetCacheUsage": 0}},
      "below minimum 0"),

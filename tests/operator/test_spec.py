@@ -101,3 +101,10 @@ def test_model_uris(uri, scheme, model_arg, served, extra):
 def test_bad_model_uris(uri):
     with pytest.raises(ValueError, match=r"unsupported model URI .*use hf://ORG/NAME"):
         parse_model_uri(uri)
+
+
+@pytest.mark.parametrize("uri", ["pvc://w/../../etc", "pvc://w/a/..", "pvc://w/.."])
+def test_a_pvc_path_may_not_climb_out_of_the_claim(uri):
+    with pytest.raises(ValueError, match=r"may not contain '\.\.' segments"):
+        parse_model_uri(uri)
+    assert parse_model_uri("pvc://w/a..b/c").model_arg == "/models/a..b/c"  # not a segment

@@ -57,6 +57,9 @@ def parse_model_uri(uri: str, served_model_name: str | None = None) -> ModelSour
         return ModelSource(uri, "hf", f"{MODELS_DIR}/{m.group(1)}--{m.group(2)}",
                            served_model_name or repo, hf_repo=repo)
     if m := _PVC.match(uri):
+        if ".." in (m.group(3) or "").split("/"):
+            raise ValueError(f"model URI {uri!r}: a pvc:// path may not contain '..' segments"
+                             " (it is a path inside the claim)")
         path = MODELS_DIR + (m.group(3) or "")
         return ModelSource(uri, "pvc", path, served_model_name, claim_name=m.group(1))
     if m := _FILE.match(uri):
