@@ -295,3 +295,25 @@ def test_a_lagging_body_does_not_repeat_the_metrics_event():
     fleet.clock.advance(15)
     fleet.loop.tick(stale)
     assert fleet.events.reasons() == ["MetricsUnavailable", "MetricsRestored"]
+
+
+def test_a_refused_deployment_is_reported_once_not_retried_every_few_seconds():
+    """Found in review: a Deployment the API refuses (422) while the policy wants to
+    resize gave one ApplyFailed Warning every 5 s, no lastDecision and stale conditions."""
+    from kvpilot.operator.api import InvalidObjectError
+
+    fleet = Fleet(load=loaded(0.97), replicas=2)
+    fleet.pods(ready=2)
+    refused = InvalidObjectError("apply Deployment llm/chat: HTTP 422: bad resources", 422)
+    fleet.api.fail_next("apply:Deployment", *[refused] * 50)
+    delays = []
+    for _ in range(20):
+        delays.append(fleet.loop.tick_safely(fleet.body()))
+        fleet.clock.advance(5)
+    assert fleet.events.reasons().count("ApplyFailed") == 1
+    assert fleet.replicas == 2
+    status = fleet.status
+    assert status["autoscaler"]["lastDecision"]["desiredReplicas"] > 2
+    ready = next(x for x in status["conditions"] if x["type"] == "Ready")
+    assert ready["reason"] == "ApplyFailed" and "HTTP 422" in ready["message"]
+    assert max(delays) == AUTO["autoscaling"]["intervalSeconds"]

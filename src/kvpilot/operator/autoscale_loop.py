@@ -91,6 +91,8 @@ class AutoscalerLoop:
         # The conditions this loop last wrote: transition Events compare against them, not
         # against a body that may not show the last write yet.
         self._written_conditions: list[dict[str, Any]] | None = None
+        # (generation, count) whose Deployment the API refused (a PermanentError).
+        self._refused: tuple[int | None, int] | None = None
         meta = body.get("metadata") or {}
         self._episodes = EpisodeLog(logging.getLogger(__name__))
         self._key = f"{meta.get('namespace')}/{meta.get('name')} autoscaler"
@@ -158,10 +160,18 @@ class AutoscalerLoop:
             previous = resource.status.get("conditions")
         step = autoscale_step(observation, reading, self.state, spec, previous, now)
         patch = kopf.Patch()
-        if step.requested is not None:
-            run_reconcile(self.ctx, body, patch, requested=step.requested,
-                          requested_reason=step.requested_reason)
-        # The count is applied (or needed no change): the decision has happened.
+        if step.requested is not None and self._refused != (resource.generation, step.requested):
+            try:
+                run_reconcile(self.ctx, body, patch, requested=step.requested,
+                              requested_reason=step.requested_reason)
+            except kopf.PermanentError:
+                # The API refused the Deployment itself (run_reconcile wrote the reason
+                # into the patch and posted one Warning): retrying the same count every
+                # few seconds cannot help and would only repeat that Warning. Record
+                # it, write the failure and the decision, and try again after a spec
+                # change or when the policy asks for another count.
+                self._refused = (resource.generation, step.requested)
+        # The count is applied (or needed no change, or was refused): the decision happened.
         self.state, self.decided_at = step.decision.state, now.timestamp()
         status = dict(patch.get("status") or {})
         # Ready/Progressing only when the reconcile just computed them from the Deployment
