@@ -108,3 +108,16 @@ def test_a_pvc_path_may_not_climb_out_of_the_claim(uri):
     with pytest.raises(ValueError, match=r"may not contain '\.\.' segments"):
         parse_model_uri(uri)
     assert parse_model_uri("pvc://w/a..b/c").model_arg == "/models/a..b/c"  # not a segment
+
+
+def test_the_operator_and_the_crd_agree_on_served_names_and_maxima():
+    """Found in review: "my model" passed the operator but not the CRD; maxModelLen 2^30+1
+    and a cost of 1e12 passed the CRD but not the operator."""
+    from tests.operator.crdschema import load_crd, root_schema, sub_schema
+
+    with pytest.raises(SpecError, match="model.servedModelName"):
+        parse_spec({"model": {"uri": "embedded://smollm2-135m-instruct",
+                              "servedModelName": "my model"}})
+    spec = sub_schema(root_schema(load_crd()), "spec")
+    assert spec["properties"]["engine"]["properties"]["maxModelLen"]["maximum"] == 1 << 30
+    assert spec["properties"]["finops"]["properties"]["costPerReplicaHour"]["maximum"] == 1e9

@@ -34,6 +34,8 @@ MANAGED_FLAGS = (
     "--drain-timeout",
 )
 MAX_REPLICAS = 1000
+# The CRD's pattern for model.servedModelName (also checked here for unvalidated specs).
+_SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}$")
 # The autoscaler's starvation alarm fires at this per-pod usage; a target must stay below.
 STARVATION_USAGE = 0.95
 # The autoscaler fits its KV forecast over two minutes: it needs a decision at least a minute.
@@ -225,8 +227,13 @@ def parse_spec(raw: Any) -> InferenceSpec:
     r = FieldReader(raw, "", DEFAULTS)
     model = FieldReader(r.raw.get("model"), "model", DEFAULTS)
     uri = model.string("uri", required=True)
+    served = model.string("servedModelName")
+    if served is not None and not _SERVED_NAME.match(served):
+        raise SpecError("model.servedModelName", served,
+                        "1-128 characters of letters, digits and . _ / : -, starting with a"
+                        " letter or digit")
     try:
-        source = parse_model_uri(uri, model.string("servedModelName"))
+        source = parse_model_uri(uri, served)
     except ValueError as exc:
         raise SpecError("model.uri", uri, str(exc)) from None
     if r.raw.get("replicas") is not None and r.raw.get("autoscaling") is not None:
