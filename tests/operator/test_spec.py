@@ -115,7 +115,7 @@ def test_the_operator_and_the_crd_agree_on_served_names_and_maxima():
     and a cost of 1e12 passed the CRD but not the operator."""
     from tests.operator.crdschema import load_crd, root_schema, sub_schema
 
-    with pytest.raises(SpecError, match="model.servedModelName"):
+    with pytest.raises(SpecError, match=r"model\.servedModelName"):
         parse_spec({"model": {"uri": "embedded://smollm2-135m-instruct",
                               "servedModelName": "my model"}})
     spec = sub_schema(root_schema(load_crd()), "spec")
