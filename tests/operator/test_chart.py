@@ -249,3 +249,17 @@ def test_dashboard_is_valid_json_with_targets(rendered):
 def test_notes_mention_uninstall_order():
     notes = (CHART / "templates" / "NOTES.txt").read_text()
     assert "delete every InferenceDeployment first" in notes
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["logLevel=info"], "logLevel"),
+    (["podMonitorMode=bogus"], "podMonitorMode"),
+    (["alerts.ttftSlo.objective=1.5"], "objective"),
+    (["watchNamespaces={a,a}"], "watchNamespaces"),
+    (["metrics.port=8080"], "metrics.port and health.port must differ"),
+])
+def test_values_the_operator_would_refuse_fail_the_render(sets, message):
+    """Found in review: these rendered fine and then crash-looped the operator (argparse
+    choices, duplicate container ports, duplicate Roles) or paged constantly."""
+    with pytest.raises(AssertionError, match=message):
+        helm_template(sets=sets)
