@@ -304,3 +304,17 @@ def test_schema_validation_catches_a_misspelt_field():
     deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError, match="readinesProbe"):
         kubernetes_validate.validate(deployment, "1.36.0", strict=True)
+
+
+def test_mig_slices_are_gpus_and_a_zero_gpu_limit_is_none():
+    """Found in review: nvidia.com/mig-1g.10gb ran the engine with --device cpu and no
+    toleration, and nvidia.com/gpu: 0 ran it with --device cuda on a pod without a GPU."""
+    mig = build({"model": EMBEDDED, "resources": {"limits": {"nvidia.com/mig-1g.10gb": 1}}})
+    args = engine(mig)["args"]
+    assert args[args.index("--device") + 1] == "cuda"
+    assert mig.deployment["spec"]["template"]["spec"]["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    none = build({"model": EMBEDDED, "resources": {"limits": {"nvidia.com/gpu": 0}}})
+    args = engine(none)["args"]
+    assert args[args.index("--device") + 1] == "cpu"
+    assert "tolerations" not in none.deployment["spec"]["template"]["spec"]

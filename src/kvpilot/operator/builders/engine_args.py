@@ -30,11 +30,21 @@ def drain_timeout_seconds(spec: InferenceSpec) -> int:
     return max(0, grace - prestop_sleep_seconds(spec) - EXIT_MARGIN_SECONDS)
 
 
+def is_gpu_resource(name: str) -> bool:
+    """``*/gpu`` (nvidia.com/gpu, amd.com/gpu) or an NVIDIA MIG slice (nvidia.com/mig-1g.10gb)."""
+    return name.endswith("/gpu") or name.startswith("nvidia.com/mig-")
+
+
+def _nonzero(quantity: object) -> bool:
+    return str(quantity).strip() not in ("0", "0.0", "")
+
+
 def gpu_resource_names(spec: InferenceSpec) -> list[str]:
-    """The ``*/gpu`` resources (e.g. nvidia.com/gpu) the pod asks for, sorted."""
+    """The accelerator resources the pod asks for at least one of, sorted (a limit of 0
+    asks for none: such a pod runs on the CPU)."""
     resources = spec.pod.resources
-    names = set(resources.get("limits") or {}) | set(resources.get("requests") or {})
-    return sorted(name for name in names if name.endswith("/gpu"))
+    asked = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
+    return sorted(name for name, qty in asked.items() if is_gpu_resource(name) and _nonzero(qty))
 
 
 def uses_gpu(spec: InferenceSpec) -> bool:

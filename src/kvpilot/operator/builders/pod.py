@@ -162,7 +162,10 @@ def _tolerations(spec: InferenceSpec) -> list[dict[str, Any]]:
     for (GPU node pools are commonly tainted so that only GPU pods land there)."""
     tolerations = [copy.deepcopy(dict(t)) for t in spec.pod.tolerations]
     keys = {t.get("key") for t in tolerations}
-    for name in gpu_resource_names(spec):
+    # A MIG slice runs on a node of the GPU pool, tainted like any other (nvidia.com/gpu).
+    taints = {"nvidia.com/gpu" if n.startswith("nvidia.com/mig-") else n
+              for n in gpu_resource_names(spec)}
+    for name in sorted(taints):
         if name not in keys:
             tolerations.append({"key": name, "operator": "Exists", "effect": "NoSchedule"})
     return tolerations
