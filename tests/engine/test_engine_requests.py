@@ -80,6 +80,20 @@ def test_stop_string_ends_generation_and_is_not_in_the_text(make_engine, tokeniz
     assert out.output_text == " Paris.\n\nThe "
 
 
+@pytest.mark.parametrize(("stop", "max_tokens", "include", "text"), [
+    (".", 2, False, " Paris"), (".", 2, True, " Paris."), ("Paris", 1, False, " ")])
+def test_a_stop_string_on_the_last_allowed_token_is_a_stop_not_length(
+        make_engine, tokenizer, stop, max_tokens, include, text):
+    """Found in review: the text was cut at the stop but finish_reason said length."""
+    engine = make_engine()
+    ids = tokenizer.encode("The capital of France is")
+    engine.add_request("s", ids, SamplingParams(max_tokens=max_tokens, temperature=0, stop=[stop],
+                                               include_stop_str_in_output=include))
+    out = drain(engine)["s"]
+    assert (out.finish_reason, out.stop_reason, out.output_text) == ("stop", stop, text)
+    engine.scheduler.check_integrity()
+
+
 def test_logprobs_are_the_model_distribution(make_engine, tokenizer):
     import math
 

@@ -216,6 +216,11 @@ class LLMEngine:
             if matched is not None and not req.is_finished:
                 req.stop_reason = matched
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            elif matched is not None and req.status == RequestStatus.FINISHED_LENGTH:
+                # The stop string completed on the last allowed token: the text is cut
+                # at the stop, so the reason is the stop (as vLLM reports it), not length.
+                req.stop_reason = matched
+                req.status = RequestStatus.FINISHED_STOPPED
         finished = req.is_finished
         out = RequestOutput(
             request_id=req.request_id,
