@@ -68,6 +68,28 @@ def test_malformed_json_unknown_model_and_oversized_body(http):
     assert_error(http.post("/v1/completions", json=big), 413, None, "larger than the limit of 1048576 bytes")
 
 
+def test_every_error_has_the_openai_body(http):
+    """Found in review: these answered FastAPI's {"detail": ...} instead."""
+    bad_utf8 = http.post("/v1/completions", content=b'{"prompt": "\xff\xfe"}',
+                         headers={"content-type": "application/json"})
+    assert_error(bad_utf8, 400, None, "not valid JSON")
+    assert_error(http.get("/v1/completions"), 405, None, "Method Not Allowed")
+    assert_error(http.post("/v1/nowhere", json={}), 404, None, "Not Found")
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(http):
+    """Without Content-Length the limit was only seen while FastAPI read the body, which
+    turned the error into a 400."""
+    def chunks():
+        for _ in range(20):
+            yield b"x" * (128 << 10)  # 2.5 MiB in all, over the 1 MiB limit
+    r = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert_error(r, 413, None, "larger than the limit of 1048576 bytes")
+    small_chunked = http.post("/v1/completions", headers={"content-type": "application/json"},
+                              content=iter([b'{"prompt": "Hello", ', b'"max_tokens": 2}']))
+    assert small_chunked.status_code == 200
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),

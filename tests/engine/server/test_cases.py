@@ -117,6 +117,36 @@ def test_c09_non_streaming_client_disconnect_frees_blocks(server):
     assert time.monotonic() - t0 < 10
 
 
+def test_c09_a_stream_abandoned_while_it_queues_is_aborted_too(http, server):
+    """Found in review: before its first token a stream had no response object watching
+    the client, so one that left while queued was prefilled and decoded later anyway."""
+    import contextlib
+
+    idle(server.url)
+    long = {"prompt": "Tell me a very long story.", "max_tokens": 900, "stream": True,
+            "ignore_eos": True}
+    with contextlib.ExitStack() as running:
+        readers = []  # kept alive: a dropped line iterator closes its stream
+        for _ in range(4):  # --max-num-seqs 4: every slot taken
+            r = running.enter_context(http.stream("POST", "/v1/completions", json=long))
+            readers.append(r.iter_lines())
+            next(line for line in readers[-1] if line.startswith("data: {"))
+        wait_metric(server.url, "kvpilot:num_requests_running", lambda v: v == 4)
+        prompt_tokens = scrape(server.url)["kvpilot:prompt_tokens_total"]
+        body = json.dumps({"prompt": "victim " * 60, "max_tokens": 5, "stream": True}).encode()
+        sock = socket.create_connection((server.host, server.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer test-key\r\nContent-Length: " + str(len(body)).encode()
+            + b"\r\n\r\n" + body)
+        wait_metric(server.url, "kvpilot:num_requests_waiting", lambda v: v == 1)
+        sock.close()
+        wait_metric(server.url, "kvpilot:num_requests_waiting", lambda v: v == 0)
+        assert scrape(server.url)["kvpilot:num_requests_running"] == 4
+    idle(server.url)
+    assert scrape(server.url)["kvpilot:prompt_tokens_total"] == prompt_tokens  # never prefilled
+
+
 def test_c11_latency_histograms_have_finite_buckets_far_above_60s(http, server):
     http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
     m = scrape(server.url)

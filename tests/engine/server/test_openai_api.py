@@ -136,3 +136,27 @@ def test_sse_wire_format(http):
     assert all(line.startswith("data: ") for line in lines)
     for line in lines[:-1]:
         assert json.loads(line[6:])["object"] == "text_completion"
+
+
+def test_logprobs_of_tokens_inside_a_multibyte_character_carry_their_own_bytes(http):
+    """Found in review: such tokens reported the bytes of U+FFFD, "\ufffd" as their token
+    (collapsing distinct tokens in top_logprobs) and text offsets that counted each as a
+    character. Their bytes now rebuild the text, and offsets point into it."""
+    prompt = "Repeat exactly: 😀🎉🔥 😀🎉🔥 😀🎉🔥"
+    chat = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": 12, "temperature": 0,
+        "logprobs": True, "top_logprobs": 2}).json()
+    choice = chat["choices"][0]
+    content = choice["logprobs"]["content"]
+    rebuilt = b"".join(bytes(t["bytes"]) for t in content).decode("utf-8", errors="replace")
+    assert rebuilt.startswith(choice["message"]["content"][:4])
+    assert all(t["token"] != "\ufffd" for t in content)
+    partial = [t for t in content if t["token"].startswith("bytes:")]
+    assert partial and all(bytes(t["bytes"]) != "\ufffd".encode() for t in partial)
+
+    comp = http.post("/v1/completions", json={
+        "prompt": prompt + "\n", "max_tokens": 12, "temperature": 0, "logprobs": 1}).json()
+    c = comp["choices"][0]
+    offsets = c["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] <= len(c["text"])
+    assert all(tok != "\ufffd" for tok in c["logprobs"]["tokens"])

@@ -14,12 +14,13 @@ import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpilot.engine.sampling_params import InvalidRequestError
 from kvpilot.engine.server.async_engine import (
@@ -41,6 +42,8 @@ from kvpilot.engine.server.protocol import (
     error_body,
 )
 from kvpilot.engine.server.serving import ModelNotFound, ServingContext
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +73,9 @@ class BodyTooLarge(Exception):
 
 
 class BodyLimitMiddleware:
-    """413 for request bodies over ``limit`` bytes, by Content-Length or while reading."""
+    """413 for request bodies over ``limit`` bytes: by Content-Length before reading, and
+    for chunked bodies (no Content-Length) by reading them here, up to the limit, before
+    the app sees them (FastAPI turns any error raised while it reads a body into a 400)."""
 
     def __init__(self, app: Any, limit: Callable[[], int]) -> None:
         self.app = app
@@ -86,6 +91,12 @@ class BodyLimitMiddleware:
         if length is not None and length.isdigit() and int(length) > limit:
             await self._reject(scope, receive, send, limit)
             return
+        if length is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+            body, more = await self._read_chunked(receive, limit)
+            if more:
+                await self._reject(scope, receive, send, limit)
+                return
+            receive = self._replay(body, receive)
         seen = 0
         started = False
 
@@ -109,6 +120,34 @@ class BodyLimitMiddleware:
         except BodyTooLarge:
             if not started:
                 await self._reject(scope, receive, send, limit)
+
+    @staticmethod
+    async def _read_chunked(receive: Callable, limit: int) -> tuple[bytes, bool]:
+        """The body, and True when it went over ``limit`` (reading stops there)."""
+        parts, seen = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return b"".join(parts), False  # the client left; the app will see no body
+            parts.append(msg.get("body", b""))
+            seen += len(parts[-1])
+            if seen > limit:
+                return b"", True
+            if not msg.get("more_body", False):
+                return b"".join(parts), False
+
+    @staticmethod
+    def _replay(body: bytes, receive: Callable) -> Callable:
+        sent = False
+
+        async def replay() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later: http.disconnect, for the disconnect watchers
+
+        return replay
 
     @staticmethod
     async def _reject(scope: dict, receive: Callable, send: Callable, limit: int) -> None:
@@ -180,6 +219,19 @@ def build_app(state: ServerState) -> FastAPI:
             msg = f"{param}: {msg} (got {first.get('input')!r:.200})" if "input" in first else f"{param}: {msg}"
         return error(400, msg, "invalid_request_error", "invalid_value", param)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown paths (404), wrong methods (405) and bodies that are no JSON text at all
+        (invalid UTF-8: 400) in the OpenAI error body, like every other error."""
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in detail:
+            detail = "the request body is not valid JSON (or not UTF-8)"
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        response = error(exc.status_code, detail, kind, exc.status_code)
+        for key, value in (exc.headers or {}).items():
+            response.headers[key] = value
+        return response
+
     @app.exception_handler(InvalidRequestError)
     async def on_invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return error(400, str(exc), "invalid_request_error", "invalid_value", exc.param)
@@ -238,9 +290,10 @@ def build_app(state: ServerState) -> FastAPI:
         ctx.check_model(body.model)
         require_ready(state)
         if body.messages is not None:
-            ids = render_chat(ctx, body.messages, body.add_generation_prompt)
+            ids = await asyncio.to_thread(render_chat, ctx, body.messages, body.add_generation_prompt)
         else:
-            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await asyncio.to_thread(ctx.tokenizer.encode, body.prompt,
+                                          add_special_tokens=body.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
 
     @app.post("/detokenize")
@@ -261,7 +314,11 @@ async def respond(handler: CompletionHandler | ChatHandler, body: Any, request: 
     header_id = request.headers.get("x-request-id")
     headers = {"X-Request-Id": header_id} if header_id else None
     if body.stream:
-        events = await handler.stream(body, header_id)
+        # Until the first delta exists there is no StreamingResponse watching the client:
+        # a client that leaves while its request queues must abort it all the same (C09).
+        events = await until_disconnected(request, handler.stream(body, header_id))
+        if isinstance(events, Response):
+            return events
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     result = await until_disconnected(request, handler.complete(body, header_id))
     return result if isinstance(result, Response) else JSONResponse(result, headers=headers)
@@ -272,7 +329,7 @@ def require_ready(state: ServerState) -> None:
         raise EngineDeadError("the model is still loading" if state.engine.is_alive else "the engine is not running")
 
 
-async def until_disconnected(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any] | Response:
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
     """Run ``work`` unless the client goes away first; then cancel it (which aborts the
     engine requests and frees their blocks) and answer nobody."""
     task = asyncio.ensure_future(work)

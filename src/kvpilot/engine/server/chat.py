@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -66,8 +67,8 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
 
 def chat_logprobs(ctx: ServingContext, lps: list[TokenLogprob]) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        s = ctx.token_text(token_id)
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+        return {"token": ctx.token_label(token_id), "logprob": logprob,
+                "bytes": list(ctx.token_bytes(token_id))}
 
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
 
@@ -76,14 +77,15 @@ class ChatHandler:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    def prepare(self, req: ChatCompletionRequest) -> tuple[list[int], int, int | None]:
+    async def prepare(self, req: ChatCompletionRequest) -> tuple[list[int], int, int | None]:
         self.ctx.check_model(req.model)
         if req.logit_bias:
             raise InvalidRequestError("logit_bias is not supported", "logit_bias")
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true", "top_logprobs")
-        ids = render_chat(self.ctx, req.messages, req.add_generation_prompt, req.continue_final_message,
-                          req.chat_template_kwargs, req.tools)
+        # The template and the tokenizer run in a worker thread (seconds for huge inputs).
+        ids = await asyncio.to_thread(render_chat, self.ctx, req.messages, req.add_generation_prompt,
+                                      req.continue_final_message, req.chat_template_kwargs, req.tools)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.ctx.resolve_max_tokens(len(ids), req.max_completion_tokens or req.max_tokens, param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -93,7 +95,7 @@ class ChatHandler:
         return {"id": public_id, "object": obj, "created": created, "model": self.ctx.served_model_name}
 
     async def complete(self, req: ChatCompletionRequest, header_id: str | None) -> dict[str, Any]:
-        ids, max_tokens, logprobs = self.prepare(req)
+        ids, max_tokens, logprobs = await self.prepare(req)
         public_id, internal_id = new_request_id("chatcmpl", header_id)
         params = req.to_sampling_params(max_tokens, logprobs)
         done: dict[int, Choice] = {}
@@ -115,7 +117,7 @@ class ChatHandler:
         return body
 
     async def stream(self, req: ChatCompletionRequest, header_id: str | None) -> AsyncIterator[str]:
-        ids, max_tokens, logprobs = self.prepare(req)
+        ids, max_tokens, logprobs = await self.prepare(req)
         public_id, internal_id = new_request_id("chatcmpl", header_id)
         params = req.to_sampling_params(max_tokens, logprobs)
         deltas = await started(self.ctx.generate(internal_id, [ids], params, req.cache_salt))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import codecs
 import json
 import time
 from collections.abc import AsyncIterator
@@ -42,17 +44,23 @@ def parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[list[int]
     return prompts
 
 
-def logprobs_block(ctx: ServingContext, lps: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+def logprobs_block(ctx: ServingContext, lps: list[TokenLogprob], text_offset: int,
+                   decoder: codecs.IncrementalDecoder | None = None) -> tuple[dict[str, Any], int]:
+    """OpenAI's completions ``logprobs``. ``text_offset`` is the character where each token
+    starts in the text: tokens are fed as bytes through a UTF-8 decoder, so a token that
+    is part of a character starts where that character does. Pass the same ``decoder``
+    for the chunks of one stream (it holds a character split across chunks). Returns the
+    block and the offset after its last token (where the next chunk's tokens start)."""
+    decoder = decoder or codecs.getincrementaldecoder("utf-8")("replace")
     tokens, token_lps, tops, offsets = [], [], [], []
     pos = text_offset
     for lp in lps:
-        s = ctx.token_text(lp.token_id)
-        tokens.append(s)
+        tokens.append(ctx.token_label(lp.token_id))
         token_lps.append(lp.logprob)
-        tops.append({ctx.token_text(t): v for t, v in lp.top})
+        tops.append({ctx.token_label(t): v for t, v in lp.top})
         offsets.append(pos)
-        pos += len(s)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+        pos += len(decoder.decode(ctx.token_bytes(lp.token_id)))
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, pos
 
 
 class CompletionHandler:
@@ -69,7 +77,9 @@ class CompletionHandler:
             raise InvalidRequestError("logit_bias is not supported", "logit_bias")
         if req.echo and req.logprobs is not None:
             raise InvalidRequestError("echo with logprobs (prompt logprobs) is not supported", "echo")
-        prompts = parse_prompts(self.ctx, req)
+        # Tokenizing a 15 MB prompt takes seconds: in a worker thread, so /health and the
+        # streams of everyone else keep being served meanwhile.
+        prompts = await asyncio.to_thread(parse_prompts, self.ctx, req)
         if req.max_tokens == 0 and not req.echo:
             raise InvalidRequestError("max_tokens must be >= 1 (max_tokens=0 is only allowed with echo=true)", "max_tokens")
         max_tokens = [self.ctx.resolve_max_tokens(len(ids), req.max_tokens or None) for ids in prompts]
@@ -108,7 +118,7 @@ class CompletionHandler:
             choices.append({
                 "index": idx,
                 "text": prefix + c.text,
-                "logprobs": logprobs_block(self.ctx, c.logprobs, len(prefix)) if req.logprobs is not None else None,
+                "logprobs": logprobs_block(self.ctx, c.logprobs, len(prefix))[0] if req.logprobs is not None else None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             })
@@ -133,21 +143,26 @@ class CompletionHandler:
     ) -> AsyncIterator[str]:
         created = int(time.time())
         echoed: set[int] = set()
-        offsets: dict[int, int] = {}
+        # per choice: the logprobs' next text offset and the UTF-8 decoder of its tokens
+        offsets: dict[int, tuple[int, codecs.IncrementalDecoder]] = {}
         finished: list[Choice] = []
         try:
             async for d in deltas:
                 c = d.choice
                 text = d.text
+                start = 0
                 if req.echo and c.index not in echoed:
                     echoed.add(c.index)
-                    text = self.ctx.tokenizer.decode(prompts[c.prompt_index]) + text
+                    prompt_text = self.ctx.tokenizer.decode(prompts[c.prompt_index])
+                    text, start = prompt_text + text, len(prompt_text)
                 if not text and not d.logprobs and not d.finished:
                     continue
                 lp = None
                 if req.logprobs is not None and d.logprobs:
-                    lp = logprobs_block(self.ctx, d.logprobs, offsets.get(c.index, 0))
-                offsets[c.index] = offsets.get(c.index, 0) + len(text)
+                    pos, decoder = offsets.get(c.index) or (
+                        start, codecs.getincrementaldecoder("utf-8")("replace"))
+                    lp, pos = logprobs_block(self.ctx, d.logprobs, pos, decoder)
+                    offsets[c.index] = (pos, decoder)
                 choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason if d.finished else None}
                 if d.finished:
                     choice["stop_reason"] = c.stop_reason

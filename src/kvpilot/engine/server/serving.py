@@ -4,6 +4,7 @@ choices (and batched prompts) into engine requests, and their merged output stre
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -13,6 +14,16 @@ from typing import Any
 from kvpilot.engine.outputs import RequestOutput, TokenLogprob
 from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvpilot.engine.server.async_engine import AsyncEngine
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's printable stand-in character -> byte (the inverse of bytes_to_unicode)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {ch: b for b, ch in bytes_to_unicode().items()}
 
 
 class ModelNotFound(Exception):
@@ -96,6 +107,32 @@ class ServingContext:
     @lru_cache(maxsize=65536)  # noqa: B019 - one context per server, bounded cache
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    @lru_cache(maxsize=65536)  # noqa: B019 - one context per server, bounded cache
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes. A token holding part of a multi-byte character decodes
+        to U+FFFD alone; its bytes come from the vocabulary piece instead: GPT-2 byte-level
+        pieces map back through the byte-to-unicode table, SentencePiece byte fallbacks
+        are ``<0xNN>``."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if m := _BYTE_PIECE.fullmatch(piece):
+                return bytes([int(m.group(1), 16)])
+            decoder = _byte_level_decoder()
+            if piece and all(ch in decoder for ch in piece):
+                return bytes(decoder[ch] for ch in piece)
+        return text.encode()
+
+    def token_label(self, token_id: int) -> str:
+        """The token as logprobs name it: its text, or ``bytes:\\xNN...`` (OpenAI's form)
+        when it is only part of a character, so distinct byte tokens stay distinct."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text:
+            return text
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in self.token_bytes(token_id))
 
     # ------------------------------------------------------------- fan-out
     async def generate(
