@@ -39,6 +39,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, words
         ({}, "prompt", "Field required"),
         ({"prompt": 5}, None, "prompt"),
         ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "not supported"),
+        ({"prompt": "x", "max_tokens": 3, "min_tokens": 5}, "min_tokens", "<= max_tokens (3)"),
     ],
 )
 def test_completions_bad_values(http, body, param, words):
@@ -53,6 +54,7 @@ def test_completions_bad_values(http, body, param, words):
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "only text parts"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", "logprobs=true"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}, "max_completion_tokens", "1024"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "min_tokens": 9}, "min_tokens", "<= max_tokens (2)"),
     ],
 )
 def test_chat_bad_values(http, body, param, words):

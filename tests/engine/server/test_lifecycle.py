@@ -48,6 +48,46 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero():
         proc.stop()
 
 
+def test_at_the_drain_deadline_what_is_left_gets_a_clean_error_and_the_exit_is_zero():
+    """Found in review: at the deadline uvicorn cancelled the handlers, so clients got a
+    500 or a cut stream and the log a traceback."""
+    import json
+
+    proc = ServerProcess("--kv-cache-memory", "0.1", "--drain-timeout", "1", "--log-level", "info")
+    try:
+        proc.wait_ready()
+        result: dict = {}
+        body = {"prompt": "Count:", "max_tokens": 2000, "ignore_eos": True}
+
+        def whole():
+            r = httpx.post(f"{proc.url}/v1/completions", json=body, timeout=300)
+            result["whole"] = (r.status_code, r.json())
+
+        def streamed():
+            with httpx.stream("POST", f"{proc.url}/v1/completions", json={**body, "stream": True},
+                              timeout=300) as r:
+                result["stream"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+        threads = [threading.Thread(target=whole), threading.Thread(target=streamed)]
+        for t in threads:
+            t.start()
+        wait_metric(proc.url, "kvpilot:num_requests_running", lambda v: v == 2, timeout=60)
+        proc.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+        status, payload = result["whole"]
+        assert status == 503 and "drain timeout" in payload["error"]["message"]
+        events = result["stream"]
+        assert events[-1] == "data: [DONE]"
+        last = json.loads(events[-2][6:])
+        assert last["error"]["code"] == 503 and "drain timeout" in last["error"]["message"]
+        assert len(events) > 2  # it had streamed tokens before the deadline
+        assert proc.proc.wait(60) == 0
+        assert "Traceback" not in proc.logs()
+    finally:
+        proc.stop()
+
+
 def test_health_is_up_and_ready_is_503_while_loading():
     proc = ServerProcess("--kv-cache-memory", "0.1")
     try:

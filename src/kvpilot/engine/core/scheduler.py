@@ -239,7 +239,8 @@ class Scheduler:
 
     @property
     def num_waiting_tokens(self) -> int:
-        """Prompt tokens not yet prefilled, over waiting and partially prefilled requests."""
+        """Tokens not yet prefilled, over waiting and partially prefilled requests; a
+        preempted request counts its generated tokens too (they are recomputed)."""
         total = sum(r.num_tokens for r in self.waiting)
         total += sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.is_prefilling)
         return total

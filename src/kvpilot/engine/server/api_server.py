@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -319,9 +320,24 @@ async def respond(handler: CompletionHandler | ChatHandler, body: Any, request: 
         events = await until_disconnected(request, handler.stream(body, header_id))
         if isinstance(events, Response):
             return events
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return StreamingResponse(with_error_event(events), media_type="text/event-stream", headers=headers)
     result = await until_disconnected(request, handler.complete(body, header_id))
     return result if isinstance(result, Response) else JSONResponse(result, headers=headers)
+
+
+async def with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pass SSE events through; a request that fails after its stream started (an engine
+    error, an abort at the drain deadline) ends with an OpenAI error event and
+    ``data: [DONE]`` instead of a cut connection (vLLM and OpenAI do the same)."""
+    try:
+        async for event in events:
+            yield event
+    except RequestFailedError as e:
+        yield f"data: {json.dumps(error_body(str(e), 'server_error', 500))}\n\n"
+        yield "data: [DONE]\n\n"
+    except (RequestAbortedError, EngineDeadError) as e:
+        yield f"data: {json.dumps(error_body(str(e), 'service_unavailable', 503))}\n\n"
+        yield "data: [DONE]\n\n"
 
 
 def require_ready(state: ServerState) -> None:

@@ -64,6 +64,11 @@ class _Abort:
     request_ids: list[str]
 
 
+@dataclass
+class _AbortAll:
+    reason: str
+
+
 class AsyncEngine:
     """Runs an :class:`LLMEngine` in a daemon thread.
 
@@ -140,6 +145,11 @@ class AsyncEngine:
         if request_ids:
             self._inbox.put(_Abort(list(request_ids)))
 
+    def abort_all(self, reason: str) -> None:
+        """Abort every request in flight (thread-safe); each stream ends with a
+        :class:`RequestAbortedError` carrying ``reason`` (the drain deadline uses this)."""
+        self._inbox.put(_AbortAll(reason))
+
     async def generate(
         self,
         request_id: str,
@@ -205,6 +215,11 @@ class AsyncEngine:
                 aborted = engine.abort_request(item.request_ids)
                 for rid in aborted:
                     self._finish_stream(rid, RequestAbortedError(f"request {rid} was aborted"))
+            elif isinstance(item, _AbortAll):
+                ids = list(self._streams)
+                engine.abort_request(ids)
+                for rid in ids:
+                    self._finish_stream(rid, RequestAbortedError(item.reason))
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

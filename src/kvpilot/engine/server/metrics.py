@@ -58,7 +58,7 @@ class EngineMetrics:
         )
         self.running = gauge("kvpilot:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("kvpilot:num_requests_waiting", "Requests waiting to be scheduled (preempted ones included).")
-        self.waiting_tokens = gauge("kvpilot:num_waiting_tokens", "Prompt tokens not yet prefilled.")
+        self.waiting_tokens = gauge("kvpilot:num_waiting_tokens", "Tokens not yet prefilled (prompts, and the output a preempted request recomputes).")
         self.preemptions = counter("kvpilot:num_preemptions", "Requests preempted (by recompute).")
         self.prompt_tokens = counter("kvpilot:prompt_tokens", "Prompt tokens of requests that produced a first token.")
         self.generation_tokens = counter("kvpilot:generation_tokens", "Generated tokens.")

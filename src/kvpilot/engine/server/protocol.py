@@ -67,7 +67,7 @@ class SamplingFields(BaseModel):
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
-            min_tokens=min(self.min_tokens, max_tokens),
+            min_tokens=self.min_tokens,  # more than max_tokens is refused (400), not clamped
             temperature=default_temperature if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k,

@@ -3,7 +3,8 @@
 Start-up: the HTTP server binds at once and answers ``/health`` (200) and ``/ready``
 (503) while the model loads in the engine thread; a load failure exits with status 1.
 SIGTERM drains: ``/ready`` turns 503, new generation requests get 503, in-flight ones
-finish (up to ``--drain-timeout`` seconds), then the process exits 0. A second signal
+finish (up to ``--drain-timeout`` seconds; what is still running then is aborted with a
+503 body, or an error event on a stream), then the process exits 0. A second signal
 stops at once.
 """
 
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from kvpilot.engine.server.api_server import ServerState
 
 logger = logging.getLogger("kvpilot.serve")
+# After the drain deadline aborts what is left: how long the aborted responses get to reach
+# their clients before uvicorn closes the connections.
+ABORT_FLUSH_SECONDS = 3.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,5 +118,12 @@ class DrainingServer(uvicorn.Server):
                 break
             time.sleep(0.05)
         else:
-            logger.warning("drain timeout: %d requests still in flight", self.state.inflight)
+            # Fail what is left cleanly (503 / an SSE error event) rather than let uvicorn
+            # cancel the handlers mid-response, which cuts connections with a 500.
+            logger.warning("drain timeout: aborting %d requests still in flight", self.state.inflight)
+            self.state.engine.abort_all(
+                f"the server is shutting down: the drain timeout of {self.drain_timeout:g}s passed")
+            end = time.monotonic() + ABORT_FLUSH_SECONDS
+            while self.state.inflight and time.monotonic() < end:
+                time.sleep(0.05)
         self.should_exit = True
