@@ -16,7 +16,7 @@ from kvpilot.operator import constants as c
 from kvpilot.operator.builders import Owner, build_children
 from kvpilot.operator.builders.engine_args import engine_args
 from kvpilot.operator.builders.pod import startup_budget_seconds
-from kvpilot.operator.spec import parse_spec
+from kvpilot.operator.spec import SpecError, parse_spec
 
 from .crdschema import REPO
 
@@ -226,6 +226,17 @@ def test_gpu_pod_gets_device_toleration_and_shared_memory():
     spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Equal", "value": "h100",
                             "effect": "NoSchedule"}]
     assert build(spec).deployment["spec"]["template"]["spec"]["tolerations"] == spec["tolerations"]
+
+
+def test_image_pull_secrets_and_priority_class_reach_the_pod():
+    pod = build({"model": EMBEDDED, "imagePullSecrets": [{"name": "registry"}],
+                 "priorityClassName": "inference-critical"}).deployment["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "registry"}]
+    assert pod["priorityClassName"] == "inference-critical"
+    plain = build({"model": EMBEDDED}).deployment["spec"]["template"]["spec"]
+    assert "imagePullSecrets" not in plain and "priorityClassName" not in plain
+    with pytest.raises(SpecError, match="imagePullSecrets"):
+        build({"model": EMBEDDED, "imagePullSecrets": [{"nom": "x"}]})
 
 
 def test_cpu_pod_has_no_gpu_bits():

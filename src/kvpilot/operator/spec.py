@@ -118,6 +118,8 @@ class PodSettings:
     pod_annotations: Mapping[str, str]
     service_account_name: str | None
     termination_grace_period_seconds: int
+    image_pull_secrets: tuple[str, ...] = ()
+    priority_class_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,10 @@ def _parse_pod(r: FieldReader) -> PodSettings:
     if not all(isinstance(t, Mapping) for t in tolerations):
         raise SpecError("tolerations", list(tolerations), "a list of core/v1 Toleration objects")
     affinity = r.mapping("affinity") or None
+    pull_secrets = r.items("imagePullSecrets")
+    for item in pull_secrets:
+        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str) or not item["name"]:
+            raise SpecError("imagePullSecrets", item, "each entry is {name: <secret name>}")
     return PodSettings(
         resources=r.mapping("resources"),
         node_selector=r.mapping("nodeSelector"),
@@ -215,6 +221,8 @@ def _parse_pod(r: FieldReader) -> PodSettings:
         pod_annotations=r.mapping("podAnnotations"),
         service_account_name=r.string("serviceAccountName"),
         termination_grace_period_seconds=r.integer("terminationGracePeriodSeconds", 0, 86400),
+        image_pull_secrets=tuple(item["name"] for item in pull_secrets),
+        priority_class_name=r.string("priorityClassName"),
     )
 
 

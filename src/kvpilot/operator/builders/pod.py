@@ -200,6 +200,10 @@ def build_pod_template(name: str, spec: InferenceSpec, default_image: str) -> di
         pod["initContainers"] = [_download_container(spec, image)]
     if spec.pod.service_account_name:
         pod["serviceAccountName"] = spec.pod.service_account_name
+    if spec.pod.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": n} for n in spec.pod.image_pull_secrets]
+    if spec.pod.priority_class_name:
+        pod["priorityClassName"] = spec.pod.priority_class_name
     if spec.pod.node_selector:
         pod["nodeSelector"] = dict(spec.pod.node_selector)
     if tolerations := _tolerations(spec):
