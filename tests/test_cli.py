@@ -19,3 +19,21 @@ def test_abbreviated_flags_are_unknown_not_the_managed_ones(argv, capsys):
         cli.main(argv)
     assert exc.value.code == 2
     assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_the_api_key_can_come_from_the_environment_and_the_flag_wins(monkeypatch):
+    """A key in the pod's args shows in `kubectl get pod -o yaml` and `ps`; a Secret can
+    set KVPILOT_API_KEY instead."""
+    import argparse
+
+    from kvpilot.engine.server import serve_cli
+
+    monkeypatch.setenv("KVPILOT_API_KEY", "from-secret")
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    serve_cli.add_arguments(parser)
+    assert parser.parse_args([]).api_key == "from-secret"
+    assert parser.parse_args(["--api-key", "flag"]).api_key == "flag"
+    monkeypatch.setenv("KVPILOT_API_KEY", "")
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    serve_cli.add_arguments(parser)
+    assert parser.parse_args([]).api_key is None  # empty means no key, not an empty key

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 import time
@@ -35,7 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on the API")
+    g.add_argument("--api-key", default=os.environ.get("KVPILOT_API_KEY") or None,
+                   help="require 'Authorization: Bearer <key>' on the API (default: $KVPILOT_API_KEY, "
+                   "so a Kubernetes Secret can supply it without showing in the pod's args)")
     g.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to let requests finish on SIGTERM")
     g.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024)
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
