@@ -481,3 +481,56 @@ def run_fp8_rounding_check(dtype: torch.dtype, device: str | torch.device = "cpu
             f"{dtype}: {int(bad.sum())} of {n} values quantized differently from torch, e.g. "
             f"{float(k.flatten()[i])!r} -> {float(got.flatten()[i].float())} (torch {float(expect.flatten()[i].float())})"
         )
+
+
+# 4-bit store: both formats, heads not a power of two, head_dim 64/96/128 (96: half-width
+# tiles with masked lanes), pages 8/16/32, bf16/fp16/fp32 inputs.
+KV4_STORE_CASES = [
+    ("fp4-f32-h3-d64-p16", F32, "fp4_e2m1", 3, 64, 16),
+    ("int4-bf16-h8-d128-p8", BF16, "int4", 8, 128, 8),
+    ("fp4-f16-h2-d96-p32", F16, "fp4_e2m1", 2, 96, 32),
+    ("int4-f32-h3-d96-p16", F32, "int4", 3, 96, 16),
+    ("fp4-bf16-h1-d128-p16", BF16, "fp4_e2m1", 1, 128, 16),
+]
+
+
+def run_kv4_store_case(
+    case: tuple, device: str | torch.device = "cpu", num_tokens: int = 37, seed: int = 0
+) -> None:
+    """Kernel and reference write the same codes and group scales; skipped slots stay
+    untouched; a group of zeros and a group beyond the calibrated range are included."""
+    from kvpilot.kernels.store_kv import store_kv
+
+    name, dtype, fmt, heads, head_dim, page = case
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    num_blocks = math.ceil(num_tokens / page) * 2 + 1
+    qkv = torch.randn(num_tokens, 3 * heads, head_dim, generator=g, device=device).to(dtype)
+    k = qkv[:, heads : 2 * heads]  # a strided view, as the model's q/k/v split gives it
+    v = (torch.randn(num_tokens, heads, head_dim, generator=g, device=device) * 3).to(dtype)
+    k_scale, v_scale = kv4_tensor_scale(k, fmt), kv4_tensor_scale(v, fmt)
+    k[1, 0, :16] = 0.0  # an all-zero group: scale 0, codes 0
+    k[2, 0, 16:32] = 1e4  # far beyond the range: the group scale saturates at E4M3's max
+    cpu = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(num_blocks * page, generator=cpu)[:num_tokens]
+    slots[::5] = -1
+    slots[1:3] = torch.tensor([0, page - 1])  # keep the special tokens stored
+    slots = slots.to(device)
+    written = []
+    for writer in (ref.store_kv, store_kv):
+        kc = torch.full((num_blocks, page, heads, head_dim // 2), 0x5A, dtype=torch.uint8, device=device)
+        vc = kc.clone()
+        groups = (num_blocks, page, heads, head_dim // GROUP_SIZE)
+        kg = torch.full(groups, 0.5, device=device).to(GROUP_SCALE_DTYPE)
+        vg = kg.clone()
+        writer(k, v, kc, vc, slots, k_scale, v_scale, key_group_scales=kg, value_group_scales=vg, kv4_format=fmt)
+        written.append((kc, vc, kg.view(torch.uint8), vg.view(torch.uint8)))
+    for what, a, b in zip(("key codes", "value codes", "key scales", "value scales"), *written):
+        same = a == b
+        assert bool(same.all()), f"store {name} {what}: {int((~same).sum())} bytes differ from the reference"
+    kc, _, kg, _ = written[1]
+    untouched = torch.ones(num_blocks * page, dtype=torch.bool, device=device)
+    untouched[slots[slots >= 0]] = False
+    assert bool((kc.view(num_blocks * page, -1)[untouched] == 0x5A).all()), f"store {name}: unwritten slot changed"
+    half = torch.tensor(0.5).to(GROUP_SCALE_DTYPE).view(torch.uint8).to(device)
+    assert bool((kg.view(num_blocks * page, -1)[untouched] == half).all()), f"store {name}: unwritten scale changed"
