@@ -86,9 +86,10 @@ def check_kv4_head_dim(head_dim: int, name: str = "4-bit") -> None:
         )
 
 
-def kv4_shapes(head_dim: int) -> tuple[int, int]:
-    """(packed bytes, group scales) per token and head."""
-    check_kv4_head_dim(head_dim)
+def kv4_shapes(head_dim: int, name: str = "4-bit") -> tuple[int, int]:
+    """(packed bytes, group scales) per token and head. Raises ValueError for a head_dim
+    the format cannot hold."""
+    check_kv4_head_dim(head_dim, name)
     return head_dim // 2, head_dim // GROUP_SIZE
 
 
