@@ -25,14 +25,18 @@ from common import machine_info, write_result
 
 DATA = Path(__file__).resolve().parent / "data"
 
-# name -> (kv_cache_dtype, kv_cache_key_rotation)
+# name -> (kv_cache_dtype, kv_cache_key_rotation, kv_cache_skip_layers)
 CONFIGS = {
-    "full": ("auto", True),
-    "bfloat16": ("bfloat16", True),
-    "fp8_e4m3": ("fp8_e4m3", True),
-    "fp8_e4m3-no-rotation": ("fp8_e4m3", False),
-    "fp8_e5m2": ("fp8_e5m2", True),
-    "fp8_e5m2-no-rotation": ("fp8_e5m2", False),
+    "full": ("auto", True, ()),
+    "bfloat16": ("bfloat16", True, ()),
+    "fp8_e4m3": ("fp8_e4m3", True, ()),
+    "fp8_e4m3-no-rotation": ("fp8_e4m3", False, ()),
+    "fp8_e5m2": ("fp8_e5m2", True, ()),
+    "fp8_e5m2-no-rotation": ("fp8_e5m2", False, ()),
+    "int4": ("int4", True, ()),
+    "int4-no-rotation": ("int4", False, ()),
+    "fp4_e2m1": ("fp4_e2m1", True, ()),
+    "fp4_e2m1-no-rotation": ("fp4_e2m1", False, ()),
 }
 
 
@@ -81,16 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     base = None
     for name in configs:
-        kv_dtype, rotation = CONFIGS[name]
+        kv_dtype, rotation, skip = CONFIGS[name]
         t0 = time.monotonic()
-        engine = LLMEngine(EngineArgs(**base_args, kv_cache_dtype=kv_dtype, kv_cache_key_rotation=rotation),
-                           loaded=loaded)
+        cache_args = {"kv_cache_dtype": kv_dtype, "kv_cache_key_rotation": rotation, "kv_cache_skip_layers": skip}
+        engine = LLMEngine(EngineArgs(**base_args, **cache_args), loaded=loaded)
         scores = score_tokens(engine, text_ids, chunk_size=args.chunk)
-        outs = greedy(LLMEngine(EngineArgs(**base_args, kv_cache_dtype=kv_dtype, kv_cache_key_rotation=rotation),
-                                loaded=loaded), prompts, args.max_tokens)
+        outs = greedy(LLMEngine(EngineArgs(**base_args, **cache_args), loaded=loaded), prompts, args.max_tokens)
         row = {"config": name, "kv_cache_dtype": engine.config.kv_cache_dtype_name,
-               "key_rotation": engine.runner.kv_cache.rotates_keys, "perplexity": scores.perplexity,
-               "seconds": round(time.monotonic() - t0, 1)}
+               "key_rotation": engine.runner.kv_cache.rotates_keys, "skip_layers": list(skip),
+               "capacity_tokens": engine.config.num_blocks * engine.config.block_size,
+               "perplexity": scores.perplexity, "seconds": round(time.monotonic() - t0, 1)}
         if base is None:
             base = {"scores": scores, "outs": outs}
         else:
