@@ -118,3 +118,10 @@ def test_engine_generates_with_a_4bit_cache_and_skip_layers(make_engine, tokeniz
                 if o.finished:
                     outs[skip] = tokenizer.decode(o.output_token_ids)
     assert all("Paris" in text for text in outs.values()), outs
+
+
+def test_checkpoint_fp8_scales_are_ignored_by_a_4bit_cache():
+    c = PagedKVCache(2, 4, 4, 1, 32, torch.uint8, CPU, rotate_keys=True, kv4="int4")
+    c.load_checkpoint_scales({0: (0.5, 0.25), 1: (0.5, 0.25)})
+    assert c.needs_calibration and c.rotates_keys
+    assert float(c.layers[0].k_scale) == 1.0

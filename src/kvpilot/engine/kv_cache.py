@@ -199,8 +199,13 @@ class PagedKVCache:
 
     def load_checkpoint_scales(self, scales: dict[int, tuple[float, float]]) -> None:
         """Scales read from a checkpoint (layer -> (k_scale, v_scale)). They describe
-        unrotated keys, so the key rotation is switched off for every layer."""
+        unrotated keys, so the key rotation is switched off for every layer. They are FP8
+        scales: a 4-bit cache ignores them (logged) and calibrates its own."""
         if not self.quantized or not scales:
+            return
+        if self.kv4 is not None:
+            logger.info("kv cache %s: the checkpoint's KV scales are FP8 scales; calibrating the 4-bit "
+                        "tensor scales from real batches instead", self.dtype_name)
             return
         if self.rotates_keys:
             logger.info("kv cache: using checkpoint KV scales; key rotation off (the scales describe unrotated keys)")
