@@ -125,3 +125,17 @@ def test_checkpoint_fp8_scales_are_ignored_by_a_4bit_cache():
     c.load_checkpoint_scales({0: (0.5, 0.25), 1: (0.5, 0.25)})
     assert c.needs_calibration and c.rotates_keys
     assert float(c.layers[0].k_scale) == 1.0
+
+
+def test_cli_flags_parse_into_engine_args():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(
+        parser.parse_args(["--kv-cache-dtype", "fp4_e2m1", "--kv-cache-skip-layers", "0,29"])
+    )
+    assert (args.kv_cache_dtype, args.kv_cache_skip_layers) == ("fp4_e2m1", (0, 29))
+    assert EngineArgs.from_cli_args(parser.parse_args(["--kv-cache-dtype", "int4"])).kv_cache_skip_layers == ()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "nf4"])

@@ -328,6 +328,7 @@ KV4_PREFILL_CASES = [
     AttnCase("fp4-g8-bf16-p16-d64", 8, 1, 64, 16, BF16, "fp4_e2m1", PREFILL_SPECS, None,
              (("BLOCK_M", 32), ("BLOCK_N", 16))),
     AttnCase("fp4-g3-f16-p16-d128", 3, 1, 128, 16, F16, "fp4_e2m1", ((0, 1), (5, 12), (32, 20))),
+    AttnCase("int4-g1-f32-p8-d96", 1, 2, 96, 8, F32, "int4", ((0, 1), (3, 10), (8, 8))),
 ]
 
 
@@ -366,6 +367,7 @@ KV4_DECODE_CASES = [
              SMALL_TILES),
     AttnCase("fp4-g3-bf16-p16-d128-split2", 3, 1, 128, 16, BF16, "fp4_e2m1", ((0, 1), (70, 1)), 2, SMALL_TILES),
     AttnCase("int4-g4-f16-p8-d64-direct", 4, 2, 64, 8, F16, "int4", ((5, 1), (20, 1)), 1),
+    AttnCase("fp4-g3-f32-p16-d96-split2", 3, 1, 96, 16, F32, "fp4_e2m1", ((0, 1), (37, 1)), 2, SMALL_TILES),
 ]
 
 
