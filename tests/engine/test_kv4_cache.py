@@ -139,3 +139,10 @@ def test_cli_flags_parse_into_engine_args():
     assert EngineArgs.from_cli_args(parser.parse_args(["--kv-cache-dtype", "int4"])).kv_cache_skip_layers == ()
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-cache-dtype", "nf4"])
+
+
+def test_operator_crd_and_engine_accept_the_same_kv_cache_dtypes():
+    from kvpilot.engine.config import KV_CACHE_DTYPES
+    from kvpilot.operator.spec import KV_CACHE_DTYPES as OPERATOR_DTYPES
+
+    assert set(OPERATOR_DTYPES) == {"auto", *KV_CACHE_DTYPES}
