@@ -25,14 +25,20 @@ from common import machine_info, write_result
 
 DATA = Path(__file__).resolve().parent / "data"
 
-# name -> (kv_cache_dtype, kv_cache_key_rotation)
+# name -> (kv_cache_dtype, kv_cache_key_rotation, kv_cache_skip_layers)
 CONFIGS = {
-    "full": ("auto", True),
-    "bfloat16": ("bfloat16", True),
-    "fp8_e4m3": ("fp8_e4m3", True),
-    "fp8_e4m3-no-rotation": ("fp8_e4m3", False),
-    "fp8_e5m2": ("fp8_e5m2", True),
-    "fp8_e5m2-no-rotation": ("fp8_e5m2", False),
+    "full": ("auto", True, ()),
+    "bfloat16": ("bfloat16", True, ()),
+    "fp8_e4m3": ("fp8_e4m3", True, ()),
+    "fp8_e4m3-no-rotation": ("fp8_e4m3", False, ()),
+    "fp8_e5m2": ("fp8_e5m2", True, ()),
+    "fp8_e5m2-no-rotation": ("fp8_e5m2", False, ()),
+    "int4": ("int4", True, ()),
+    "int4-no-rotation": ("int4", False, ()),
+    "fp4_e2m1": ("fp4_e2m1", True, ()),
+    "fp4_e2m1-no-rotation": ("fp4_e2m1", False, ()),
+    # the three best single layers of `--skip-sweep fp4_e2m1` (results/kv_cache_quality-skip-sweep.json)
+    "fp4_e2m1-skip-13,19,23": ("fp4_e2m1", True, (13, 19, 23)),
 }
 
 
@@ -54,6 +60,33 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def skip_sweep(loaded, base_args: dict, ids: list[int], args) -> int:
+    """Perplexity with every layer quantized, then with each single layer kept in full
+    precision: the drop says how much that layer costs. Writes results/<out>-skip-sweep.json."""
+    from kvpilot.engine.config import EngineArgs
+    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.scoring import score_tokens
+
+    def ppl(**cache_args) -> float:
+        engine = LLMEngine(EngineArgs(**base_args, **cache_args), loaded=loaded)
+        return score_tokens(engine, ids, chunk_size=args.chunk).perplexity
+
+    full = ppl()
+    quant = ppl(kv_cache_dtype=args.skip_sweep)
+    rows = []
+    for layer in range(loaded.config.num_layers):
+        p = ppl(kv_cache_dtype=args.skip_sweep, kv_cache_skip_layers=(layer,))
+        rows.append({"skip_layer": layer, "perplexity": p, "recovered_pct": 100 * (quant - p) / (quant - full)})
+        print(json.dumps(rows[-1]), flush=True)
+    payload = {"machine": machine_info(), "kv_cache_dtype": args.skip_sweep, "tokens": len(ids),
+               "full_perplexity": full, "quantized_perplexity": quant, "rows": rows}
+    print(f"wrote {write_result(args.out + '-skip-sweep', payload)}")
+    print(f"full {full:.3f}, all layers {args.skip_sweep} {quant:.3f}; best single skips:")
+    for r in sorted(rows, key=lambda r: r["perplexity"])[:6]:
+        print(f"  layer {r['skip_layer']:2d}: {r['perplexity']:.3f} ({r['recovered_pct']:.0f}% of the loss recovered)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -62,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=512, help="tokens per perplexity step")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default="kv_cache_quality")
+    ap.add_argument("--skip-sweep", metavar="KV_DTYPE",
+                    help="instead: perplexity of the first --sweep-tokens tokens with each single layer "
+                         "kept in full precision (which layers suffer from this dtype)")
+    ap.add_argument("--sweep-tokens", type=int, default=1024)
+    ap.add_argument("--skip-layers", default="", help="comma-separated layers kept in full precision for "
+                    "every quantized config (--kv-cache-skip-layers)")
     args = ap.parse_args(argv)
 
     import torch
@@ -77,20 +116,25 @@ def main(argv: list[str] | None = None) -> int:
     tok = loaded.tokenizer
     text_ids = tok.encode((DATA / "public_domain_en.txt").read_text())
     prompts = [tok.encode(p) for p in json.loads((DATA / "kv_quality_prompts.json").read_text())]
+    if args.skip_sweep:
+        return skip_sweep(loaded, base_args, text_ids[: args.sweep_tokens], args)
+    extra_skip = tuple(int(x) for x in args.skip_layers.split(",") if x)
     configs = ["full"] + [c for c in args.configs if c != "full"]
     rows = []
     base = None
     for name in configs:
-        kv_dtype, rotation = CONFIGS[name]
+        kv_dtype, rotation, skip = CONFIGS[name]
+        if extra_skip and kv_dtype not in ("auto", "bfloat16"):
+            skip = extra_skip
         t0 = time.monotonic()
-        engine = LLMEngine(EngineArgs(**base_args, kv_cache_dtype=kv_dtype, kv_cache_key_rotation=rotation),
-                           loaded=loaded)
+        cache_args = {"kv_cache_dtype": kv_dtype, "kv_cache_key_rotation": rotation, "kv_cache_skip_layers": skip}
+        engine = LLMEngine(EngineArgs(**base_args, **cache_args), loaded=loaded)
         scores = score_tokens(engine, text_ids, chunk_size=args.chunk)
-        outs = greedy(LLMEngine(EngineArgs(**base_args, kv_cache_dtype=kv_dtype, kv_cache_key_rotation=rotation),
-                                loaded=loaded), prompts, args.max_tokens)
+        outs = greedy(LLMEngine(EngineArgs(**base_args, **cache_args), loaded=loaded), prompts, args.max_tokens)
         row = {"config": name, "kv_cache_dtype": engine.config.kv_cache_dtype_name,
-               "key_rotation": engine.runner.kv_cache.rotates_keys, "perplexity": scores.perplexity,
-               "seconds": round(time.monotonic() - t0, 1)}
+               "key_rotation": engine.runner.kv_cache.rotates_keys, "skip_layers": list(skip),
+               "capacity_tokens": engine.config.num_blocks * engine.config.block_size,
+               "perplexity": scores.perplexity, "seconds": round(time.monotonic() - t0, 1)}
         if base is None:
             base = {"scores": scores, "outs": outs}
         else:
@@ -113,13 +157,16 @@ def main(argv: list[str] | None = None) -> int:
                "torch": torch.__version__, "results": rows}
     path = write_result(args.out, payload)
     print(f"\nwrote {path}\n")
-    print("| KV cache | keys rotated | perplexity | vs full | top-1 agree (text) | greedy: tokens to 1st diff (mean) | identical / 16 | position-wise agree |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| KV cache | keys rotated | capacity vs bf16 | perplexity | vs full | top-1 agree (text) | greedy: tokens to 1st diff (mean) | identical / 16 | position-wise agree |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    bf16_cap = next((r["capacity_tokens"] for r in rows if r["kv_cache_dtype"] == "bfloat16"), None)
     for r in rows:
+        cap = f"{r['capacity_tokens'] / bf16_cap:.2f}x" if bf16_cap else "-"
         if r["config"] == "full":
-            print(f"| {r['kv_cache_dtype']} (full) | - | {r['perplexity']:.3f} | - | - | - | - | - |")
+            print(f"| {r['kv_cache_dtype']} (full) | - | {cap} | {r['perplexity']:.3f} | - | - | - | - | - |")
             continue
-        print(f"| {r['kv_cache_dtype']} | {'yes' if r['key_rotation'] else 'no'} | {r['perplexity']:.3f} | "
+        name = r["kv_cache_dtype"] + (f", layers {','.join(map(str, r['skip_layers']))} skipped" if r["skip_layers"] else "")
+        print(f"| {name} | {'yes' if r['key_rotation'] else 'no'} | {cap} | {r['perplexity']:.3f} | "
               f"{r['perplexity_delta_pct']:+.2f}% | {r['teacher_forced_top1_agreement']:.3f} | "
               f"{r['greedy_mean_tokens_to_first_difference']:.1f} | {r['greedy_identical_prompts']} | "
               f"{r['greedy_positionwise_agreement']:.3f} |")

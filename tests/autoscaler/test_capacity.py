@@ -30,8 +30,11 @@ def test_fp8_halves_it(fp8):
 def test_four_bit_counts_one_scale_per_16_values():
     half = llama70b_bytes(8192, "float16") / 4  # 0.5 B of value per element
     assert llama70b_bytes(8192, "fp4_e2m1") == pytest.approx(half * (0.5 + 1 / 16) / 0.5)
-    assert llama70b_bytes(8192, "int4") == pytest.approx(half * (0.5 + 2 / 16) / 0.5)
+    assert llama70b_bytes(8192, "int4") == pytest.approx(half * (0.5 + 1 / 16) / 0.5)
     assert capacity.kv_dtype("fp4_e2m1").scale_format == "fp8_e4m3"
+    assert capacity.kv_dtype("int4").scale_format == "fp8_e4m3"
+    # the engine's claim: at least 3.5x the tokens of bf16 in the same memory
+    assert llama70b_bytes(8192, "bfloat16") / llama70b_bytes(8192, "int4") >= 3.5
     assert capacity.kv_bytes_per_token(1, 1, 128, "float32") == 2 * 4 * 128
 
 
@@ -40,8 +43,8 @@ def test_bad_inputs_are_refused_with_the_value():
         capacity.kv_dtype("fp6")
     with pytest.raises(ValueError, match="num_layers must be > 0; got 0"):
         capacity.kv_bytes_per_token(0, 8, 128, "fp8")
-    with pytest.raises(ValueError, match="head_dim must be a multiple of 16 for int4; got 72"):
-        capacity.kv_bytes_per_token(2, 2, 72, "int4")
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 32 for int4; got 80"):
+        capacity.kv_bytes_per_token(2, 2, 80, "int4")
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]; got 1\.5"):
         capacity.kv_memory_bytes(80 * GB, 1.5, 0)
     with pytest.raises(ValueError, match="context_tokens must be > 0; got 0"):

@@ -35,10 +35,15 @@ def layer_and_meta(b, cache_dtype, rotate):
     """Decodes first (as the scheduler orders them), then prefill chunks."""
     num_decodes = next(i for i, (_, n) in enumerate(b.specs) if n > 1)
     one = torch.ones(())
+    def clone(t):
+        return t.clone() if t is not None else None
+
     kv = LayerKVCache(
         b.key_cache.clone(), b.value_cache.clone(),
         b.k_scale if b.k_scale is not None else one, b.v_scale if b.v_scale is not None else one,
         key_rotation_matrix(b.q.shape[-1], b.q.dtype) if rotate else None,
+        key_group_scales=clone(b.key_group_scales), value_group_scales=clone(b.value_group_scales),
+        kv4_format=b.kv4_format,
     )
     qsl = b.query_start_loc.tolist()
     lens = b.seq_lens.tolist()
@@ -52,8 +57,13 @@ def layer_and_meta(b, cache_dtype, rotate):
 
 @pytest.mark.parametrize(
     ("dtype", "cache_dtype", "rotate"),
-    [(torch.float32, torch.float32, False), (torch.bfloat16, torch.float8_e4m3fn, True)],
-    ids=["fp32", "bf16-e4m3-rotated"],
+    [
+        (torch.float32, torch.float32, False),
+        (torch.bfloat16, torch.float8_e4m3fn, True),
+        (torch.float32, "int4", False),
+        (torch.bfloat16, "fp4_e2m1", True),
+    ],
+    ids=["fp32", "bf16-e4m3-rotated", "fp32-int4", "bf16-fp4-rotated"],
 )
 def test_mixed_batch_matches_torch_backend(dtype, cache_dtype, rotate):
     from kvpilot.engine.attention.triton_backend import TritonAttentionBackend
@@ -65,7 +75,8 @@ def test_mixed_batch_matches_torch_backend(dtype, cache_dtype, rotate):
     for backend in (TorchAttentionBackend(CPU), TritonAttentionBackend(CPU)):
         kv, meta = layer_and_meta(b, cache_dtype, rotate)
         outs.append(backend.forward(b.q, b.key, b.value, kv, meta, b.scale))
-        caches.append((kv.key_cache, kv.value_cache))
+        caches.append(tuple(t for t in (kv.key_cache, kv.value_cache, kv.key_group_scales, kv.value_group_scales)
+                            if t is not None))
     for a, t in zip(caches[0], caches[1]):
         assert bool((a.view(torch.uint8) == t.view(torch.uint8)).all())
     assert_attention_close(outs[1], outs[0].float(), dtype, "triton vs torch backend")
@@ -75,9 +86,14 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "int4"])
 def test_engine_greedy_tokens_match_torch_backend(make_engine, tokenizer, kv_cache_dtype):
-    """A prefill step (both prompts), then decode steps, through all 30 layers."""
+    """A prefill step (both prompts), then decode steps, through all 30 layers.
+
+    4-bit: int4 here. With fp4_e2m1 the backends' fp32 rounding differences (1e-7) move a
+    calibrated scale or flip a code in a late layer, and on E2M1's coarse grid one flip
+    moves the second prompt's first-token logprobs by ~0.2 (its top two are 0.05 apart),
+    so exact tokens would test luck; fp4_e2m1 is checked bit for bit per layer above."""
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     tokens = {}
     for name in ("torch", "triton"):

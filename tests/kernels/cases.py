@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 from kvpilot.kernels import reference as ref
+from kvpilot.kernels.kv4 import GROUP_SCALE_DTYPE, GROUP_SCALE_MAX, GROUP_SIZE, KV4_FORMATS
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+KV4 = tuple(KV4_FORMATS)  # 4-bit cache formats, named by string (storage is uint8)
 
 # (atol = rtol, relative-norm bound) of a kernel's output against the fp32 torch reference
 # computed from the same cache contents. bf16/fp16 outputs carry one rounding of the output
@@ -47,6 +49,18 @@ class PagedBatch:
     v_scale: torch.Tensor | None
     scale: float
     extra: dict[str, Any] = field(default_factory=dict)
+    key_group_scales: torch.Tensor | None = None  # 4-bit caches: [num_blocks, page, Hkv, D/16]
+    value_group_scales: torch.Tensor | None = None
+    kv4_format: str | None = None
+
+    @property
+    def kv4(self) -> dict[str, Any]:
+        """Keyword arguments naming the 4-bit cache's group scales and format."""
+        return {
+            "key_group_scales": self.key_group_scales,
+            "value_group_scales": self.value_group_scales,
+            "kv4_format": self.kv4_format,
+        }
 
     @property
     def max_query_len(self) -> int:
@@ -62,6 +76,11 @@ def fp8_scale(x: torch.Tensor, dtype: torch.dtype, headroom: float = 2.0) -> tor
     return (x.abs().amax().float() * headroom / torch.finfo(dtype).max).clamp_min(1e-8)
 
 
+def kv4_tensor_scale(x: torch.Tensor, fmt: str, headroom: float = 2.0) -> torch.Tensor:
+    """The engine's 4-bit calibration rule: the largest group scale is E4M3's max / headroom."""
+    return (x.abs().amax().float() * headroom / (KV4_FORMATS[fmt].qmax * GROUP_SCALE_MAX)).clamp_min(1e-8)
+
+
 def make_paged_batch(
     specs: list[tuple[int, int]],
     *,
@@ -70,7 +89,7 @@ def make_paged_batch(
     head_dim: int,
     page: int,
     dtype: torch.dtype,
-    cache_dtype: torch.dtype | None = None,
+    cache_dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     seed: int = 0,
     spare_blocks: int = 3,
@@ -103,12 +122,23 @@ def make_paged_batch(
     slots = bt[seq_id, pos // page].long() * page + pos % page
     ctx = torch.tensor([c for c, _ in specs], device=device)
     cached = pos < ctx[seq_id]
-    quant = cache_dtype in FP8
-    k_scale = fp8_scale(k_all, cache_dtype) if quant else None
-    v_scale = fp8_scale(v_all, cache_dtype) if quant else None
-    kc = torch.zeros(total, page, num_kv_heads, head_dim, dtype=cache_dtype, device=device)
+    kv4: dict[str, Any] = {}
+    if isinstance(cache_dtype, str):  # a 4-bit format
+        k_scale, v_scale = kv4_tensor_scale(k_all, cache_dtype), kv4_tensor_scale(v_all, cache_dtype)
+        kc = torch.zeros(total, page, num_kv_heads, head_dim // 2, dtype=torch.uint8, device=device)
+        groups = (total, page, num_kv_heads, head_dim // GROUP_SIZE)
+        kv4 = {
+            "key_group_scales": torch.zeros(groups, device=device).to(GROUP_SCALE_DTYPE),
+            "value_group_scales": torch.zeros(groups, device=device).to(GROUP_SCALE_DTYPE),
+            "kv4_format": cache_dtype,
+        }
+    else:
+        quant = cache_dtype in FP8
+        k_scale = fp8_scale(k_all, cache_dtype) if quant else None
+        v_scale = fp8_scale(v_all, cache_dtype) if quant else None
+        kc = torch.zeros(total, page, num_kv_heads, head_dim, dtype=cache_dtype, device=device)
     vc = torch.zeros_like(kc)
-    ref.store_kv(k_all[cached], v_all[cached], kc, vc, slots[cached], k_scale, v_scale)
+    ref.store_kv(k_all[cached], v_all[cached], kc, vc, slots[cached], k_scale, v_scale, **kv4)
     new = ~cached
     num_new = int(new.sum())
     q = torch.randn(num_new, num_kv_heads * group, head_dim, generator=gd, device=device).to(dtype)
@@ -129,11 +159,12 @@ def make_paged_batch(
         k_scale=k_scale,
         v_scale=v_scale,
         scale=head_dim**-0.5,
+        **kv4,
     )
 
 
 def store_new_tokens_reference(b: PagedBatch) -> None:
-    ref.store_kv(b.key, b.value, b.key_cache, b.value_cache, b.slot_mapping, b.k_scale, b.v_scale)
+    ref.store_kv(b.key, b.value, b.key_cache, b.value_cache, b.slot_mapping, b.k_scale, b.v_scale, **b.kv4)
 
 
 def reference_attention(b: PagedBatch) -> torch.Tensor:
@@ -148,6 +179,7 @@ def reference_attention(b: PagedBatch) -> torch.Tensor:
         b.scale,
         b.k_scale,
         b.v_scale,
+        **b.kv4,
     )
 
 
@@ -179,7 +211,7 @@ class AttnCase:
     head_dim: int
     page: int
     dtype: torch.dtype
-    cache_dtype: torch.dtype
+    cache_dtype: torch.dtype | str  # a str names a 4-bit format (KV4)
     specs: tuple[tuple[int, int], ...]
     num_splits: int | None = None
     config: tuple[tuple[str, int], ...] = ()
@@ -288,6 +320,18 @@ PREFILL_CASES = [
 ]
 
 
+KV4_PREFILL_CASES = [
+    AttnCase("fp4-g1-f32-p16-d64", 1, 2, 64, 16, F32, "fp4_e2m1", PREFILL_SPECS),
+    AttnCase("int4-g3-bf16-p8-d64-small-tiles", 3, 2, 64, 8, BF16, "int4", PREFILL_SPECS, None,
+             (("BLOCK_M", 16), ("BLOCK_N", 16))),
+    AttnCase("int4-g4-f32-p32-d128", 4, 1, 128, 32, F32, "int4", PREFILL_SPECS),
+    AttnCase("fp4-g8-bf16-p16-d64", 8, 1, 64, 16, BF16, "fp4_e2m1", PREFILL_SPECS, None,
+             (("BLOCK_M", 32), ("BLOCK_N", 16))),
+    AttnCase("fp4-g3-f16-p16-d128", 3, 1, 128, 16, F16, "fp4_e2m1", ((0, 1), (5, 12), (32, 20))),
+    AttnCase("int4-g1-f32-p8-d96", 1, 2, 96, 8, F32, "int4", ((0, 1), (3, 10), (8, 8))),
+]
+
+
 def run_decode_case(case: AttnCase, device: str | torch.device = "cpu") -> dict[str, float]:
     from kvpilot.kernels.decode_attention import paged_decode_attention
 
@@ -305,9 +349,26 @@ def run_decode_case(case: AttnCase, device: str | torch.device = "cpu") -> dict[
         max_seq_len=b.max_seq_len,
         num_splits=case.num_splits,
         config=dict(case.config),
+        **b.kv4,
     )
     assert out.dtype == case.dtype and out.shape == b.q.shape
     return assert_attention_close(out, reference_attention(b), case.dtype, f"decode {case.id}")
+
+
+# 4-bit caches: GQA 1/3/4/8, head_dim 64/128, pages 8/16/32, seq len 1, lengths off the
+# page, forced splits (with empty ones), the direct path, bf16/fp16/fp32 queries.
+KV4_DECODE_CASES = [
+    AttnCase("fp4-g1-f32-p16-d64-auto", 1, 2, 64, 16, F32, "fp4_e2m1", ((0, 1), (16, 1), (63, 1), (99, 1))),
+    AttnCase("int4-g3-bf16-p8-d64-split3", 3, 2, 64, 8, BF16, "int4", ((0, 1), (8, 1), (39, 1), (76, 1)), 3,
+             SMALL_TILES),
+    AttnCase("fp4-g4-f32-p32-d128-split4", 4, 2, 128, 32, F32, "fp4_e2m1", ((0, 1), (32, 1), (64, 1), (94, 1)),
+             4, SMALL_TILES),
+    AttnCase("int4-g8-bf16-p16-d64-auto", 8, 1, 64, 16, BF16, "int4", ((4, 1), (15, 1), (47, 1)), None,
+             SMALL_TILES),
+    AttnCase("fp4-g3-bf16-p16-d128-split2", 3, 1, 128, 16, BF16, "fp4_e2m1", ((0, 1), (70, 1)), 2, SMALL_TILES),
+    AttnCase("int4-g4-f16-p8-d64-direct", 4, 2, 64, 8, F16, "int4", ((5, 1), (20, 1)), 1),
+    AttnCase("fp4-g3-f32-p16-d96-split2", 3, 1, 96, 16, F32, "fp4_e2m1", ((0, 1), (37, 1)), 2, SMALL_TILES),
+]
 
 
 def run_prefill_case(case: AttnCase, device: str | torch.device = "cpu") -> dict[str, float]:
@@ -327,6 +388,7 @@ def run_prefill_case(case: AttnCase, device: str | torch.device = "cpu") -> dict
         b.v_scale,
         max_query_len=b.max_query_len,
         config=dict(case.config),
+        **b.kv4,
     )
     assert out.dtype == case.dtype and out.shape == b.q.shape
     return assert_attention_close(out, reference_attention(b), case.dtype, f"prefill {case.id}")
@@ -421,3 +483,56 @@ def run_fp8_rounding_check(dtype: torch.dtype, device: str | torch.device = "cpu
             f"{dtype}: {int(bad.sum())} of {n} values quantized differently from torch, e.g. "
             f"{float(k.flatten()[i])!r} -> {float(got.flatten()[i].float())} (torch {float(expect.flatten()[i].float())})"
         )
+
+
+# 4-bit store: both formats, heads not a power of two, head_dim 64/96/128 (96: half-width
+# tiles with masked lanes), pages 8/16/32, bf16/fp16/fp32 inputs.
+KV4_STORE_CASES = [
+    ("fp4-f32-h3-d64-p16", F32, "fp4_e2m1", 3, 64, 16),
+    ("int4-bf16-h8-d128-p8", BF16, "int4", 8, 128, 8),
+    ("fp4-f16-h2-d96-p32", F16, "fp4_e2m1", 2, 96, 32),
+    ("int4-f32-h3-d96-p16", F32, "int4", 3, 96, 16),
+    ("fp4-bf16-h1-d128-p16", BF16, "fp4_e2m1", 1, 128, 16),
+]
+
+
+def run_kv4_store_case(
+    case: tuple, device: str | torch.device = "cpu", num_tokens: int = 37, seed: int = 0
+) -> None:
+    """Kernel and reference write the same codes and group scales; skipped slots stay
+    untouched; a group of zeros and a group beyond the calibrated range are included."""
+    from kvpilot.kernels.store_kv import store_kv
+
+    name, dtype, fmt, heads, head_dim, page = case
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    num_blocks = math.ceil(num_tokens / page) * 2 + 1
+    qkv = torch.randn(num_tokens, 3 * heads, head_dim, generator=g, device=device).to(dtype)
+    k = qkv[:, heads : 2 * heads]  # a strided view, as the model's q/k/v split gives it
+    v = (torch.randn(num_tokens, heads, head_dim, generator=g, device=device) * 3).to(dtype)
+    k_scale, v_scale = kv4_tensor_scale(k, fmt), kv4_tensor_scale(v, fmt)
+    k[1, 0, :16] = 0.0  # an all-zero group: scale 0, codes 0
+    k[2, 0, 16:32] = 1e4  # far beyond the range: the group scale saturates at E4M3's max
+    cpu = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(num_blocks * page, generator=cpu)[:num_tokens]
+    slots[::5] = -1
+    slots[1:3] = torch.tensor([0, page - 1])  # keep the special tokens stored
+    slots = slots.to(device)
+    written = []
+    for writer in (ref.store_kv, store_kv):
+        kc = torch.full((num_blocks, page, heads, head_dim // 2), 0x5A, dtype=torch.uint8, device=device)
+        vc = kc.clone()
+        groups = (num_blocks, page, heads, head_dim // GROUP_SIZE)
+        kg = torch.full(groups, 0.5, device=device).to(GROUP_SCALE_DTYPE)
+        vg = kg.clone()
+        writer(k, v, kc, vc, slots, k_scale, v_scale, key_group_scales=kg, value_group_scales=vg, kv4_format=fmt)
+        written.append((kc, vc, kg.view(torch.uint8), vg.view(torch.uint8)))
+    for what, a, b in zip(("key codes", "value codes", "key scales", "value scales"), *written):
+        same = a == b
+        assert bool(same.all()), f"store {name} {what}: {int((~same).sum())} bytes differ from the reference"
+    kc, _, kg, _ = written[1]
+    untouched = torch.ones(num_blocks * page, dtype=torch.bool, device=device)
+    untouched[slots[slots >= 0]] = False
+    assert bool((kc.view(num_blocks * page, -1)[untouched] == 0x5A).all()), f"store {name}: unwritten slot changed"
+    half = torch.tensor(0.5).to(GROUP_SCALE_DTYPE).view(torch.uint8).to(device)
+    assert bool((kg.view(num_blocks * page, -1)[untouched] == half).all()), f"store {name}: unwritten scale changed"

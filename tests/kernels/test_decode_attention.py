@@ -9,7 +9,7 @@ import torch
 
 from kvpilot.kernels.decode_attention import choose_num_splits, paged_decode_attention
 
-from .cases import DECODE_CASES, run_decode_case
+from .cases import DECODE_CASES, KV4_DECODE_CASES, run_decode_case
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[c.id for c in DECODE_CASES])
@@ -59,3 +59,8 @@ def test_decode_rejects_heads_that_do_not_divide():
             torch.tensor([1], dtype=torch.int32),
             0.1,
         )
+
+
+@pytest.mark.parametrize("case", KV4_DECODE_CASES, ids=[c.id for c in KV4_DECODE_CASES])
+def test_decode_over_a_4bit_cache_matches_reference(case):
+    run_decode_case(case)

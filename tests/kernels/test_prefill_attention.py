@@ -10,6 +10,7 @@ import torch
 from kvpilot.kernels.prefill_attention import paged_prefill_attention
 
 from .cases import (
+    KV4_PREFILL_CASES,
     PREFILL_CASES,
     assert_attention_close,
     make_paged_batch,
@@ -63,3 +64,8 @@ def test_prefill_rejects_mismatched_query_start_loc():
             torch.tensor([3], dtype=torch.int32),
             0.1,
         )
+
+
+@pytest.mark.parametrize("case", KV4_PREFILL_CASES, ids=[c.id for c in KV4_PREFILL_CASES])
+def test_prefill_over_a_4bit_cache_matches_reference(case):
+    run_prefill_case(case)

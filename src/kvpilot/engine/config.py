@@ -26,9 +26,25 @@ KV_CACHE_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    # 4-bit micro-scaled formats: uint8 storage (two codes per byte) plus an E4M3 scale
+    # per 16 values (kvpilot.kernels.kv4).
+    "fp4_e2m1": torch.uint8,
+    "int4": torch.uint8,
 }
+KV4_CACHE_DTYPES = ("fp4_e2m1", "int4")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+
+
+def parse_layer_list(text: str) -> tuple[int, ...]:
+    """``"0,29"`` -> ``(0, 29)``; an empty string is no layers. Raises
+    ``argparse.ArgumentTypeError`` naming the bad item."""
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        if not item.isdigit():
+            raise argparse.ArgumentTypeError(f"layer indices must be integers >= 0 separated by commas; got {item!r}")
+        out.append(int(item))
+    return tuple(out)
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...] | list[str]) -> None:
@@ -52,6 +68,9 @@ class EngineArgs:
         load_format: ``auto`` (real weights) or ``dummy`` (random weights, for benchmarks).
         kv_cache_key_rotation: with an FP8 cache, rotate K and Q heads by a Hadamard
             matrix before quantizing (exact in full precision; lowers FP8 logit error).
+        kv_cache_skip_layers: with a quantized KV cache (FP8 or 4-bit), layer indices kept
+            in the model dtype instead (``--kv-cache-skip-layers 0,29``), for layers whose
+            K/V do not survive quantization.
         skip_tokenizer_init: run without a tokenizer (token ids in, token ids out; no
             text, no stop strings), as vLLM's flag of that name.
     """
@@ -74,6 +93,7 @@ class EngineArgs:
     load_format: str = "auto"
     seed: int = 0
     kv_cache_key_rotation: bool = True
+    kv_cache_skip_layers: tuple[int, ...] = ()
     skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
@@ -95,6 +115,11 @@ class EngineArgs:
             raise ValueError(f"--max-num-seqs must be >= 1; got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2; got {self.max_model_len}")
+        object.__setattr__(self, "kv_cache_skip_layers", tuple(self.kv_cache_skip_layers))
+        if any(not isinstance(i, int) or i < 0 for i in self.kv_cache_skip_layers):
+            raise ValueError(
+                f"--kv-cache-skip-layers must be layer indices >= 0; got {list(self.kv_cache_skip_layers)}"
+            )
 
     # ------------------------------------------------------------------ CLI
     @staticmethod
@@ -133,6 +158,13 @@ class EngineArgs:
             action=argparse.BooleanOptionalAction,
             default=d.kv_cache_key_rotation,
             help="FP8 KV cache: rotate K/Q heads by a Hadamard matrix before quantizing",
+        )
+        g.add_argument(
+            "--kv-cache-skip-layers",
+            type=parse_layer_list,
+            default=d.kv_cache_skip_layers,
+            metavar="I,J,...",
+            help="quantized KV cache: layers kept in the model dtype (comma-separated indices)",
         )
         g.add_argument(
             "--skip-tokenizer-init",

@@ -1,5 +1,6 @@
-"""The paged KV cache tensors (one pool for all layers) and the FP8 quantization state:
-per-layer scales and the optional key rotation."""
+"""The paged KV cache tensors (one pool for all layers) and the quantization state
+(FP8 or 4-bit): per-layer scales, 4-bit group scales, the optional key rotation and the
+layers kept in full precision (``--kv-cache-skip-layers``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import torch
 
 from kvpilot.engine.attention.backend import LayerKVCache
+from kvpilot.kernels.kv4 import GROUP_SCALE_DTYPE, GROUP_SCALE_MAX, kv4_format, kv4_shapes
 from kvpilot.kernels.reference import is_quantized
 from kvpilot.kernels.rotation import key_rotation_matrix, rotate_heads
 
@@ -30,32 +32,87 @@ def element_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V bytes of one block over all layers."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_bytes(dtype)
+def check_skip_layers(skip_layers: tuple[int, ...], num_layers: int, quantized: bool, dtype_name: str) -> tuple[int, ...]:
+    """The sorted, de-duplicated ``--kv-cache-skip-layers``.
+
+    Raises:
+        ValueError: an index outside the model's layers, or skip layers on a cache that
+            is not quantized (nothing to skip).
+    """
+    bad = [i for i in skip_layers if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"--kv-cache-skip-layers {bad} out of range: the model has layers 0..{num_layers - 1}")
+    if skip_layers and not quantized:
+        raise ValueError(
+            "--kv-cache-skip-layers keeps layers in full precision, so it needs a quantized "
+            f"--kv-cache-dtype (fp8, fp8_e4m3, fp8_e5m2, fp4_e2m1, int4); got {dtype_name}"
+        )
+    return tuple(sorted(set(skip_layers)))
+
+
+def bytes_per_token_layer(num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv4: str | None = None) -> int:
+    """K and V bytes of one token in one layer, group scales included: ``2 x heads x
+    head_dim x bytes`` for a plain dtype; ``2 x heads x (head_dim / 2 + head_dim / 16)``
+    for a 4-bit format (``kv4``, with its E4M3 scale per 16 values). The per-layer fp32
+    scales are not counted (8 bytes per layer)."""
+    if kv4 is not None:
+        packed, groups = kv4_shapes(head_dim, kv4)
+        return 2 * num_kv_heads * (packed + groups * element_bytes(GROUP_SCALE_DTYPE))
+    return 2 * num_kv_heads * head_dim * element_bytes(dtype)
+
+
+def bytes_per_block(
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    kv4: str | None = None,
+    skip_layers: tuple[int, ...] = (),
+    skip_dtype: torch.dtype = torch.bfloat16,
+) -> int:
+    """K and V bytes of one block over all layers (4-bit group scales included); the
+    ``skip_layers`` are stored in ``skip_dtype``."""
+    kept = num_layers - len(skip_layers)
+    per_token = kept * bytes_per_token_layer(num_kv_heads, head_dim, dtype, kv4)
+    per_token += len(skip_layers) * bytes_per_token_layer(num_kv_heads, head_dim, skip_dtype)
+    return block_size * per_token
 
 
 class PagedKVCache:
-    """K/V blocks for every layer in one allocation.
+    """K/V blocks for every layer in one allocation (plus one for skipped layers).
 
-    Layout: ``storage[layer, 0 = K | 1 = V]`` is ``[num_blocks, block_size, num_kv_heads,
-    head_dim]``; ``layers[i]`` exposes layer ``i`` with its scales.
+    Layout: ``storage[j, 0 = K | 1 = V]`` is ``[num_blocks, block_size, num_kv_heads,
+    head_dim]`` for the j-th quantized layer (uint8 ``[..., head_dim // 2]`` for a 4-bit
+    format, with ``group_scales[j, 0 | 1]`` E4M3 ``[..., head_dim // 16]``); layers in
+    ``skip_layers`` live in ``skip_storage`` in ``act_dtype``. ``layers[i]`` exposes
+    layer ``i`` with its scales, whatever its storage.
 
-    FP8 dtypes: each layer has fp32 ``k_scale``/``v_scale`` (the cache holds ``x /
-    scale``). They come from the checkpoint (:meth:`load_checkpoint_scales`) or are
+    Quantized dtypes (FP8, fp4_e2m1, int4): each layer has fp32 ``k_scale``/``v_scale``
+    (FP8 holds ``x / scale``; 4-bit holds codes times a group scale times it). They come
+    from the checkpoint (:meth:`load_checkpoint_scales`) or are
     calibrated from real batches (:meth:`calibrate`, never a dummy warm-up): the first
-    batch written to a layer sets ``headroom x amax / finfo.max``; during the first
-    ``FP8_CALIBRATION_TOKENS`` tokens a batch that would not fit grows the scale by a
-    power of two before it is written, and the layer's cache is rescaled by the same
-    power of two (exact in FP8), so no value is ever clamped while the range is learned.
-    Every setting and growth is logged. With ``rotate_keys`` (the default for FP8) K and Q
-    heads are rotated by an orthogonal matrix first (:mod:`kvpilot.kernels.rotation`),
-    which lowers the FP8 error of attention logits; checkpoint scales were measured on
-    unrotated keys, so they switch the rotation off.
+    batch written to a layer sets ``headroom x amax / range`` (``range`` = FP8's max, or
+    ``QMAX x 448`` for 4-bit: the largest group scale then sits at E4M3's max / headroom);
+    during the first ``FP8_CALIBRATION_TOKENS`` tokens a batch that would not fit grows
+    the scale by a power of two before it is written, and the layer's cache (FP8) or its
+    group scales (4-bit: codes stay) are divided by the same power of two (exact in FP8),
+    so no value is ever clamped while the range is learned.
+    Every setting and growth is logged. With ``rotate_keys`` (the default for quantized
+    caches) K and Q heads are rotated by an orthogonal matrix first
+    (:mod:`kvpilot.kernels.rotation`), which lowers the error of attention logits;
+    checkpoint scales were measured on unrotated keys, so they switch the rotation off.
 
     Args:
-        act_dtype: the model's activation dtype (the rotation matrix is kept in it).
+        dtype: storage dtype (uint8 for a 4-bit format).
+        act_dtype: the model's activation dtype (the rotation matrix and skipped layers
+            are kept in it).
         rotate_keys: rotate keys of a quantized cache (ignored for other dtypes).
+        kv4: ``fp4_e2m1`` or ``int4`` for a 4-bit cache, else None.
+        skip_layers: layers stored in ``act_dtype`` instead (quantized caches only).
+    Raises:
+        ValueError: a skip layer out of range, skip layers on an unquantized cache, a
+            head_dim a 4-bit format cannot hold.
     """
 
     def __init__(
@@ -69,23 +126,51 @@ class PagedKVCache:
         device: torch.device,
         act_dtype: torch.dtype = torch.float32,
         rotate_keys: bool = False,
+        kv4: str | None = None,
+        skip_layers: tuple[int, ...] = (),
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        self.storage = torch.zeros(
-            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
-        )
-        self.quantized = is_quantized(dtype)
+        self.kv4 = kv4_format(kv4) if kv4 is not None else None
+        self.dtype_name = kv4 if kv4 is not None else str(dtype).removeprefix("torch.")
+        self.quantized = is_quantized(dtype) or kv4 is not None
+        self.skip_layers = check_skip_layers(skip_layers, num_layers, self.quantized, self.dtype_name)
+        kept = [i for i in range(num_layers) if i not in self.skip_layers]
+        shape = (num_blocks, block_size, num_kv_heads)
+        if kv4 is not None:
+            packed, groups = kv4_shapes(head_dim, kv4)
+            self.storage = torch.zeros((len(kept), 2, *shape, packed), dtype=torch.uint8, device=device)
+            self.group_scales: torch.Tensor | None = torch.zeros(
+                (len(kept), 2, *shape, groups), dtype=GROUP_SCALE_DTYPE, device=device
+            )
+        else:
+            self.storage = torch.zeros((len(kept), 2, *shape, head_dim), dtype=dtype, device=device)
+            self.group_scales = None
+        self.skip_storage = torch.zeros((len(self.skip_layers), 2, *shape, head_dim), dtype=act_dtype, device=device)
         rotation = key_rotation_matrix(head_dim, act_dtype, device) if self.quantized and rotate_keys else None
         one = torch.ones((), dtype=torch.float32, device=device)
-        self.layers = [
-            LayerKVCache(self.storage[i, 0], self.storage[i, 1], one.clone(), one.clone(), rotation)
-            for i in range(num_layers)
-        ]
-        self._uncalibrated = set(range(num_layers)) if self.quantized else set()
+        self.layers: list[LayerKVCache] = []
+        for i in range(num_layers):
+            if i in self.skip_layers:
+                j = self.skip_layers.index(i)
+                kvs = self.skip_storage[j]
+                self.layers.append(LayerKVCache(kvs[0], kvs[1], one.clone(), one.clone()))
+                continue
+            j = kept.index(i)
+            gs = self.group_scales
+            self.layers.append(LayerKVCache(
+                self.storage[j, 0], self.storage[j, 1], one.clone(), one.clone(), rotation,
+                key_group_scales=gs[j, 0] if gs is not None else None,
+                value_group_scales=gs[j, 1] if gs is not None else None,
+                kv4_format=kv4,
+            ))
+        if self.skip_layers:
+            logger.info("kv cache %s: layers %s kept in %s", self.dtype_name, list(self.skip_layers), act_dtype)
+        self._quantized_layers = set(kept) if self.quantized else set()
+        self._uncalibrated = set(self._quantized_layers)
         # layer -> tokens seen while its scales may still grow
-        self._window: dict[int, int] = {i: 0 for i in range(num_layers)} if self.quantized else {}
+        self._window: dict[int, int] = {i: 0 for i in self._quantized_layers}
 
     @property
     def needs_calibration(self) -> bool:
@@ -109,20 +194,26 @@ class PagedKVCache:
         self.layers[layer].v_scale.fill_(v_scale)
         self._uncalibrated.discard(layer)
         self._window.pop(layer, None)
-        if self.quantized:
-            logger.info("kv cache %s layer %d: %s k_scale=%.4g v_scale=%.4g", self.dtype, layer, source, k_scale, v_scale)
+        if layer in self._quantized_layers:
+            logger.info("kv cache %s layer %d: %s k_scale=%.4g v_scale=%.4g", self.dtype_name, layer, source, k_scale, v_scale)
 
     def load_checkpoint_scales(self, scales: dict[int, tuple[float, float]]) -> None:
         """Scales read from a checkpoint (layer -> (k_scale, v_scale)). They describe
-        unrotated keys, so the key rotation is switched off for every layer."""
+        unrotated keys, so the key rotation is switched off for every layer. They are FP8
+        scales: a 4-bit cache ignores them (logged) and calibrates its own."""
         if not self.quantized or not scales:
+            return
+        if self.kv4 is not None:
+            logger.info("kv cache %s: the checkpoint's KV scales are FP8 scales; calibrating the 4-bit "
+                        "tensor scales from real batches instead", self.dtype_name)
             return
         if self.rotates_keys:
             logger.info("kv cache: using checkpoint KV scales; key rotation off (the scales describe unrotated keys)")
             for layer in self.layers:
                 layer.key_rotation = None
         for i, (ks, vs) in sorted(scales.items()):
-            self.set_scales(i, ks, vs, source="checkpoint")
+            if i in self._quantized_layers:
+                self.set_scales(i, ks, vs, source="checkpoint")
         missing = sorted(self._uncalibrated)
         if missing:
             logger.warning("kv cache: the checkpoint has no KV scales for layers %s; calibrating them from the first batch", missing)
@@ -135,7 +226,7 @@ class PagedKVCache:
         cache = self.layers[layer]
         if cache.key_rotation is not None:
             k = rotate_heads(k, cache.key_rotation)
-        fmax = torch.finfo(self.dtype).max
+        fmax = self.kv4.qmax * GROUP_SCALE_MAX if self.kv4 is not None else torch.finfo(self.dtype).max
         need_k = max(float(k.abs().max()) * FP8_SCALE_HEADROOM / fmax, 1e-8)
         need_v = max(float(v.abs().max()) * FP8_SCALE_HEADROOM / fmax, 1e-8)
         seen = self._window[layer] + k.shape[0]
@@ -144,20 +235,25 @@ class PagedKVCache:
             cache.k_scale.fill_(need_k)
             cache.v_scale.fill_(need_v)
             logger.info("kv cache %s layer %d: calibrated from %d tokens: k_scale=%.4g v_scale=%.4g",
-                        self.dtype, layer, k.shape[0], need_k, need_v)
+                        self.dtype_name, layer, k.shape[0], need_k, need_v)
+        elif self.kv4 is not None:  # codes stay; the group scales carry the factor
+            assert cache.key_group_scales is not None and cache.value_group_scales is not None
+            self._grow(layer, "k", cache.k_scale, cache.key_group_scales, need_k)
+            self._grow(layer, "v", cache.v_scale, cache.value_group_scales, need_v)
         else:
             self._grow(layer, "k", cache.k_scale, cache.key_cache, need_k)
             self._grow(layer, "v", cache.v_scale, cache.value_cache, need_v)
         if seen >= FP8_CALIBRATION_TOKENS:
             del self._window[layer]
             logger.info("kv cache %s layer %d: scales fixed after %d tokens: k_scale=%.4g v_scale=%.4g",
-                        self.dtype, layer, seen, float(cache.k_scale), float(cache.v_scale))
+                        self.dtype_name, layer, seen, float(cache.k_scale), float(cache.v_scale))
         else:
             self._window[layer] = seen
 
     def _grow(self, layer: int, which: str, scale: torch.Tensor, cache: torch.Tensor, need: float) -> None:
         """Multiply ``scale`` by the smallest power of two that makes it ``>= need`` and
-        divide what ``cache`` holds by the same power (exact for FP8 normals)."""
+        divide what ``cache`` holds (FP8 values, or 4-bit group scales) by the same power
+        (exact for FP8 normals)."""
         current = float(scale)
         if need <= current * (1 + 1e-6):  # the scale is stored in fp32
             return
@@ -167,4 +263,4 @@ class PagedKVCache:
             part.copy_((part.float() / factor).to(cache.dtype))
         scale.mul_(factor)
         logger.info("kv cache %s layer %d: %s_scale grew x%g to %.4g for a batch above its range; cache rescaled",
-                    self.dtype, layer, which, factor, current * factor)
+                    self.dtype_name, layer, which, factor, current * factor)

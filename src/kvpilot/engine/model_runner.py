@@ -20,6 +20,7 @@ from kvpilot.engine.attention.backend import (
     resolve_backend_name,
 )
 from kvpilot.engine.config import (
+    KV4_CACHE_DTYPES,
     EngineArgs,
     ResolvedConfig,
     resolve_device,
@@ -28,7 +29,7 @@ from kvpilot.engine.config import (
 )
 from kvpilot.engine.core.scheduler import SchedulerOutput
 from kvpilot.engine.cpu_threads import cpu_threads
-from kvpilot.engine.kv_cache import PagedKVCache, bytes_per_block, element_bytes
+from kvpilot.engine.kv_cache import PagedKVCache, bytes_per_block, check_skip_layers, element_bytes
 from kvpilot.engine.model.config import ModelConfig
 from kvpilot.engine.model.llama import LlamaForCausalLM
 from kvpilot.engine.model.loader import (
@@ -79,11 +80,24 @@ def build_model(
     return model
 
 
-def num_kv_blocks(args: EngineArgs, config: ModelConfig, kv_dtype: torch.dtype, device: torch.device, weight_bytes: int, num_layers: int) -> int:
+def num_kv_blocks(
+    args: EngineArgs,
+    config: ModelConfig,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+    weight_bytes: int,
+    num_layers: int,
+    kv4: str | None = None,
+    act_dtype: torch.dtype = torch.bfloat16,
+) -> int:
     """Size the pool: the override, else ``--kv-cache-memory`` GiB on CPU, else on CUDA
     ``total x --gpu-memory-utilization`` minus what is in use, minus an activation
-    estimate for one full step."""
-    per_block = bytes_per_block(num_layers, args.block_size, config.num_kv_heads, config.head_dim, kv_dtype)
+    estimate for one full step. A block's bytes count 4-bit group scales and the
+    ``--kv-cache-skip-layers`` at the model dtype."""
+    per_block = bytes_per_block(
+        num_layers, args.block_size, config.num_kv_heads, config.head_dim, kv_dtype, kv4,
+        tuple(sorted(set(args.kv_cache_skip_layers))), act_dtype,
+    )
     if args.num_gpu_blocks_override is not None:
         return args.num_gpu_blocks_override
     if device.type != "cuda":
@@ -164,16 +178,22 @@ class ModelRunner:
         ):
             raise ValueError("the loaded model's device/dtype differ from these engine args")
         kv_dtype, kv_name = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+        kv4 = kv_name if kv_name in KV4_CACHE_DTYPES else None
+        check_skip_layers(args.kv_cache_skip_layers, model_config.num_layers,
+                          kv4 is not None or kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2), kv_name)
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
         self.model = loaded.model
-        num_blocks = num_kv_blocks(args, model_config, kv_dtype, device, loaded.weight_bytes, model_config.num_layers)
+        num_blocks = num_kv_blocks(
+            args, model_config, kv_dtype, device, loaded.weight_bytes, model_config.num_layers, kv4, dtype
+        )
         capacity = num_blocks * args.block_size
         max_model_len = args.max_model_len or min(loaded.model_max_len, capacity)
         self.kv_cache = PagedKVCache(
             model_config.num_layers, num_blocks, args.block_size, model_config.num_kv_heads,
             model_config.head_dim, kv_dtype, device, act_dtype=dtype, rotate_keys=args.kv_cache_key_rotation,
+            kv4=kv4, skip_layers=args.kv_cache_skip_layers,
         )
         self.kv_cache.load_checkpoint_scales(
             {i: (d["k"], d["v"]) for i, d in loaded.model.kv_cache_scales.items() if "k" in d and "v" in d}

@@ -23,7 +23,9 @@ Stage 2, grid ``(num_seqs, num_heads)``: ``out = sum_s exp(lse_s - lse) * o_s`` 
 
 Splits are sized per sequence (``tiles_per_split = max(ceil(tiles / num_splits),
 min_tiles)``), so short sequences in a batch use fewer splits and the rest exit at once.
-FP8 caches: ``k_scale`` is folded into the softmax scale and ``v_scale`` multiplies the
+4-bit caches (fp4_e2m1 / int4 with E4M3 group scales) run their own stage 1
+(:mod:`kvpilot.kernels.decode_attention_kv4`) and this merge.
+FP8 and 4-bit caches: ``k_scale`` is folded into the softmax scale and ``v_scale`` multiplies the
 output once; both are exact because attention is linear in K (inside the exponent) and
 in V. Accumulators are fp32 throughout.
 """
@@ -34,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode_attention_kv4 import decode_split_kv4_kernel, kv4_launch_meta
+from .kv4_triton import check_kv4_cache
 from .triton_utils import (
     FLOAT_DTYPES,
     check,
@@ -261,6 +265,9 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    key_group_scales: torch.Tensor | None = None,
+    value_group_scales: torch.Tensor | None = None,
+    kv4_format: str | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -276,12 +283,22 @@ def paged_decode_attention(
         num_splits: force the number of splits (benchmarks, tests).
         out: ``[num_seqs, num_heads, head_dim]`` to write into (q's dtype).
         config: override of :func:`default_config` keys.
+        key_group_scales, value_group_scales, kv4_format: a 4-bit cache (uint8 codes
+            ``[..., head_dim // 2]``, E4M3 group scales ``[..., head_dim // 16]``,
+            ``fp4_e2m1`` or ``int4``), dequantized in registers
+            (:mod:`kvpilot.kernels.decode_attention_kv4`); ``k_scale``/``v_scale`` required.
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
     Raises:
         ValueError: shapes, dtypes, strides or devices that do not fit.
     """
-    _, page, num_kv_heads, head_dim = check_cache_pair(key_cache, value_cache)
+    kv4 = kv4_format is not None
+    if kv4:
+        _, page, num_kv_heads, head_dim = check_kv4_cache(
+            key_cache, value_cache, key_group_scales, value_group_scales, kv4_format
+        )
+    else:
+        _, page, num_kv_heads, head_dim = check_cache_pair(key_cache, value_cache)
     check(
         q.dim() == 3 and q.shape[2] == head_dim,
         f"q must be [num_seqs, num_heads, {head_dim}]; got {tuple(q.shape)}",
@@ -305,7 +322,7 @@ def paged_decode_attention(
         f"seq_lens must be int32 [{num_seqs}]; got {seq_lens.dtype} {tuple(seq_lens.shape)}",
     )
     check_device(q, key_cache, value_cache, block_tables, seq_lens)
-    quant = is_fp8(key_cache.dtype)
+    quant = kv4 or is_fp8(key_cache.dtype)
     k_scale = check_scale("k_scale", k_scale, quant, q.device)
     v_scale = check_scale("v_scale", v_scale, quant, q.device)
     if out is None:
@@ -352,45 +369,70 @@ def paged_decode_attention(
         stride_ms, stride_mh = mid_o.stride(0), mid_o.stride(1)
         stride_ls, stride_lh = mid_lse.stride(0), mid_lse.stride(1)
     dummy = q  # stands in for absent scale pointers
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        k_scale if quant else dummy,
-        v_scale if quant else dummy,
-        out,
-        mid_o,
-        mid_lse,
-        scale,
-        num_splits,
-        min_tiles,
-        q.stride(0),
-        q.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        stride_ms,
-        stride_mh,
-        stride_ls,
-        stride_lh,
-        GROUP=group,
-        BLOCK_H=cfg["BLOCK_H"],
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        PAGE=page,
-        BLOCK_N=block_n,
-        QUANT=quant,
-        DIRECT=direct,
-        DOT_DTYPE=dot_dtype(q.dtype),
-        DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+    grid = (num_seqs, num_kv_heads, num_splits)
+    if kv4:
+        assert key_group_scales is not None and value_group_scales is not None
+        decode_split_kv4_kernel[grid](
+            q, key_cache, value_cache, key_group_scales, value_group_scales, block_tables, seq_lens,
+            k_scale, v_scale, out, mid_o, mid_lse, scale, num_splits, min_tiles,
+            q.stride(0), q.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            key_group_scales.stride(0), key_group_scales.stride(1), key_group_scales.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            stride_ms, stride_mh, stride_ls, stride_lh,
+            GROUP=group,
+            BLOCK_H=cfg["BLOCK_H"],
+            BLOCK_D=block_d,
+            PAGE=page,
+            BLOCK_N=block_n,
+            IS_INT4=kv4_format == "int4",
+            DIRECT=direct,
+            DOT_DTYPE=dot_dtype(q.dtype),
+            DOT_PRECISION=dot_precision(q.dtype),
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+            **kv4_launch_meta(head_dim),
+        )
+    else:
+        _decode_split_kernel[grid](
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            k_scale if quant else dummy,
+            v_scale if quant else dummy,
+            out,
+            mid_o,
+            mid_lse,
+            scale,
+            num_splits,
+            min_tiles,
+            q.stride(0),
+            q.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+            stride_ms,
+            stride_mh,
+            stride_ls,
+            stride_lh,
+            GROUP=group,
+            BLOCK_H=cfg["BLOCK_H"],
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            PAGE=page,
+            BLOCK_N=block_n,
+            QUANT=quant,
+            DIRECT=direct,
+            DOT_DTYPE=dot_dtype(q.dtype),
+            DOT_PRECISION=dot_precision(q.dtype),
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
     if not direct:
         _decode_merge_kernel[(num_seqs, num_heads)](
             mid_o,

@@ -26,7 +26,8 @@ K/V tile serves the whole group::
 Query token ``i`` of a chunk sits at position ``ctx_len + i`` (``ctx_len = seq_len -
 q_len``) and sees keys ``<= ctx_len + i``. Tiles are launched last-first so the longest
 (causal) programs start early. FP8: ``k_scale`` folded into the softmax scale,
-``v_scale`` on the output, fp32 accumulators.
+``v_scale`` on the output, fp32 accumulators. 4-bit caches run
+:mod:`kvpilot.kernels.prefill_attention_kv4` (same grid, head_dim in two halves).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv4_triton import check_kv4_cache
+from .prefill_attention_kv4 import prefill_kv4_kernel
 from .triton_utils import (
     FLOAT_DTYPES,
     INTERPRET,
@@ -265,6 +268,9 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    key_group_scales: torch.Tensor | None = None,
+    value_group_scales: torch.Tensor | None = None,
+    kv4_format: str | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their paged contexts.
 
@@ -282,12 +288,22 @@ def paged_prefill_attention(
         out: ``[num_tokens, num_heads, head_dim]`` to write into (only rows owned by a
             sequence are written).
         config: override of :func:`default_config` keys.
+        key_group_scales, value_group_scales, kv4_format: a 4-bit cache (uint8 codes
+            ``[..., head_dim // 2]``, E4M3 group scales ``[..., head_dim // 16]``,
+            ``fp4_e2m1`` or ``int4``), dequantized in registers
+            (:mod:`kvpilot.kernels.prefill_attention_kv4`); ``k_scale``/``v_scale`` required.
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
     Raises:
         ValueError: shapes, dtypes, strides or devices that do not fit.
     """
-    _, page, num_kv_heads, head_dim = check_cache_pair(key_cache, value_cache)
+    kv4 = kv4_format is not None
+    if kv4:
+        _, page, num_kv_heads, head_dim = check_kv4_cache(
+            key_cache, value_cache, key_group_scales, value_group_scales, kv4_format
+        )
+    else:
+        _, page, num_kv_heads, head_dim = check_cache_pair(key_cache, value_cache)
     check(
         q.dim() == 3 and q.shape[2] == head_dim,
         f"q must be [num_tokens, num_heads, {head_dim}]; got {tuple(q.shape)}",
@@ -316,7 +332,7 @@ def paged_prefill_attention(
     )
     check(block_tables.stride(1) == 1, "block_tables rows must be contiguous")
     check_device(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens)
-    quant = is_fp8(key_cache.dtype)
+    quant = kv4 or is_fp8(key_cache.dtype)
     k_scale = check_scale("k_scale", k_scale, quant, q.device)
     v_scale = check_scale("v_scale", v_scale, quant, q.device)
     if out is None:
@@ -337,7 +353,31 @@ def paged_prefill_attention(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     num_q_tiles = triton.cdiv(max_query_len, block_q)
     dummy = q  # stands in for absent scale pointers
-    _prefill_kernel[(num_q_tiles, num_seqs, num_kv_heads)](
+    grid = (num_q_tiles, num_seqs, num_kv_heads)
+    if kv4:
+        assert key_group_scales is not None and value_group_scales is not None
+        prefill_kv4_kernel[grid](
+            q, key_cache, value_cache, key_group_scales, value_group_scales, out,
+            block_tables, query_start_loc, seq_lens, k_scale, v_scale, scale, num_q_tiles,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            key_group_scales.stride(0), key_group_scales.stride(1), key_group_scales.stride(2),
+            block_tables.stride(0),
+            GROUP=group,
+            BLOCK_Q=block_q,
+            BLOCK_M=block_m,
+            HALF=head_dim // 2,
+            BLOCK_DH=triton.next_power_of_2(head_dim // 2),
+            PAGE=page,
+            BLOCK_N=cfg["BLOCK_N"],
+            IS_INT4=kv4_format == "int4",
+            DOT_DTYPE=dot_dtype(q.dtype),
+            DOT_PRECISION=dot_precision(q.dtype),
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
+        return out
+    _prefill_kernel[grid](
         q,
         key_cache,
         value_cache,

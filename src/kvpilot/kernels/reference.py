@@ -12,13 +12,20 @@ backend (CPU and CUDA). Layouts, shared by every backend::
     block_tables             [num_seqs, max_blocks_per_seq] int32 (padding is ignored)
 
 Quantized caches (FP8) hold ``x / scale`` clamped to the format's finite range; reads
-multiply by the per-layer scale. Accumulation is always in the query dtype or wider.
+multiply by the per-layer scale. 4-bit caches (``kv4_format`` = ``fp4_e2m1`` or ``int4``,
+see :mod:`kvpilot.kernels.kv4`) are uint8 ``[num_blocks, block_size, num_kv_heads,
+head_dim // 2]`` with E4M3 group scales ``[num_blocks, block_size, num_kv_heads,
+head_dim // 16]`` (``key_group_scales`` / ``value_group_scales``) under the per-layer
+``k_scale`` / ``v_scale``. Accumulation is always in the query dtype or wider.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .kv4 import dequantize_kv4, quantize_kv4
+from .kv4 import kv4_format as _kv4_format
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -65,34 +72,73 @@ def store_kv(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    key_group_scales: torch.Tensor | None = None,
+    value_group_scales: torch.Tensor | None = None,
+    kv4_format: str | None = None,
 ) -> None:
-    """Write each token's K/V into its slot. Mutates ``key_cache`` and ``value_cache``.
+    """Write each token's K/V into its slot. Mutates ``key_cache`` and ``value_cache``
+    (and the group scales of a 4-bit cache).
 
     Args:
         key, value: ``[num_tokens, num_kv_heads, head_dim]``.
         slot_mapping: ``[num_tokens]`` int64; a negative slot skips that token.
         k_scale, v_scale: fp32 scalars for quantized caches (ignored otherwise).
+        key_group_scales, value_group_scales, kv4_format: a 4-bit cache's E4M3 group
+            scales and its format (see the module docstring).
     """
     num_blocks, block_size, h, d = key_cache.shape
+    if kv4_format is not None:
+        d *= 2
     if key.shape[1:] != (h, d) or value.shape != key.shape:
         raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match cache heads {h}x{d}")
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    if kv4_format is not None:
+        assert key_group_scales is not None and value_group_scales is not None
+        fmt = _kv4_format(kv4_format)
+        for x, cache, groups, scale in ((key, key_cache, key_group_scales, k_scale),
+                                        (value, value_cache, value_group_scales, v_scale)):
+            packed, gs = quantize_kv4(x, fmt, scale if scale is not None else 1.0)
+            cache.view(num_blocks * block_size, h, d // 2).index_copy_(0, slot_mapping, packed)
+            _raw(groups).view(num_blocks * block_size, h, -1).index_copy_(0, slot_mapping, _raw(gs))
+        return
     kf = key_cache.view(num_blocks * block_size, h, d)
     vf = value_cache.view(num_blocks * block_size, h, d)
     _raw(kf).index_copy_(0, slot_mapping, _raw(quantize(key, key_cache.dtype, k_scale)))
     _raw(vf).index_copy_(0, slot_mapping, _raw(quantize(value, value_cache.dtype, v_scale)))
 
 
+def read_blocks(
+    cache: torch.Tensor,
+    blocks: torch.Tensor,
+    dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    group_scales: torch.Tensor | None = None,
+    fmt: str | None = None,
+) -> torch.Tensor:
+    """Blocks ``cache[blocks]`` dequantized to ``dtype``: ``[*blocks.shape, block_size,
+    num_kv_heads, head_dim]``."""
+    if fmt is None:
+        return dequantize(_take(cache, blocks), dtype, scale)
+    assert group_scales is not None, "a 4-bit cache needs its group scales"
+    return dequantize_kv4(cache[blocks], _take(group_scales, blocks), fmt, scale, dtype)
+
+
 def gather_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype: torch.dtype, scale: torch.Tensor | None
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    length: int,
+    dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    group_scales: torch.Tensor | None = None,
+    fmt: str | None = None,
 ) -> torch.Tensor:
     """The first ``length`` tokens of one sequence, ``[length, num_kv_heads, head_dim]``."""
     block_size = cache.shape[1]
     nb = -(-length // block_size)
-    out = _take(cache, block_table[:nb].long()).flatten(0, 1)[:length]
-    return dequantize(out, dtype, scale)
+    return read_blocks(cache, block_table[:nb].long(), dtype, scale, group_scales, fmt).flatten(0, 1)[:length]
 
 
 def paged_decode_attention(
@@ -104,6 +150,10 @@ def paged_decode_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    key_group_scales: torch.Tensor | None = None,
+    value_group_scales: torch.Tensor | None = None,
+    kv4_format: str | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole paged context.
 
@@ -124,8 +174,10 @@ def paged_decode_attention(
     nb = -(-max_len // block_size)
     blocks = block_tables[:, :nb].long()
     length = nb * block_size
-    k = dequantize(_take(key_cache, blocks), q.dtype, k_scale).view(num_seqs, length, num_kv_heads, head_dim)
-    v = dequantize(_take(value_cache, blocks), q.dtype, v_scale).view(num_seqs, length, num_kv_heads, head_dim)
+    k = read_blocks(key_cache, blocks, q.dtype, k_scale, key_group_scales, kv4_format)
+    v = read_blocks(value_cache, blocks, q.dtype, v_scale, value_group_scales, kv4_format)
+    k = k.view(num_seqs, length, num_kv_heads, head_dim)
+    v = v.view(num_seqs, length, num_kv_heads, head_dim)
     mask = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None].to(q.device)
     qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
@@ -157,6 +209,10 @@ def paged_prefill_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    key_group_scales: torch.Tensor | None = None,
+    value_group_scales: torch.Tensor | None = None,
+    kv4_format: str | None = None,
 ) -> torch.Tensor:
     """A chunk of new tokens of one sequence: each attends to the cached prefix (no
     mask) and to the chunk causally.
@@ -170,8 +226,9 @@ def paged_prefill_attention(
     """
     chunk, num_heads, _ = q.shape
     num_kv_heads = key_cache.shape[2]
-    k = gather_kv(key_cache, block_table, seq_len, q.dtype, k_scale).transpose(0, 1)[None]
-    v = gather_kv(value_cache, block_table, seq_len, q.dtype, v_scale).transpose(0, 1)[None]
+    k = gather_kv(key_cache, block_table, seq_len, q.dtype, k_scale, key_group_scales, kv4_format)
+    v = gather_kv(value_cache, block_table, seq_len, q.dtype, v_scale, value_group_scales, kv4_format)
+    k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     qh = q.transpose(0, 1)[None]  # [1, H, chunk, D]
     gqa = num_heads != num_kv_heads
     if chunk == seq_len:
@@ -193,6 +250,10 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    key_group_scales: torch.Tensor | None = None,
+    value_group_scales: torch.Tensor | None = None,
+    kv4_format: str | None = None,
 ) -> torch.Tensor:
     """Varlen paged attention over a mixed batch of decodes and prefill chunks.
 
@@ -202,6 +263,7 @@ def paged_attention(
     go one by one through :func:`paged_prefill_attention`.
     Returns ``[num_tokens, num_heads, head_dim]``.
     """
+    kv4 = {"key_group_scales": key_group_scales, "value_group_scales": value_group_scales, "kv4_format": kv4_format}
     out = torch.empty_like(q)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -212,12 +274,12 @@ def paged_attention(
         idx = torch.tensor(seqs, device=q.device)
         tok = torch.tensor([qsl[i] for i in seqs], device=q.device)
         out[tok] = paged_decode_attention(
-            q[tok], key_cache, value_cache, block_tables[idx], seq_lens[idx], scale, k_scale, v_scale
+            q[tok], key_cache, value_cache, block_tables[idx], seq_lens[idx], scale, k_scale, v_scale, **kv4
         )
     for i, n in enumerate(qlens):
         if n > 1:
             s = qsl[i]
             out[s : s + n] = paged_prefill_attention(
-                q[s : s + n], key_cache, value_cache, block_tables[i], lens[i], scale, k_scale, v_scale
+                q[s : s + n], key_cache, value_cache, block_tables[i], lens[i], scale, k_scale, v_scale, **kv4
             )
     return out

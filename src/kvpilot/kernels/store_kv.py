@@ -1,5 +1,6 @@
 """KV store: write each new token's K and V into its slot of the paged cache, quantizing
-to FP8 on the way when the cache is FP8.
+to FP8 on the way when the cache is FP8, or to a 4-bit format with group scales
+(:mod:`kvpilot.kernels.kv4_triton`).
 
 Layout (shared with :mod:`kvpilot.kernels.reference`)::
 
@@ -20,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv4_triton import store_kv4
 from .triton_utils import (
     FLOAT_DTYPES,
     FP8_FORMATS,
@@ -28,33 +30,11 @@ from .triton_utils import (
     check_cache_pair,
     check_device,
     check_scale,
+    round_to_fp8_grid,
 )
 
 # Elements of K (and of V) per program on the GPU: 4 tokens of 8 heads x 128.
 MAX_TILE = 4096
-
-
-@triton.jit
-def round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
-    """Round fp32 ``y`` (already clamped to the format's range) to the nearest value of
-    an FP8 format, ties to even, so the cast that follows is exact.
-
-    Used only under the interpreter: its fp32 -> fp8 cast truncates, rounds ties up and
-    drops the carry into the exponent (1.97 -> 1.0 in e4m3). The GPU casts in hardware.
-    Normal range: add half an ulp (minus one, plus the kept lsb) to the bit pattern and
-    cut. Subnormal range: the step is fixed, so add and subtract 1.5 * 2^k, where k puts
-    the fp32 ulp of that constant at the FP8 subnormal step.
-    """
-    SHIFT: tl.constexpr = 23 - MANTISSA_BITS
-    bits = y.to(tl.int32, bitcast=True)
-    lsb = (bits >> SHIFT) & 1
-    bits = (bits + ((1 << (SHIFT - 1)) - 1) + lsb) & (-(1 << SHIFT))
-    normal = bits.to(tl.float32, bitcast=True)
-    MAGIC: tl.constexpr = 1.5 * 2.0 ** (MIN_NORMAL_EXP - MANTISSA_BITS + 23)
-    sign = y.to(tl.int32, bitcast=True) & (-2147483648)  # keeps -0.0 negative
-    subnormal = ((tl.abs(y) + MAGIC) - MAGIC).to(tl.int32, bitcast=True) | sign
-    MIN_NORMAL: tl.constexpr = 2.0**MIN_NORMAL_EXP
-    return tl.where(tl.abs(y) < MIN_NORMAL, subnormal.to(tl.float32, bitcast=True), normal)
 
 
 @triton.jit
@@ -136,26 +116,9 @@ def _store_kv_kernel(
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
+def _check_new_kv(
+    key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, head_dim: int
 ) -> None:
-    """Write ``key``/``value`` into the caches at ``slot_mapping``. Mutates both caches.
-
-    Args:
-        key, value: ``[num_tokens, num_kv_heads, head_dim]`` float, unit stride on dim.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-        slot_mapping: ``[num_tokens]`` int64; negative = skip.
-        k_scale, v_scale: one-element fp32 tensors, required for FP8 caches.
-    Raises:
-        ValueError: a shape, dtype, stride or device that does not fit.
-    """
-    _, page, num_heads, head_dim = check_cache_pair(key_cache, value_cache)
     check(
         key.dim() == 3
         and tuple(key.shape[1:]) == (num_heads, head_dim)
@@ -174,6 +137,45 @@ def store_kv(
         slot_mapping.shape == (key.shape[0],) and slot_mapping.dtype == torch.int64,
         f"slot_mapping must be int64 [{key.shape[0]}]; got {slot_mapping.dtype} {tuple(slot_mapping.shape)}",
     )
+    check_device(key, value, slot_mapping)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    *,
+    key_group_scales: torch.Tensor | None = None,
+    value_group_scales: torch.Tensor | None = None,
+    kv4_format: str | None = None,
+) -> None:
+    """Write ``key``/``value`` into the caches at ``slot_mapping``. Mutates both caches
+    (and, for a 4-bit cache, both group-scale tensors).
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]`` float, unit stride on dim.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+            for a 4-bit cache uint8 ``[..., head_dim // 2]`` (two codes per byte).
+        slot_mapping: ``[num_tokens]`` int64; negative = skip.
+        k_scale, v_scale: one-element fp32 tensors, required for FP8 and 4-bit caches.
+        key_group_scales, value_group_scales: a 4-bit cache's E4M3 scales, one per 16
+            values, ``[num_blocks, block_size, num_kv_heads, head_dim // 16]``.
+        kv4_format: ``fp4_e2m1`` or ``int4`` for a 4-bit cache (None otherwise); the
+            quantization is fused here (:mod:`kvpilot.kernels.kv4_triton`).
+    Raises:
+        ValueError: a shape, dtype, stride or device that does not fit.
+    """
+    if kv4_format is not None:
+        _check_new_kv(key, value, slot_mapping, key.shape[1] if key.dim() == 3 else -1, key.shape[-1])
+        store_kv4(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                  key_group_scales, value_group_scales, kv4_format)
+        return
+    _, page, num_heads, head_dim = check_cache_pair(key_cache, value_cache)
+    _check_new_kv(key, value, slot_mapping, num_heads, head_dim)
     check_device(key, value, key_cache, value_cache, slot_mapping)
     fmt = FP8_FORMATS.get(key_cache.dtype)
     quant = fmt is not None

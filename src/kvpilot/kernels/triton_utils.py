@@ -1,5 +1,6 @@
 """What the Triton launchers share: interpreter detection, FP8 format constants, the SM
-count, the dot-operand dtype, and argument checks that raise errors a person can act on.
+count, the dot-operand dtype, exact FP8 rounding under the interpreter, and argument
+checks that raise errors a person can act on.
 
 Importing this module imports triton; the engine imports it only through the ``triton``
 attention backend, so CPU installs without a GPU never need it.
@@ -12,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import triton
 import triton.language as tl
 
 # The interpreter is chosen when ``@triton.jit`` runs, i.e. when a kernel module is
@@ -140,3 +142,26 @@ def check_scale(
         f"{tuple(scale.shape)} {scale.dtype} on {scale.device}",
     )
     return scale
+
+
+@triton.jit
+def round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+    """Round fp32 ``y`` (already clamped to the format's range) to the nearest value of
+    an FP8 format, ties to even, so the cast that follows is exact.
+
+    Used only under the interpreter: its fp32 -> fp8 cast truncates, rounds ties up and
+    drops the carry into the exponent (1.97 -> 1.0 in e4m3). The GPU casts in hardware.
+    Normal range: add half an ulp (minus one, plus the kept lsb) to the bit pattern and
+    cut. Subnormal range: the step is fixed, so add and subtract 1.5 * 2^k, where k puts
+    the fp32 ulp of that constant at the FP8 subnormal step.
+    """
+    SHIFT: tl.constexpr = 23 - MANTISSA_BITS
+    bits = y.to(tl.int32, bitcast=True)
+    lsb = (bits >> SHIFT) & 1
+    bits = (bits + ((1 << (SHIFT - 1)) - 1) + lsb) & (-(1 << SHIFT))
+    normal = bits.to(tl.float32, bitcast=True)
+    MAGIC: tl.constexpr = 1.5 * 2.0 ** (MIN_NORMAL_EXP - MANTISSA_BITS + 23)
+    sign = y.to(tl.int32, bitcast=True) & (-2147483648)  # keeps -0.0 negative
+    subnormal = ((tl.abs(y) + MAGIC) - MAGIC).to(tl.int32, bitcast=True) | sign
+    MIN_NORMAL: tl.constexpr = 2.0**MIN_NORMAL_EXP
+    return tl.where(tl.abs(y) < MIN_NORMAL, subnormal.to(tl.float32, bitcast=True), normal)

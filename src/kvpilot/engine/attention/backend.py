@@ -63,6 +63,10 @@ class LayerKVCache:
             None. When set, the cache holds rotated keys ``k @ R`` and queries must be
             rotated the same way before attention (:func:`rotate_query_key`); see
             :mod:`kvpilot.kernels.rotation`.
+        key_group_scales, value_group_scales: a 4-bit cache's E4M3 scales, one per 16
+            values, ``[num_blocks, block_size, num_kv_heads, head_dim // 16]``; the caches
+            are then uint8 ``[..., head_dim // 2]`` (:mod:`kvpilot.kernels.kv4`).
+        kv4_format: ``fp4_e2m1`` / ``int4`` for a 4-bit cache, else None.
     """
 
     key_cache: torch.Tensor
@@ -70,6 +74,18 @@ class LayerKVCache:
     k_scale: torch.Tensor
     v_scale: torch.Tensor
     key_rotation: torch.Tensor | None = None
+    key_group_scales: torch.Tensor | None = None
+    value_group_scales: torch.Tensor | None = None
+    kv4_format: str | None = None
+
+    @property
+    def kv4(self) -> dict[str, torch.Tensor | str | None]:
+        """The 4-bit keyword arguments of the kernels and references (all None otherwise)."""
+        return {
+            "key_group_scales": self.key_group_scales,
+            "value_group_scales": self.value_group_scales,
+            "kv4_format": self.kv4_format,
+        }
 
 
 def rotate_query_key(q: torch.Tensor, k: torch.Tensor, kv: LayerKVCache) -> tuple[torch.Tensor, torch.Tensor]:

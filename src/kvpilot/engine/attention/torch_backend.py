@@ -31,7 +31,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         q, k = rotate_query_key(q, k, kv)
-        reference.store_kv(k, v, kv.key_cache, kv.value_cache, meta.slot_mapping, kv.k_scale, kv.v_scale)
+        reference.store_kv(k, v, kv.key_cache, kv.value_cache, meta.slot_mapping, kv.k_scale, kv.v_scale, **kv.kv4)
         return reference.paged_attention(
             q,
             kv.key_cache,
@@ -42,4 +42,5 @@ class TorchAttentionBackend(AttentionBackend):
             scale,
             kv.k_scale,
             kv.v_scale,
+            **kv.kv4,
         )

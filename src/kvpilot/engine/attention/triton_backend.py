@@ -22,7 +22,7 @@ from kvpilot.kernels.triton_utils import INTERPRET, is_fp8
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """One step per layer: store the new K/V (quantizing for FP8), then the decode kernel
+    """One step per layer: store the new K/V (quantizing for FP8 and 4-bit), then the decode kernel
     over the batch's leading single-token sequences and the prefill/extend kernel over
     the rest, both writing into one output tensor.
 
@@ -51,10 +51,11 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         q, k = rotate_query_key(q, k, kv)
-        quantized = is_fp8(kv.key_cache.dtype)
+        quantized = is_fp8(kv.key_cache.dtype) or kv.kv4_format is not None
         k_scale = kv.k_scale if quantized else None
         v_scale = kv.v_scale if quantized else None
-        store_kv(k, v, kv.key_cache, kv.value_cache, meta.slot_mapping, k_scale, v_scale)
+        kv4 = kv.kv4
+        store_kv(k, v, kv.key_cache, kv.value_cache, meta.slot_mapping, k_scale, v_scale, **kv4)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:
@@ -69,6 +70,7 @@ class TritonAttentionBackend(AttentionBackend):
                 v_scale,
                 max_seq_len=max(meta.seq_lens_cpu[:nd]),
                 out=out[:nd],
+                **kv4,
             )
         if nd < meta.num_seqs:
             # query_start_loc keeps absolute offsets into q, so the decodes' rows are
@@ -85,5 +87,6 @@ class TritonAttentionBackend(AttentionBackend):
                 v_scale,
                 max_query_len=meta.max_query_len,
                 out=out,
+                **kv4,
             )
         return out

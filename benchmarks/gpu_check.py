@@ -1,0 +1,297 @@
+"""The GPU check: every kernel test at real shapes, then the paged-decode benchmark of the
+KV cache dtypes (bf16, FP8 E4M3, int4, fp4_e2m1) side by side, in one run.
+
+Each section runs in its own process (a kernel fault or a hang in one does not lose the
+others) and writes ``<out>/<section>.json``; the parent writes ``<out>/summary.json`` and
+prints a markdown table.
+
+    python benchmarks/gpu_check.py --out gpu_results           # on the H200
+    python benchmarks/gpu_check.py --smoke --out /tmp/gpu      # CPU, Triton interpreter, tiny
+
+Sections:
+  env           torch / triton / device, and the device-to-device copy bandwidth
+  kernel_tests  the CPU test tables of tests/kernels/cases.py on the device, plus real
+                shapes (Llama-3-8B attention: 32 q / 8 KV heads, head_dim 128, page 16;
+                contexts up to 8,191, prefill chunks up to 1,024) for every cache dtype
+  decode_bench  paged decode, batch 64 x 4,096 context and 1 x 32,768 (same shapes as the
+                FP8 benchmark of issue 4): median time of our split-KV kernel per cache
+                dtype, L2 flushed before every run; bytes = K + V read (group scales
+                included) + Q + O; speed-up against our bf16 decode in the same run.
+                Goal (issue 8): 4-bit at least 2.5x bf16 at batch 64 x 4,096.
+
+Needs only torch and triton (the GPU machine has nothing else): the repo's ``src`` and
+root are put on ``sys.path``. ``--smoke`` sets ``TRITON_INTERPRET=1`` for the sections and
+shrinks every shape so the whole run takes well under a minute on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ("env", "kernel_tests", "decode_bench")
+CACHE_DTYPES = ("bfloat16", "fp8_e4m3", "int4", "fp4_e2m1")
+
+
+def _setup_path() -> None:
+    for p in (ROOT / "src", ROOT):
+        if str(p) not in sys.path:
+            sys.path.insert(0, str(p))
+
+
+def _device():
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------- env
+def section_env(smoke: bool) -> dict:
+    import torch
+    import triton
+
+    device = _device()
+    info = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+            "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (Triton interpreter)",
+            "interpreter": os.environ.get("TRITON_INTERPRET", "0")}
+    n = (1 << 20) if smoke else (1 << 30)  # bytes copied
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = _time(lambda: dst.copy_(src), device, reps=3 if smoke else 20, flush=None)
+    info["copy_bandwidth_tb_s"] = 2 * n / statistics.median(times) / 1e12  # read + write
+    return info
+
+
+# ----------------------------------------------------------------------------- timing
+def _time(fn, device, reps: int, flush) -> list[float]:
+    """Seconds per call, each run after ``flush()`` (L2) when given; CUDA events on GPU."""
+    import torch
+
+    fn()  # compile / warm up
+    _sync(device)
+    out = []
+    for _ in range(reps):
+        if flush is not None:
+            flush()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            out.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+# ----------------------------------------------------------------------------- tests
+def _real_cases():
+    import torch
+    from tests.kernels.cases import AttnCase
+
+    bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
+    decode_specs = ((0, 1), (4095, 1), (4096, 1), (333, 1), (8190, 1))
+    prefill_specs = ((0, 1024), (1000, 37), (4096, 512), (15, 1), (16, 16))
+    decode, prefill = [], []
+    for name, cache in (("bf16", bf16), ("e4m3", e4m3), ("int4", "int4"), ("fp4", "fp4_e2m1")):
+        decode.append(AttnCase(f"real-{name}-g4-d128-p16", 4, 8, 128, 16, bf16, cache, decode_specs))
+        prefill.append(AttnCase(f"real-{name}-g4-d128-p16", 4, 8, 128, 16, bf16, cache, prefill_specs))
+    decode.append(AttnCase("real-fp4-g3-d64-p16-smollm2", 3, 3, 64, 16, bf16, "fp4_e2m1", decode_specs))
+    prefill.append(AttnCase("real-int4-g3-d64-p16-smollm2", 3, 3, 64, 16, bf16, "int4", prefill_specs))
+    return decode, prefill
+
+
+def section_kernel_tests(smoke: bool) -> dict:
+    import torch
+    from tests.kernels import cases as c
+
+    device = _device()
+    jobs = []
+    tables = [("decode", c.DECODE_CASES + c.KV4_DECODE_CASES, c.run_decode_case),
+              ("prefill", c.PREFILL_CASES + c.KV4_PREFILL_CASES, c.run_prefill_case)]
+    for kind, table, runner in tables:
+        for case in (table[:1] + table[-1:]) if smoke else table:
+            jobs.append((f"{kind} {case.id}", lambda case=case, runner=runner: runner(case, device)))
+    for case in (c.STORE_CASES[:1] if smoke else c.STORE_CASES):
+        jobs.append((f"store {case[0]}", lambda case=case: c.run_store_case(case, device, 37 if smoke else 8191)))
+    for case in (c.KV4_STORE_CASES[:1] if smoke else c.KV4_STORE_CASES):
+        jobs.append((f"store {case[0]}", lambda case=case: c.run_kv4_store_case(case, device, 37 if smoke else 8191)))
+    for dtype in c.FP8[:1] if smoke else c.FP8:
+        jobs.append((f"fp8 rounding {dtype}", lambda dtype=dtype: c.run_fp8_rounding_check(dtype, device)))
+    if not smoke:
+        decode, prefill = _real_cases()
+        jobs += [(f"decode {x.id}", lambda x=x: c.run_decode_case(x, device)) for x in decode]
+        jobs += [(f"prefill {x.id}", lambda x=x: c.run_prefill_case(x, device)) for x in prefill]
+    results = []
+    for name, job in jobs:
+        t0 = time.perf_counter()
+        try:
+            measured = job()
+            results.append({"test": name, "ok": True, "seconds": round(time.perf_counter() - t0, 2),
+                            **(measured or {})})
+        except Exception as e:  # recorded, the other tests still run
+            results.append({"test": name, "ok": False, "error": f"{type(e).__name__}: {e}"})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"passed": sum(r["ok"] for r in results), "failed": sum(not r["ok"] for r in results),
+            "results": results}
+
+
+# ----------------------------------------------------------------------------- decode bench
+def _decode_inputs(cache_dtype: str, batch: int, ctx: int, hq: int, hkv: int, d: int, page: int, device, seed=0):
+    """Random paged caches of ``cache_dtype`` (valid codes and scales; values do not matter
+    for speed), shuffled block tables, and the kernel's keyword arguments."""
+    import torch
+
+    from kvpilot.kernels.kv4 import GROUP_SCALE_DTYPE
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    nb = batch * (-(-ctx // page))
+    tables = torch.randperm(nb, device=device, generator=g).view(batch, -1).to(torch.int32)
+    q = torch.randn(batch, hq, d, device=device, generator=g).to(torch.bfloat16)
+    one = torch.ones((), device=device)
+    kw: dict = {}
+    if cache_dtype in ("int4", "fp4_e2m1"):
+        kc = torch.randint(0, 256, (nb, page, hkv, d // 2), device=device, generator=g, dtype=torch.uint8)
+        vc = torch.randint_like(kc, 0, 256)
+        gs = (torch.rand(nb, page, hkv, d // 16, device=device, generator=g) + 0.1).to(GROUP_SCALE_DTYPE)
+        kw = {"key_group_scales": gs, "value_group_scales": gs.clone(), "kv4_format": cache_dtype}
+        scales = (one * 0.01, one * 0.01)
+    else:
+        dtype = torch.bfloat16 if cache_dtype == "bfloat16" else torch.float8_e4m3fn
+        kc = torch.randn(nb, page, hkv, d, device=device, generator=g).to(dtype)
+        vc = torch.randn(nb, page, hkv, d, device=device, generator=g).to(dtype)
+        scales = (one, one) if dtype != torch.bfloat16 else (None, None)
+    kv_bytes = sum(t.numel() * t.element_size() for t in (kc, vc))
+    kv_bytes += sum(t.numel() * t.element_size() for t in (kw.get("key_group_scales"), kw.get("value_group_scales"))
+                    if t is not None)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    return q, kc, vc, tables, seq_lens, scales, kw, kv_bytes
+
+
+def section_decode_bench(smoke: bool) -> dict:
+    import torch
+
+    from kvpilot.kernels.decode_attention import paged_decode_attention
+
+    device = _device()
+    hq, hkv, d, page = (4, 2, 64, 16) if smoke else (32, 8, 128, 16)
+    shapes = [(2, 40)] if smoke else [(64, 4096), (1, 32768)]
+    flush_buf = torch.empty(1 << 20 if smoke else 256 << 20, dtype=torch.uint8, device=device)
+    flush = None if smoke else (lambda: flush_buf.zero_())
+    rows = []
+    for batch, ctx in shapes:
+        base_s = None
+        for cache_dtype in CACHE_DTYPES:
+            q, kc, vc, tables, lens, (ks, vs), kw, kv_bytes = _decode_inputs(
+                cache_dtype, batch, ctx, hq, hkv, d, page, device)
+            out = torch.empty_like(q)
+
+            def call(q=q, kc=kc, vc=vc, tables=tables, lens=lens, ks=ks, vs=vs, kw=kw, out=out, ctx=ctx):
+                paged_decode_attention(q, kc, vc, tables, lens, d**-0.5, ks, vs, max_seq_len=ctx, out=out, **kw)
+
+            times = _time(call, device, reps=1 if smoke else 30, flush=flush)
+            sec = statistics.median(times)
+            moved = kv_bytes + 2 * q.numel() * q.element_size()
+            base_s = sec if cache_dtype == "bfloat16" else base_s
+            rows.append({"batch": batch, "context": ctx, "kv_cache_dtype": cache_dtype, "median_us": sec * 1e6,
+                         "bandwidth_tb_s": moved / sec / 1e12, "kv_bytes": kv_bytes,
+                         "speedup_vs_bf16": base_s / sec, "finite": bool(torch.isfinite(out).all())})
+            del q, kc, vc, kw, out
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    goal = next((r["speedup_vs_bf16"] for r in rows
+                 if (r["batch"], r["context"], r["kv_cache_dtype"]) == (64, 4096, "fp4_e2m1")), None)
+    return {"shapes": {"num_heads": hq, "num_kv_heads": hkv, "head_dim": d, "page": page},
+            "rows": rows, "fp4_speedup_goal_2_5x_met": None if goal is None else goal >= 2.5}
+
+
+# ----------------------------------------------------------------------------- driver
+def run_section(name: str, smoke: bool, out: Path) -> int:
+    _setup_path()
+    t0 = time.perf_counter()
+    try:
+        result = {"section": name, "ok": True, **globals()[f"section_{name}"](smoke)}
+    except Exception:
+        result = {"section": name, "ok": False, "error": traceback.format_exc()}
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    if name == "kernel_tests" and result.get("failed"):
+        result["ok"] = False
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if result["ok"] else 1
+
+
+def render(summary: dict) -> str:
+    lines = ["| section | ok | seconds | detail |", "|---|---|---|---|"]
+    for name, r in summary["sections"].items():
+        detail = ""
+        if name == "kernel_tests" and "passed" in r:
+            detail = f"{r['passed']} passed, {r['failed']} failed"
+        elif name == "env" and "device" in r:
+            detail = f"{r['device']}, torch {r['torch']}, triton {r['triton']}, copy {r['copy_bandwidth_tb_s']:.2f} TB/s"
+        elif not r.get("ok"):
+            detail = (r.get("error") or "").strip().splitlines()[-1:][0] if r.get("error") else ""
+        lines.append(f"| {name} | {'yes' if r.get('ok') else 'NO'} | {r.get('seconds', '-')} | {detail} |")
+    bench = summary["sections"].get("decode_bench", {})
+    if bench.get("rows"):
+        lines += ["", "| batch x context | KV cache | median us | TB/s | vs bf16 |", "|---|---|---|---|---|"]
+        for r in bench["rows"]:
+            lines.append(f"| {r['batch']} x {r['context']} | {r['kv_cache_dtype']} | {r['median_us']:.1f} | "
+                         f"{r['bandwidth_tb_s']:.2f} | {r['speedup_vs_bf16']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU under the Triton interpreter, tiny shapes")
+    ap.add_argument("--out", default="gpu_results", help="folder for the JSON results")
+    ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    ap.add_argument("--section", choices=SECTIONS, help=argparse.SUPPRESS)  # child process
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per section")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.section:
+        return run_section(args.section, args.smoke, out)
+    env = dict(os.environ)
+    if args.smoke:
+        env["TRITON_INTERPRET"] = "1"
+    summary: dict = {"smoke": args.smoke, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "sections": {}}
+    for name in args.sections:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--out", str(out)]
+        cmd += ["--smoke"] if args.smoke else []
+        try:
+            proc = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
+            path = out / f"{name}.json"
+            result = json.loads(path.read_text()) if path.exists() else {
+                "ok": False, "error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
+        except subprocess.TimeoutExpired:
+            result = {"ok": False, "error": f"timed out after {args.timeout:.0f} s"}
+        summary["sections"][name] = result
+        print(f"{name}: {'ok' if result.get('ok') else 'FAILED'}", flush=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(render(summary))
+    return 0 if all(r.get("ok") for r in summary["sections"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,33 @@
+"""benchmarks/gpu_check.py --smoke runs every section on CPU (Triton interpreter, tiny
+shapes) and writes its results, so the script is known to work before the GPU is lent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+
+
+@pytest.mark.slow
+def test_smoke_run_passes_every_section_and_writes_results(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path), "--timeout", "300"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["smoke"] and set(summary["sections"]) == {"env", "kernel_tests", "decode_bench"}
+    assert all(r["ok"] for r in summary["sections"].values())
+    tests = summary["sections"]["kernel_tests"]
+    assert tests["failed"] == 0 and tests["passed"] >= 7
+    assert any("fp4" in r["test"] or "int4" in r["test"] for r in tests["results"])
+    rows = summary["sections"]["decode_bench"]["rows"]
+    assert {r["kv_cache_dtype"] for r in rows} == {"bfloat16", "fp8_e4m3", "int4", "fp4_e2m1"}
+    assert all(r["finite"] for r in rows)
+    # 4-bit reads 0.5625 B per value (group scales counted), bf16 2 B
+    by = {r["kv_cache_dtype"]: r["kv_bytes"] for r in rows}
+    assert by["bfloat16"] / by["fp4_e2m1"] == 16 / 4.5
+    assert "| 2 x 40 | fp4_e2m1 |" in proc.stdout
