@@ -1,0 +1,233 @@
+"""Scenarios 4, 5 and cases C14, C15, C16 on one autoscaled InferenceDeployment that
+reads Prometheus (Kubernetes service discovery, real engine pods). The tests run in
+order and build on each other's fleet: ramp and scale-up (with an operator restart in
+the middle of it), an engine killed under load, a GitOps re-apply, concurrent edits, a
+Prometheus outage, and the scale-down once the load has stopped."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.error
+
+import pytest
+import yaml
+
+from e2e.load import Ramp, Step
+from e2e.tests import helpers as h
+
+NS = "autoscale"
+NAME = "chat"
+INTERVAL = 3
+SCALE_DOWN_WINDOW = 30
+MAX = 3
+
+
+def manifest(prometheus_url: str) -> dict:
+    doc = h.small_infd(NAME, autoscaling={
+        "minReplicas": 1, "maxReplicas": MAX,
+        "targetCacheUsage": 0.3, "targetQueueDepth": 2,
+        "startupSeconds": 20, "scaleUpStabilizationSeconds": 0,
+        "scaleDownStabilizationSeconds": SCALE_DOWN_WINDOW, "intervalSeconds": INTERVAL,
+        "metrics": {"source": "prometheus", "url": prometheus_url},
+    })
+    doc["spec"]["engine"]["extraArgs"] = ["--kv-cache-memory", "0.05"]
+    doc["spec"]["engine"]["maxNumSeqs"] = 32
+    return doc
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster):
+    cluster.kubectl("create", "namespace", NS)
+    doc = manifest(cluster.prometheus.url)
+    h.apply(cluster, NS, doc)
+    h.wait_ready(cluster, NS, NAME, replicas=1)
+    recorder = h.Recorder(cluster, NS, NAME).__enter__()
+    yield {"doc": doc, "recorder": recorder}
+    recorder.__exit__()
+    recorder.save(cluster.workdir / "timeline-autoscale.json")
+    cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+
+
+def _replicas(cluster) -> int:
+    return h.deployment(cluster, NS, NAME)["spec"]["replicas"]
+
+
+def _scale_events(cluster) -> list[tuple[int, int]]:
+    out = []
+    for e in h.events(cluster, NS, NAME):
+        if e["reason"] in ("ScaledUp", "ScaledDown"):
+            m = re.match(r"\s*(\d+)\s*->\s*(\d+)", e["message"])
+            if m:
+                out.extend([(int(m[1]), int(m[2]))] * e.get("count", 1))
+    return out
+
+
+def test_scale_up_before_queue_and_operator_restart(cluster, fleet):
+    recorder = fleet["recorder"]
+    (pod,) = h.ready_pods(cluster, NS, NAME)
+    ramp = Ramp(f"http://{pod['status']['podIP']}:8000",
+                [Step(1, 6), Step(2, 16), Step(3, 30), Step(4, 40)],
+                cluster.workdir / "bench-ramp").start()
+    fleet["ramp"] = ramp
+    try:
+        cluster.wait_for(lambda: _replicas(cluster) >= 2, 300, "the first scale-up")
+        at_restart = _replicas(cluster)
+        # Mid scale-up: the new pod is still starting. Restart the operator now.
+        assert len(h.ready_pods(cluster, NS, NAME)) < at_restart
+        cluster.stop_operator()
+        cluster.start_operator()
+        cluster.wait_for(lambda: len(h.ready_pods(cluster, NS, NAME)) >= 2, 240,
+                         "the new pod to serve")
+    finally:
+        pass
+
+    rows = list(recorder.rows)
+    first_up = next(i for i, r in enumerate(rows) if (r["deploymentReplicas"] or 0) >= 2)
+    before = rows[:first_up + 1]
+    assert all(not r["requestsWaiting"] for r in before), \
+        f"requests queued before the first scale-up: {before}"
+    obj = h.infd(cluster, NS, NAME)
+    reason = obj["status"]["lastScaleReason"]
+    assert reason.startswith("1 -> ") and "queue" not in reason.split(":")[1].lower(), reason
+
+    # No double scaling across the restart: every change of the Deployment's count has
+    # exactly one Event, each step starts where the previous ended.
+    steps = [s for s in _scale_events(cluster) if s[1] > s[0]]
+    assert steps and steps[0][0] == 1
+    for (a, b), (c, d) in zip(steps, steps[1:]):
+        assert c == b, f"scale steps do not chain: {steps}"
+    assert max(b for _, b in steps) <= MAX
+    assert len(set(steps)) == len(steps), f"a scale-up was repeated: {steps}"
+
+    # C14: every status field the operator writes is kept by the real API server.
+    st = obj["status"]
+    for path in ("replicas", "readyReplicas", "desiredReplicas", "selector", "observedGeneration",
+                 "lastScaleTime", "lastScaleReason", "signals.cacheUsage",
+                 "signals.maxCacheUsage", "signals.requestsRunning", "signals.requestsWaiting",
+                 "signals.readyPods", "signals.source", "signals.observedTime",
+                 "capacity.kvCapacityTokensPerReplica", "cost.costPerHour",
+                 "autoscaler.lastDecision", "autoscaler.policyState"):
+        node = st
+        for part in path.split("."):
+            assert isinstance(node, dict) and part in node, f"status.{path} missing: {st}"
+            node = node[part]
+    kinds = {c["type"] for c in st["conditions"]}
+    assert kinds >= {"Ready", "Progressing", "MetricsAvailable", "ScalingActive", "ScalingLimited"}
+    assert st["signals"]["source"] == "prometheus"
+
+
+def test_kill_engine_under_load(cluster, fleet):
+    pods = h.ready_pods(cluster, NS, NAME)
+    assert len(pods) >= 2
+    victim, other = pods[0], pods[1]
+    other_ip = other["status"]["podIP"]
+    ok, failed, stop = [], [], threading.Event()
+
+    def steady():
+        while not stop.is_set():
+            try:
+                h.completion(other_ip, max_tokens=4, timeout=60)
+                ok.append(1)
+            except (urllib.error.URLError, OSError) as exc:
+                failed.append(exc)
+
+    thread = threading.Thread(target=steady, daemon=True)
+    thread.start()
+    runner = cluster.node.runner(NS, victim["metadata"]["name"])
+    runner.kill()
+
+    def restarted():
+        p = cluster.get_json("-n", NS, "pod", victim["metadata"]["name"])
+        cs = p["status"]["containerStatuses"][0]
+        return cs["restartCount"] >= 1 and cs["lastState"]["terminated"]["exitCode"] == 137 and p
+
+    cluster.wait_for(restarted, 60, "the killed engine to be restarted")
+    cluster.wait_for(lambda: victim["metadata"]["uid"] in
+                     {p["metadata"]["uid"] for p in h.ready_pods(cluster, NS, NAME)}, 180,
+                     "the restarted engine to be ready again")
+    stop.set()
+    thread.join(90)
+    assert ok and not failed, f"the other pod was affected: {len(ok)} ok, {failed[:3]}"
+    assert h.deployment(cluster, NS, NAME)["spec"]["replicas"] >= 2
+
+
+def test_gitops_reapply_keeps_replicas(cluster, fleet):
+    """C16: re-applying the same CR changes nothing; spec.replicas is never written."""
+    before = _replicas(cluster)
+    assert before >= 2
+    text = yaml.safe_dump(fleet["doc"])
+    diff = cluster.kubectl("diff", "-n", NS, "-f", "-", input=text, check=False)
+    assert diff.returncode == 0, f"drift reported:\n{diff.stdout}{diff.stderr}"
+    h.apply(cluster, NS, fleet["doc"])
+    obj = h.infd(cluster, NS, NAME)
+    assert "replicas" not in obj["spec"]
+    time.sleep(2 * INTERVAL)  # two autoscaler intervals pass on purpose
+    assert _replicas(cluster) >= before - 0  # never reset to 1 by the re-apply
+    managers = {m["manager"] for m in obj["metadata"].get("managedFields", [])
+                if m.get("operation") in ("Apply", "Update") and m.get("subresource") != "status"
+                and "f:spec" in json.dumps(m.get("fieldsV1", {}))}
+    assert managers <= {"kubectl-client-side-apply", "kubectl"}, managers
+
+
+def test_concurrent_edits_are_retried(cluster, fleet):
+    """Another writer keeps changing the Deployment and the resource while the operator
+    applies: its resourceVersion preconditions turn into 409s that it retries."""
+    stop = threading.Event()
+    errors = []
+
+    def writer():
+        n = 0
+        while not stop.is_set():
+            n += 1
+            for args in (["annotate", "--overwrite", "deployment", NAME, f"e2e/edit={n}"],
+                         ["label", "--overwrite", "infd", NAME, f"e2e-edit=n{n}"]):
+                r = cluster.kubectl("-n", NS, *args, check=False)
+                if r.returncode != 0 and "Conflict" not in r.stderr:
+                    errors.append(r.stderr)
+
+    threads = [threading.Thread(target=writer, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(5 * INTERVAL)  # the edits run for five autoscaler intervals
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors[:3]
+    # The operator still converges: a reconcile succeeds and the counts agree.
+    cluster.wait_for(lambda: h.infd(cluster, NS, NAME)["status"].get("desiredReplicas")
+                     == _replicas(cluster), 60, "desiredReplicas == Deployment replicas")
+    log = cluster.operator_logs()
+    assert "Traceback" not in log.split("Conflict")[0] or "PermanentError" not in log
+    assert "ApplyFailed" not in log
+
+
+def test_prometheus_outage_holds_then_recovers(cluster, fleet):
+    """C15 and the scale-down: with the load stopped, Prometheus goes away; the count is
+    held past the scale-down window with MetricsAvailable=False; once it is back the
+    operator scales down after the window."""
+    fleet["ramp"].stop()
+    held = _replicas(cluster)
+    assert held >= 2
+    cluster.prometheus.stop()
+    cluster.wait_for(lambda: h.condition_is(cluster, NS, NAME, "MetricsAvailable", "False"),
+                     60, "MetricsAvailable=False")
+    obj = h.infd(cluster, NS, NAME)
+    assert h.condition(obj, "MetricsAvailable")["reason"]
+    t_out = time.monotonic()
+    while time.monotonic() - t_out < SCALE_DOWN_WINDOW + 3 * INTERVAL:
+        assert _replicas(cluster) == held, "scaled on missing data"
+        time.sleep(INTERVAL)
+    cluster.prometheus.start()
+    cluster.wait_for(lambda: h.condition_is(cluster, NS, NAME, "MetricsAvailable", "True"),
+                     60, "MetricsAvailable=True after Prometheus is back")
+    t_back = time.monotonic()
+    cluster.wait_for(lambda: _replicas(cluster) == 1, SCALE_DOWN_WINDOW + 120,
+                     "the scale-down to minReplicas")
+    assert time.monotonic() - t_back >= SCALE_DOWN_WINDOW - 2 * INTERVAL
+    reason = h.infd(cluster, NS, NAME)["status"]["lastScaleReason"]
+    assert reason.startswith(f"{held} -> ") or reason.split(" -> ")[1].startswith("1"), reason
+    cluster.wait_for(lambda: len(h.ready_pods(cluster, NS, NAME)) == 1, 120,
+                     "the surplus pods to terminate")

@@ -1,0 +1,66 @@
+"""Scenario 6: the operator runs as the chart's ServiceAccount, bound by the chart's own
+ClusterRole, and needed nothing more during the whole session (runs last)."""
+
+from __future__ import annotations
+
+import pytest
+
+from e2e.cluster import OPERATOR_NAMESPACE
+
+ALLOWED = [
+    ("get", "inferencedeployments.kvpilot.dev"),
+    ("watch", "inferencedeployments.kvpilot.dev"),
+    ("patch", "inferencedeployments.kvpilot.dev"),
+    ("patch", "inferencedeployments.kvpilot.dev/status"),
+    ("update", "inferencedeployments.kvpilot.dev/finalizers"),
+    ("create", "deployments.apps"),
+    ("patch", "deployments.apps"),
+    ("create", "services"),
+    ("create", "poddisruptionbudgets.policy"),
+    ("list", "pods"),
+    ("create", "events"),
+]
+DENIED = [
+    ("delete", "deployments.apps"),
+    ("delete", "inferencedeployments.kvpilot.dev"),
+    ("update", "inferencedeployments.kvpilot.dev"),
+    ("get", "secrets"),
+    ("list", "configmaps"),
+    ("create", "pods"),
+    ("delete", "pods"),
+    ("get", "nodes"),
+    ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
+    ("escalate", "clusterroles.rbac.authorization.k8s.io"),
+    ("create", "serviceaccounts/token"),
+]
+
+
+@pytest.mark.parametrize(("verb", "resource"), ALLOWED)
+def test_chart_role_allows(cluster, verb, resource):
+    r = cluster.kubectl("auth", "can-i", verb, resource, "-n", "default",
+                        kubeconfig=cluster.operator_kubeconfig, check=False)
+    assert r.stdout.strip() == "yes", (verb, resource, r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize(("verb", "resource"), DENIED)
+def test_chart_role_denies(cluster, verb, resource):
+    r = cluster.kubectl("auth", "can-i", verb, resource, "-n", "default",
+                        kubeconfig=cluster.operator_kubeconfig, check=False)
+    assert r.stdout.strip() == "no", (verb, resource, r.stdout, r.stderr)
+
+
+def test_operator_identity_is_the_charts(cluster):
+    who = cluster.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}",
+                          kubeconfig=cluster.operator_kubeconfig).stdout
+    assert who == f"system:serviceaccount:{OPERATOR_NAMESPACE}:kvpilot"
+    groups = cluster.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.groups}",
+                             kubeconfig=cluster.operator_kubeconfig).stdout
+    assert "system:masters" not in groups
+
+
+def test_operator_never_forbidden(cluster):
+    log = cluster.operator_logs()
+    assert log, "no operator log"
+    for needle in ("403", "Forbidden", "forbidden"):
+        lines = [line for line in log.splitlines() if needle in line]
+        assert not lines, f"the operator hit RBAC denials:\n" + "\n".join(lines[:10])
