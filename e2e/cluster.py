@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from e2e import procs
-from e2e.controlplane import ControlPlane, write_kubeconfig
+from e2e.controlplane import K8S_VERSION, ControlPlane, write_kubeconfig
 from e2e.node import LocalNode
 from e2e.prometheus import Prometheus
 
@@ -53,7 +53,8 @@ def helm_binary() -> str:
 def chart_rbac(namespace: str = OPERATOR_NAMESPACE) -> list[dict[str, Any]]:
     """The chart's identity and permissions, as ``helm template`` renders them."""
     out = subprocess.run(
-        [helm_binary(), "template", RELEASE, str(REPO / "charts" / "kvpilot"), "--namespace",
+        [helm_binary(), "template", RELEASE, str(REPO / "charts" / "kvpilot"), "--kube-version",
+         K8S_VERSION, "--namespace",
          namespace], check=True, capture_output=True, text=True).stdout
     kinds = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
     return [doc for doc in yaml.safe_load_all(out) if doc and doc.get("kind") in kinds]
@@ -96,7 +97,7 @@ class Cluster:
         return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
 
     def api_client(self):
-        from kubernetes import client, config
+        from kubernetes import config
 
         return config.new_client_from_config(str(self.control_plane.admin_kubeconfig))
 
@@ -108,7 +109,8 @@ class Cluster:
                      "crd/inferencedeployments.kvpilot.dev")
         self._install_rbac()
         self.node = LocalNode(self.api_client(), self.workdir,
-                              extra_env={"KVPILOT_E2E": "1"}).start()
+                              # One torch thread per engine: two cores for everything.
+                              extra_env={"OMP_NUM_THREADS": "1"}).start()
         procs.wait_until(lambda: self.kubectl("get", "serviceaccount", "default", check=False)
                          .returncode == 0, 60, "the default ServiceAccount")
         self.prometheus = Prometheus(self.workdir / "prometheus", self.control_plane.server,
@@ -161,9 +163,8 @@ class Cluster:
             "--metrics-port", "0", "--health-port", "0", "--resync-seconds", "60",
             "--pod-monitor", "never", *self.operator_args,
         ], self.log_dir, env=env)
-        procs.wait_until(lambda: self._operator_log_has("Client is configured")
-                         or self._operator_log_has("Starting Kopf") or not self.operator.alive(),
-                         60, "the operator to start")
+        procs.wait_until(lambda: self._operator_log_has("Initial authentication has finished")
+                         or not self.operator.alive(), 60, "the operator to log in")
         if not self.operator.alive():
             raise RuntimeError(f"the operator exited:\n{self.operator.log_tail()}")
         return self.operator

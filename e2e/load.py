@@ -4,6 +4,7 @@ other in a thread, each writing its result JSON. Used by the autoscaling scenari
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -56,10 +57,8 @@ class Ramp:
                 "--num-prompts", str(step.num_prompts), "--max-concurrency", str(step.concurrency),
                 "--request-timeout", "120", "--result-json", str(result),
             ], self.out_dir)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self._current.popen.wait(timeout=900)
-            except subprocess.TimeoutExpired:
-                pass
             self._current.stop()
             if result.exists():
                 self.results.append(json.loads(result.read_text()))

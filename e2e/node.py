@@ -23,6 +23,7 @@ none, logs/exec/port-forward, node-pressure eviction.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import os
@@ -346,10 +347,8 @@ def _prestop_sleep(container: dict[str, Any]) -> float:
 
 
 def _killpg(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class LocalNode:
@@ -466,10 +465,8 @@ class LocalNode:
 
     def _delete_now(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
-        try:
+        with contextlib.suppress(ApiException):
             self.core.delete_namespaced_pod(meta["name"], meta["namespace"], grace_period_seconds=0)
-        except ApiException:
-            pass
 
     def forget(self, runner: PodRunner) -> None:
         with self._lock:
@@ -494,8 +491,6 @@ class LocalNode:
         for r in runners:
             for c in r.containers:
                 if c.proc:
-                    try:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
                         c.proc.wait(max(0.1, deadline - time.monotonic()))
-                    except subprocess.TimeoutExpired:
-                        pass
                     _killpg(c.proc.pid, signal.SIGKILL)

@@ -8,6 +8,7 @@ to stop when a test fails, pytest is interrupted, or the demo gets SIGINT/SIGTER
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import socket
@@ -63,10 +64,8 @@ class Proc:
 
 
 def _signal_group(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def start(name: str, argv: Sequence[str], log_dir: Path, *, env: Mapping[str, str] | None = None,

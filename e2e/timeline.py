@@ -3,6 +3,7 @@ once a second (in a thread), printed as a table and plotted as a PNG."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -55,10 +56,9 @@ class Recorder:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
+            # A poll during an apiserver hiccup is skipped, not fatal.
+            with contextlib.suppress(Exception):
                 self.rows.append(self.sample())
-            except Exception:  # a poll during an apiserver hiccup: skip the sample
-                pass
             self._stop.wait(self.period)
 
     def save(self, path: Path) -> Path:

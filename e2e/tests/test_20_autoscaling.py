@@ -6,6 +6,7 @@ Prometheus outage, and the scale-down once the load has stopped."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import threading
@@ -69,7 +70,7 @@ def test_scale_up_before_queue_and_operator_restart(cluster, fleet):
     recorder = fleet["recorder"]
     (pod,) = h.ready_pods(cluster, NS, NAME)
     ramp = Ramp(f"http://{pod['status']['podIP']}:8000",
-                [Step(1, 6), Step(2, 16), Step(3, 30), Step(4, 40)],
+                [Step(1, 3), Step(2, 12), Step(3, 24), Step(4, 40)],
                 cluster.workdir / "bench-ramp").start()
     fleet["ramp"] = ramp
     try:
@@ -97,7 +98,7 @@ def test_scale_up_before_queue_and_operator_restart(cluster, fleet):
     # exactly one Event, each step starts where the previous ended.
     steps = [s for s in _scale_events(cluster) if s[1] > s[0]]
     assert steps and steps[0][0] == 1
-    for (a, b), (c, d) in zip(steps, steps[1:]):
+    for (_a, b), (c, _d) in itertools.pairwise(steps):
         assert c == b, f"scale steps do not chain: {steps}"
     assert max(b for _, b in steps) <= MAX
     assert len(set(steps)) == len(steps), f"a scale-up was repeated: {steps}"

@@ -63,4 +63,4 @@ def test_operator_never_forbidden(cluster):
     assert log, "no operator log"
     for needle in ("403", "Forbidden", "forbidden"):
         lines = [line for line in log.splitlines() if needle in line]
-        assert not lines, f"the operator hit RBAC denials:\n" + "\n".join(lines[:10])
+        assert not lines, "the operator hit RBAC denials:\n" + "\n".join(lines[:10])
