@@ -103,8 +103,10 @@ go 1.24
 
 require github.com/prometheus/prometheus $PROM_MODULE_VERSION
 MOD
-  log "building prometheus (module $PROM_MODULE_VERSION, Kubernetes service discovery included, no UI assets)"
-  (cd "$dir" && "$GO" build -trimpath -tags=builtinassets -ldflags "-s -w" -o "$BIN/prometheus" \
+  # Only the service discovery we use (the cloud SDKs are most of a full build); no UI.
+  log "building prometheus (module $PROM_MODULE_VERSION, Kubernetes service discovery only)"
+  (cd "$dir" && "$GO" build -trimpath -tags=remove_all_sd,enable_kubernetes_sd -ldflags "-s -w" \
+    -o "$BIN/prometheus" \
     github.com/prometheus/prometheus/cmd/prometheus)
 }
 

@@ -24,6 +24,7 @@ none, logs/exec/port-forward, node-pressure eviction.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime as dt
 import logging
 import os
@@ -211,6 +212,8 @@ class PodRunner:
                                        "ContainerCreating"}})
             if phase in ("Succeeded", "Failed") and c.last_exit:
                 state = {"terminated": c.last_exit}
+            # A merge patch merges maps: null removes the states this one replaces.
+            state = {k: state.get(k) for k in ("running", "waiting", "terminated")}
             status = {"name": c.spec["name"], "image": c.spec.get("image", ""), "imageID": "",
                       "containerID": f"local://{c.proc.pid}" if c.proc else "",
                       "ready": c.ready and running, "started": c.started and running,
@@ -231,21 +234,22 @@ class PodRunner:
                 "containerStatuses": statuses, "startTime": self.start_time}
 
     def _report(self, phase: str, last: list) -> None:
+        """Patch the pod's status when it changed; ``last`` holds [sent, sent-with-times]."""
         status = self._status(phase)
-        comparable = {k: v for k, v in status.items()}
-        if last and last[0] == comparable:
+        if last and last[0] == status:
             return
+        sent = copy.deepcopy(status)
         now = _now()
+        previous = {c["type"]: c for c in (last[1]["conditions"] if last else [])}
         for cond in status["conditions"]:
-            prev = next((p for p in (last[0]["conditions"] if last else [])
-                         if p["type"] == cond["type"]), None)
-            cond["lastTransitionTime"] = (prev or {}).get("lastTransitionTime", now) \
-                if prev and prev["status"] == cond["status"] else now
+            prev = previous.get(cond["type"])
+            same = prev is not None and prev["status"] == cond["status"]
+            cond["lastTransitionTime"] = prev["lastTransitionTime"] if same else now
         meta = self.pod["metadata"]
         try:
             self.node.core.patch_namespaced_pod_status(meta["name"], meta["namespace"],
                                                        {"status": status})
-            last[:] = [status]
+            last[:] = [sent, status]
         except ApiException as exc:
             if exc.status != 404:
                 log.warning("%s: status update failed: %s", self.key, exc.reason)

@@ -16,7 +16,7 @@ def _autoscaling(**over):
 
 CASES = {
     "min-over-max": ({"autoscaling": _autoscaling(minReplicas=5, maxReplicas=2)},
-                     "autoscaling.minReplicas (5) must be <= autoscaling.maxReplicas (2)"),
+                     "autoscaling.minReplicas must be <= autoscaling.maxReplicas"),
     "replicas-and-autoscaling": ({"replicas": 2, "autoscaling": _autoscaling()},
                                  "spec.replicas and spec.autoscaling are mutually exclusive"),
     "unknown-kv-dtype": ({"engine": {"kvCacheDtype": "fp3"}}, "kvCacheDtype"),
