@@ -105,7 +105,10 @@ require github.com/prometheus/prometheus $PROM_MODULE_VERSION
 MOD
   # Only the service discovery we use (the cloud SDKs are most of a full build); no UI.
   log "building prometheus (module $PROM_MODULE_VERSION, Kubernetes service discovery only)"
-  (cd "$dir" && "$GO" build -trimpath -tags=remove_all_sd,enable_kubernetes_sd -ldflags "-s -w" \
+  # Module v0.316.0 is Prometheus 3.16.0: `prometheus --version` says so.
+  local minor="${PROM_MODULE_VERSION#v0.}"; minor="${minor%%.*}"
+  local ld="-s -w -X github.com/prometheus/common/version.Version=${minor:0:1}.${minor:1}.${PROM_MODULE_VERSION##*.}"
+  (cd "$dir" && "$GO" build -trimpath -tags=remove_all_sd,enable_kubernetes_sd -ldflags "$ld" \
     -o "$BIN/prometheus" \
     github.com/prometheus/prometheus/cmd/prometheus)
 }
