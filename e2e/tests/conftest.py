@@ -33,4 +33,13 @@ def namespace(cluster, request):
     name = request.node.name.lower().replace("_", "-")[:40].strip("-")
     cluster.kubectl("create", "namespace", name)
     yield name
+    delete_namespace(cluster, name)
+
+
+def delete_namespace(cluster, name: str) -> None:
+    """Delete the InferenceDeployments first and wait for them (the operator removes its
+    finalizer and posts its last Events while the namespace still accepts them), then
+    the namespace."""
+    cluster.kubectl("delete", "-n", name, "inferencedeployments", "--all", "--timeout=120s",
+                    check=False)
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -14,7 +14,11 @@ from e2e.timeline import Recorder  # noqa: F401  (re-exported for the scenarios)
 
 SAMPLE = REPO / "crds" / "samples" / "smollm2-cpu.yaml"
 # Two cores for everything: a small KV pool per engine keeps memory and start time down.
-CPU_ENGINE_ARGS = ["--kv-cache-memory", "0.02"]
+# 0.25 GiB holds the sample's maxModelLen of 4096 float32 tokens (about 5,800 tokens).
+CPU_ENGINE_ARGS = ["--kv-cache-memory", "0.25"]
+# small_infd(): maxModelLen 1024 in 0.05 GiB (about 1,150 tokens), so a few requests
+# move the KV usage the autoscaler scales on.
+SMALL_ENGINE_ARGS = ["--kv-cache-memory", "0.05"]
 
 
 def sample() -> dict[str, Any]:
@@ -26,7 +30,7 @@ def small_infd(name: str, **spec_overrides: Any) -> dict[str, Any]:
     doc = sample()
     doc["metadata"] = {"name": name}
     spec = doc["spec"]
-    spec["engine"]["extraArgs"] = list(CPU_ENGINE_ARGS)
+    spec["engine"]["extraArgs"] = list(SMALL_ENGINE_ARGS)
     spec["engine"]["maxModelLen"] = 1024
     spec["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"}}
     spec["terminationGracePeriodSeconds"] = 15

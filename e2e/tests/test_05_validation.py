@@ -56,4 +56,4 @@ def test_scale_refused_with_autoscaling(cluster):
             result.stderr
         assert "replicas" not in h.infd(cluster, "default", "scale-refused")["spec"]
     finally:
-        cluster.kubectl("delete", "infd", "scale-refused", "--wait=false", check=False)
+        cluster.kubectl("delete", "infd", "scale-refused", "--timeout=120s", check=False)

@@ -18,6 +18,7 @@ import yaml
 
 from e2e.load import Ramp, Step
 from e2e.tests import helpers as h
+from e2e.tests.conftest import delete_namespace
 
 NS = "autoscale"
 NAME = "chat"
@@ -34,7 +35,6 @@ def manifest(prometheus_url: str) -> dict:
         "scaleDownStabilizationSeconds": SCALE_DOWN_WINDOW, "intervalSeconds": INTERVAL,
         "metrics": {"source": "prometheus", "url": prometheus_url},
     })
-    doc["spec"]["engine"]["extraArgs"] = ["--kv-cache-memory", "0.05"]
     doc["spec"]["engine"]["maxNumSeqs"] = 32
     return doc
 
@@ -49,7 +49,7 @@ def fleet(cluster):
     yield {"doc": doc, "recorder": recorder}
     recorder.__exit__()
     recorder.save(cluster.workdir / "timeline-autoscale.json")
-    cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+    delete_namespace(cluster, NS)
 
 
 def _replicas(cluster) -> int:
