@@ -12,6 +12,7 @@ import re
 import threading
 import time
 import urllib.error
+import urllib.request
 
 import pytest
 import yaml
@@ -121,38 +122,57 @@ def test_scale_up_before_queue_and_operator_restart(cluster, fleet):
 
 
 def test_kill_engine_under_load(cluster, fleet):
+    """The victim is a pod the ramp does not use, given load of its own; the ramp's pod
+    keeps serving a steady client while the victim's engine is SIGKILLed."""
     pods = h.ready_pods(cluster, NS, NAME)
     assert len(pods) >= 2
-    victim, other = pods[0], pods[1]
-    other_ip = other["status"]["podIP"]
+    ramp_ip = fleet["ramp"].base_url.split("//")[1].split(":")[0]
+    victim = next(p for p in pods if p["status"]["podIP"] != ramp_ip)
+    other_ip = ramp_ip
+    victim_ip = victim["status"]["podIP"]
     ok, failed, stop = [], [], threading.Event()
 
     def steady():
         while not stop.is_set():
             try:
-                h.completion(other_ip, max_tokens=4, timeout=60)
+                h.completion(other_ip, max_tokens=4, timeout=90)
                 ok.append(1)
             except (urllib.error.URLError, OSError) as exc:
                 failed.append(exc)
 
     thread = threading.Thread(target=steady, daemon=True)
     thread.start()
-    runner = cluster.node.runner(NS, victim["metadata"]["name"])
-    runner.kill()
+    victim_load = Ramp(f"http://{victim_ip}:8000", [Step(2, 8)],
+                       cluster.workdir / "bench-victim").start()
+    cluster.wait_for(lambda: _running(victim_ip) >= 1, 60, "load on the victim")
+    cluster.node.runner(NS, victim["metadata"]["name"]).kill()
 
     def restarted():
         p = cluster.get_json("-n", NS, "pod", victim["metadata"]["name"])
         cs = p["status"]["containerStatuses"][0]
-        return cs["restartCount"] >= 1 and cs["lastState"]["terminated"]["exitCode"] == 137 and p
+        return (cs["restartCount"] >= 1 and cs.get("lastState", {}).get("terminated", {})
+                .get("exitCode") == 137 and p)
 
     cluster.wait_for(restarted, 60, "the killed engine to be restarted")
+    victim_load.wait(120)
+    assert not victim_load.running(), "the victim's clients hung instead of failing"
+    failures = sum(r.get("requests_failed", 0) for r in victim_load.results)
+    assert failures >= 1, victim_load.results  # requests on the killed pod got errors
     cluster.wait_for(lambda: victim["metadata"]["uid"] in
                      {p["metadata"]["uid"] for p in h.ready_pods(cluster, NS, NAME)}, 180,
                      "the restarted engine to be ready again")
     stop.set()
-    thread.join(90)
+    thread.join(120)
     assert ok and not failed, f"the other pod was affected: {len(ok)} ok, {failed[:3]}"
-    assert h.deployment(cluster, NS, NAME)["spec"]["replicas"] >= 2
+    assert _replicas(cluster) >= 2
+
+
+def _running(ip: str) -> float:
+    with urllib.request.urlopen(f"http://{ip}:8000/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kvpilot:num_requests_running"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def test_gitops_reapply_keeps_replicas(cluster, fleet):
