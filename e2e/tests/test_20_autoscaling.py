@@ -156,7 +156,7 @@ def test_kill_engine_under_load(cluster, fleet):
     cluster.wait_for(restarted, 60, "the killed engine to be restarted")
     victim_load.wait(120)
     assert not victim_load.running(), "the victim's clients hung instead of failing"
-    failures = sum(r.get("requests_failed", 0) for r in victim_load.results)
+    failures = sum(r["summary"]["requests_failed"] for r in victim_load.results)
     assert failures >= 1, victim_load.results  # requests on the killed pod got errors
     cluster.wait_for(lambda: victim["metadata"]["uid"] in
                      {p["metadata"]["uid"] for p in h.ready_pods(cluster, NS, NAME)}, 180,
