@@ -40,8 +40,8 @@ def main() -> int:
         cluster.wait_for(lambda: _ready_ip(cluster), 300, "the first engine pod")
         ip = _ready_ip(cluster)
         with Recorder(cluster, "default", NAME) as recorder:
-            ramp = Ramp(f"http://{ip}:8000", [Step(2, 10), Step(8, 40), Step(24, 96),
-                                               Step(48, 192)], args.out).start()
+            ramp = Ramp(f"http://{ip}:8000", [Step(2, 8), Step(8, 32), Step(24, 72),
+                                               Step(48, 144)], args.out).start()
             print(f"demo: load ramp against {ip}:8000 (concurrency 2, 8, 24, 48)", flush=True)
             while ramp.running() and time.monotonic() - t0 < args.max_seconds:
                 time.sleep(5)

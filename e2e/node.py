@@ -259,7 +259,8 @@ class PodRunner:
         try:
             self._run()
         except Exception:
-            log.exception("%s: pod runner crashed", self.key)
+            if not self.node.stopping.is_set():  # else: the apiserver is going away too
+                log.exception("%s: pod runner crashed", self.key)
         finally:
             self.done.set()
             self.node.forget(self)
