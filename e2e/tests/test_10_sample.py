@@ -75,7 +75,11 @@ def test_update_rolls_and_delete_collects(cluster, namespace):
     doc["spec"]["engine"]["maxNumSeqs"] = 16
     h.apply(cluster, namespace, doc)
 
+    seen = set()
+
     def rolled():
+        progressing = h.condition(h.infd(cluster, namespace, NAME), "Progressing") or {}
+        seen.add((progressing.get("status"), progressing.get("reason")))
         pods = h.ready_pods(cluster, namespace, NAME)
         dep = h.deployment(cluster, namespace, NAME)
         st = dep.get("status", {})
@@ -89,8 +93,9 @@ def test_update_rolls_and_delete_collects(cluster, namespace):
     assert set(_replicasets(cluster, namespace)) > set(old_rs), "a new ReplicaSet rolled the change"
     h.wait_ready(cluster, namespace, NAME, replicas=1)
     assert h.completion(new_pod["status"]["podIP"])["choices"][0]["text"]
-    progressing = h.condition(h.infd(cluster, namespace, NAME), "Progressing")
-    assert progressing is not None
+    assert ("True", "RollingOut") in seen, seen  # the rollout was reported while it ran
+    cluster.wait_for(lambda: h.condition_is(cluster, namespace, NAME, "Progressing", "False",
+                                            "Complete"), 60, "Progressing=False Complete")
 
     cluster.kubectl("delete", "-n", namespace, "inferencedeployment", NAME, "--timeout=120s")
 
