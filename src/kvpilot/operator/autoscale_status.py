@@ -100,12 +100,28 @@ class CostEstimate:
         }}
 
 
+def json_number(value: Any) -> Any:
+    """``value`` with every non-finite float (inf, nan) anywhere inside replaced by None.
+
+    JSON has no Infinity: the API server refuses the whole patch ("invalid JSON patch",
+    HTTP 400), so one ``inf`` (the forecast's "never exhausted") would stop every status
+    write. None is "unknown" here, as everywhere in status (the schema has it nullable).
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {k: json_number(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_number(v) for v in value]
+    return value
+
+
 def autoscaler_status(decision: Mapping[str, Any], policy_state: Mapping[str, Any],
                       now: datetime) -> dict[str, Any]:
     """``status.autoscaler``: the decision summary (``Decision.to_dict()`` of
     kvpilot.autoscaler) stamped with ``now``, and the policy state to restore after a
-    restart (``PolicyState.to_dict()``)."""
+    restart (``PolicyState.to_dict()``); numbers JSON can carry (:func:`json_number`)."""
     return {"autoscaler": {
-        "lastDecision": {**dict(decision), "time": to_rfc3339(now)},
-        "policyState": dict(policy_state),
+        "lastDecision": {**json_number(dict(decision)), "time": to_rfc3339(now)},
+        "policyState": json_number(dict(policy_state)),
     }}

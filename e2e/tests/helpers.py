@@ -1,0 +1,109 @@
+"""Manifests and reads shared by the scenarios."""
+
+from __future__ import annotations
+
+import copy
+import json
+import urllib.request
+from typing import Any
+
+import yaml
+
+from e2e.cluster import REPO, Cluster
+from e2e.timeline import Recorder  # noqa: F401  (re-exported for the scenarios)
+
+SAMPLE = REPO / "crds" / "samples" / "smollm2-cpu.yaml"
+# Two cores for everything: a small KV pool per engine keeps memory and start time down.
+# 0.25 GiB holds the sample's maxModelLen of 4096 float32 tokens (about 5,800 tokens).
+CPU_ENGINE_ARGS = ["--kv-cache-memory", "0.25"]
+# small_infd(): maxModelLen 1024 in 0.05 GiB (about 1,150 tokens), so a few requests
+# move the KV usage the autoscaler scales on.
+SMALL_ENGINE_ARGS = ["--kv-cache-memory", "0.05"]
+
+
+def sample() -> dict[str, Any]:
+    return yaml.safe_load(SAMPLE.read_text())
+
+
+def small_infd(name: str, **spec_overrides: Any) -> dict[str, Any]:
+    """The sample with test-sized resources, a small KV pool and the given spec keys."""
+    doc = sample()
+    doc["metadata"] = {"name": name}
+    spec = doc["spec"]
+    spec["engine"]["extraArgs"] = list(SMALL_ENGINE_ARGS)
+    spec["engine"]["maxModelLen"] = 1024
+    spec["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"}}
+    spec["terminationGracePeriodSeconds"] = 15
+    for key, value in spec_overrides.items():
+        if value is None:
+            spec.pop(key, None)
+        else:
+            spec[key] = copy.deepcopy(value)
+    return doc
+
+
+def apply(cluster: Cluster, namespace: str, doc: dict[str, Any], check: bool = True):
+    return cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc),
+                           check=check)
+
+
+def infd(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    return cluster.get_json("-n", namespace, "inferencedeployment", name)
+
+
+def condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    for c in obj.get("status", {}).get("conditions", []):
+        if c["type"] == kind:
+            return c
+    return None
+
+
+def condition_is(cluster: Cluster, namespace: str, name: str, kind: str, status: str,
+                 reason: str | None = None) -> dict | None:
+    obj = infd(cluster, namespace, name)
+    c = condition(obj, kind)
+    if c and c["status"] == status and (reason is None or c.get("reason") == reason):
+        return obj
+    return None
+
+
+def deployment(cluster: Cluster, namespace: str, name: str) -> dict[str, Any] | None:
+    r = cluster.kubectl("get", "-n", namespace, "deployment", name, "-o", "json", check=False)
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+def ready_pods(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
+    pods = cluster.get_json("-n", namespace, "pods", "-l",
+                            f"kvpilot.dev/inference-deployment={name}")["items"]
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
+        c["type"] == "Ready" and c["status"] == "True"
+        for c in p.get("status", {}).get("conditions", []))]
+
+
+def wait_ready(cluster: Cluster, namespace: str, name: str, replicas: int,
+               timeout: float = 240) -> dict[str, Any]:
+    """Until ``Ready=True`` with ``replicas`` ready pods; returns the resource."""
+
+    def ok():
+        obj = condition_is(cluster, namespace, name, "Ready", "True")
+        if obj and obj["status"].get("readyReplicas") == replicas:
+            return obj
+        return None
+
+    return cluster.wait_for(ok, timeout, f"{namespace}/{name} Ready with {replicas} pods")
+
+
+def completion(ip: str, prompt: str = "The capital of France is", max_tokens: int = 8,
+               model: str = "smollm2-135m-instruct", timeout: float = 60) -> dict[str, Any]:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://{ip}:8000/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as r:
+        return json.load(r)
+
+
+def events(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
+    return [e for e in cluster.get_json("-n", namespace, "events")["items"]
+            if e["involvedObject"].get("name") == name
+            and e["involvedObject"].get("kind") == "InferenceDeployment"]

@@ -1,0 +1,59 @@
+"""Scenario 2: invalid specs are refused by `kubectl apply` itself, with the CRD's CEL
+(or schema) message, and nothing is stored."""
+
+from __future__ import annotations
+
+import pytest
+
+from e2e.tests import helpers as h
+
+
+def _autoscaling(**over):
+    auto = {"minReplicas": 1, "maxReplicas": 2, "metrics": {"source": "pods"}}
+    auto.update(over)
+    return auto
+
+
+CASES = {
+    "min-over-max": ({"autoscaling": _autoscaling(minReplicas=5, maxReplicas=2)},
+                     "autoscaling.minReplicas must be <= autoscaling.maxReplicas"),
+    "replicas-and-autoscaling": ({"replicas": 2, "autoscaling": _autoscaling()},
+                                 "spec.replicas and spec.autoscaling are mutually exclusive"),
+    "unknown-kv-dtype": ({"engine": {"kvCacheDtype": "fp3"}}, "kvCacheDtype"),
+    "zero-budget": ({"engine": {"maxNumBatchedTokens": 0}}, "maxNumBatchedTokens"),
+    "bad-model-uri": ({"model": {"uri": "s3://bucket/model"}},
+                      "unsupported model.uri s3://bucket/model"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_invalid_spec_refused(cluster, case):
+    overrides, message = CASES[case]
+    doc = h.small_infd(f"bad-{case}", autoscaling=None, replicas=1)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(doc["spec"].get(key), dict):
+            doc["spec"][key] = {**doc["spec"][key], **value}
+        else:
+            doc["spec"][key] = value
+        if key == "autoscaling" and "replicas" not in overrides:
+            doc["spec"].pop("replicas", None)
+    result = h.apply(cluster, "default", doc, check=False)
+    assert result.returncode != 0, result.stdout
+    assert "is invalid" in result.stderr and message in result.stderr, result.stderr
+    gone = cluster.kubectl("get", "infd", doc["metadata"]["name"], check=False)
+    assert "NotFound" in gone.stderr
+
+
+def test_scale_refused_with_autoscaling(cluster):
+    """C16, second half: `kubectl scale` on an autoscaled resource is refused by the API
+    server with a message saying why (the object never needs a pod for this)."""
+    doc = h.small_infd("scale-refused")
+    h.apply(cluster, "default", doc)
+    try:
+        result = cluster.kubectl("scale", "infd", "scale-refused", "--replicas=3", check=False)
+        assert result.returncode != 0
+        assert "spec.replicas and spec.autoscaling are mutually exclusive" in result.stderr, \
+            result.stderr
+        assert "replicas" not in h.infd(cluster, "default", "scale-refused")["spec"]
+    finally:
+        cluster.kubectl("delete", "infd", "scale-refused", "--timeout=120s", check=False)
