@@ -87,6 +87,44 @@ def skip_sweep(loaded, base_args: dict, ids: list[int], args) -> int:
     return 0
 
 
+def sensitivity(loaded, base_args: dict, ids: list[int], args) -> int:
+    """Perplexity unperturbed and with each layer's attention output times (1 + 1e-6 noise),
+    per KV dtype: the spread is how far a difference of fp32 rounding size (another
+    backend, another thread count) can move that dtype's figure. Writes
+    results/<out>-sensitivity.json."""
+    import torch
+
+    from kvpilot.engine.config import EngineArgs
+    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.scoring import score_tokens
+
+    def ppl(kv_dtype: str, seed: int | None) -> float:
+        engine = LLMEngine(EngineArgs(**base_args, kv_cache_dtype=kv_dtype), loaded=loaded)
+        backend = engine.runner.backend
+        if seed is not None:
+            gen = torch.Generator().manual_seed(seed)
+            plain = backend.forward
+
+            def forward(*a, **kw):
+                out = plain(*a, **kw)
+                return out * (1 + 1e-6 * torch.randn(out.shape, generator=gen))
+
+            backend.forward = forward  # this engine's instance only
+        return score_tokens(engine, ids, chunk_size=args.chunk).perplexity
+
+    rows = []
+    for kv_dtype in args.sensitivity:
+        base = ppl(kv_dtype, None)
+        perturbed = [ppl(kv_dtype, seed) for seed in range(args.seeds)]
+        rows.append({"kv_cache_dtype": kv_dtype, "perplexity": base, "perturbed": perturbed,
+                     "spread_pct": 100 * (max(*perturbed, base) - min(*perturbed, base)) / base})
+        print(json.dumps(rows[-1]), flush=True)
+    payload = {"machine": machine_info(), "tokens": len(ids), "chunk": args.chunk, "relative_noise": 1e-6,
+               "rows": rows}
+    print(f"wrote {write_result(args.out + '-sensitivity', payload)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -99,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead: perplexity of the first --sweep-tokens tokens with each single layer "
                          "kept in full precision (which layers suffer from this dtype)")
     ap.add_argument("--sweep-tokens", type=int, default=1024)
+    ap.add_argument("--sensitivity", nargs="+", metavar="KV_DTYPE",
+                    help="instead: perplexity of the first --sweep-tokens tokens with every attention "
+                         "output multiplied by (1 + 1e-6 N(0,1)), seeds 0..--seeds-1, per KV dtype (how much "
+                         "a rounding-sized change upstream moves the figure)")
+    ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--skip-layers", default="", help="comma-separated layers kept in full precision for "
                     "every quantized config (--kv-cache-skip-layers)")
     args = ap.parse_args(argv)
@@ -118,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [tok.encode(p) for p in json.loads((DATA / "kv_quality_prompts.json").read_text())]
     if args.skip_sweep:
         return skip_sweep(loaded, base_args, text_ids[: args.sweep_tokens], args)
+    if args.sensitivity:
+        return sensitivity(loaded, base_args, text_ids[: args.sweep_tokens], args)
     extra_skip = tuple(int(x) for x in args.skip_layers.split(",") if x)
     configs = ["full"] + [c for c in args.configs if c != "full"]
     rows = []
