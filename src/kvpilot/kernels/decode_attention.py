@@ -37,11 +37,10 @@ import triton
 import triton.language as tl
 
 from .decode_attention_kv4 import decode_split_kv4_kernel, kv4_launch_meta
-from .kv4_triton import check_kv4_cache
+from .kv4_triton import check_any_cache
 from .triton_utils import (
     FLOAT_DTYPES,
     check,
-    check_cache_pair,
     check_device,
     check_scale,
     dot_dtype,
@@ -293,12 +292,9 @@ def paged_decode_attention(
         ValueError: shapes, dtypes, strides or devices that do not fit.
     """
     kv4 = kv4_format is not None
-    if kv4:
-        _, page, num_kv_heads, head_dim = check_kv4_cache(
-            key_cache, value_cache, key_group_scales, value_group_scales, kv4_format
-        )
-    else:
-        _, page, num_kv_heads, head_dim = check_cache_pair(key_cache, value_cache)
+    _, page, num_kv_heads, head_dim = check_any_cache(
+        key_cache, value_cache, key_group_scales, value_group_scales, kv4_format
+    )
     check(
         q.dim() == 3 and q.shape[2] == head_dim,
         f"q must be [num_seqs, num_heads, {head_dim}]; got {tuple(q.shape)}",

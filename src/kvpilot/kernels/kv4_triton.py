@@ -22,7 +22,14 @@ import triton
 import triton.language as tl
 
 from .kv4 import GROUP_SCALE_DTYPE, GROUP_SIZE, check_kv4_head_dim, kv4_format
-from .triton_utils import INTERPRET, check, check_device, check_scale, round_to_fp8_grid
+from .triton_utils import (
+    INTERPRET,
+    check,
+    check_cache_pair,
+    check_device,
+    check_scale,
+    round_to_fp8_grid,
+)
 
 # Elements of K (and of V) per store program on the GPU.
 MAX_TILE = 4096
@@ -171,6 +178,24 @@ def _store_kv4_kernel(
         gs_dtype = gs_ptr.dtype.element_ty
         tl.store(gs_ptr + gdst[:, None] + groups[None, :], s_lo.to(gs_dtype), mask=gmask)
         tl.store(gs_ptr + gdst[:, None] + HALF // 16 + groups[None, :], s_hi.to(gs_dtype), mask=gmask)
+
+
+def check_any_cache(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_group_scales: torch.Tensor | None,
+    value_group_scales: torch.Tensor | None,
+    fmt_name: str | None,
+) -> tuple[int, int, int, int]:
+    """:func:`check_kv4_cache` when ``fmt_name`` names a 4-bit format, else
+    :func:`check_cache_pair`; the same ``(num_blocks, block_size, num_kv_heads, head_dim)``.
+
+    Raises:
+        ValueError: as those two do.
+    """
+    if fmt_name is not None:
+        return check_kv4_cache(key_cache, value_cache, key_group_scales, value_group_scales, fmt_name)
+    return check_cache_pair(key_cache, value_cache)
 
 
 def check_kv4_cache(
