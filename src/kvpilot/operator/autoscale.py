@@ -30,7 +30,7 @@ from typing import Any
 
 from kvpilot.autoscaler import AutoscalingSpec as PolicySpec
 from kvpilot.autoscaler import Decision, FleetSignals, PolicyState, decide
-from kvpilot.autoscaler import capacity as finops
+from kvpilot.sizing import capacity as finops
 from kvpilot.operator.autoscale_conditions import (
     metrics_condition,
     scaling_active_condition,

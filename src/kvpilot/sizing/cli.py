@@ -4,8 +4,8 @@
     kvpilot kv-calc --model ./my-hf-folder --gpu H100-80GB --kv-cache-dtype fp8
     kvpilot kv-calc --list
 
-The arithmetic lives in :mod:`kvpilot.autoscaler.capacity` (shared with the operator's
-FinOps status); this module only parses flags and prints.
+The arithmetic lives in :mod:`kvpilot.sizing.capacity` (shared with the engine's KV pool
+and the operator's FinOps status); this module only parses flags and prints.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvpilot.autoscaler import capacity, presets
+from kvpilot.sizing import capacity, presets
 
 DEFAULT_CONTEXTS = (2048, 8192, 32768)
 

@@ -1,0 +1,94 @@
+"""kvpilot kv-calc through the real console entry point."""
+
+import json
+
+from kvpilot.cli import main
+
+
+def test_kv_calc_prints_the_reference_numbers(capsys):
+    assert (
+        main(
+            [
+                "kv-calc",
+                "--model",
+                "llama-3-70b",
+                "--kv-cache-dtype",
+                "float16",
+                "--context",
+                "8192",
+                "--context",
+                "65536",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "2.68 GB" in out and "21.47 GB" in out and "327,680 B" in out
+
+
+def test_kv_calc_json_with_a_gpu_and_costs(capsys):
+    assert (
+        main(
+            [
+                "kv-calc",
+                "--model",
+                "llama-3-8b",
+                "--gpu",
+                "H100-80GB",
+                "--context",
+                "8192",
+                "--cost-per-replica-hour",
+                "4",
+                "--replicas",
+                "2",
+                "--generated-tokens-per-second",
+                "1000",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    r = json.loads(capsys.readouterr().out)
+    assert r["kv_capacity_tokens"] == 464_688
+    assert r["per_request"][0]["max_concurrent_requests"] == 56
+    assert r["cost_per_hour"] == 8.0 and r["cost_per_million_tokens"] > 0
+
+
+def test_kv_calc_fp8_halves_and_4bit_states_its_scale(capsys):
+    main(["kv-calc", "--model", "llama-3-70b", "--kv-cache-dtype", "fp8", "--json"])
+    fp8 = json.loads(capsys.readouterr().out)
+    main(["kv-calc", "--model", "llama-3-70b", "--kv-cache-dtype", "float16", "--json"])
+    fp16 = json.loads(capsys.readouterr().out)
+    assert fp8["kv_bytes_per_token"] * 2 == fp16["kv_bytes_per_token"]
+    main(["kv-calc", "--model", "llama-3-70b", "--kv-cache-dtype", "fp4_e2m1"])
+    assert "one fp8_e4m3 scale per 16 values" in capsys.readouterr().out
+
+
+def test_kv_calc_bad_input_is_a_clear_error(capsys):
+    assert main(["kv-calc", "--model", "not-a-model"]) == 2
+    assert "model preset must be one of" in capsys.readouterr().err
+    assert main(["kv-calc", "--context", "-5"]) == 2
+    assert "--context must be > 0; got -5" in capsys.readouterr().err
+    assert main(["kv-calc", "--list"]) == 0
+    assert "H100-80GB" in capsys.readouterr().out
+
+
+def test_kv_calc_warns_when_weights_leave_no_room(capsys):
+    main(["kv-calc", "--model", "llama-3-70b", "--gpu", "H100-80GB"])
+    assert "leave no room for a KV cache" in capsys.readouterr().out
+
+
+def test_kv_calc_tensor_parallel_replicates_kv_heads_beyond_one_per_gpu(capsys):
+    """Found in review: TP 16 over Llama-3-70B's 8 KV heads was counted as 16-way split,
+    doubling the capacity; vLLM replicates each KV head on tp / kv_heads GPUs."""
+    def tokens(tp):
+        main(["kv-calc", "--model", "llama-3-70b", "--gpu", "H100-80GB",
+              "--tensor-parallel-size", str(tp), "--json"])
+        return json.loads(capsys.readouterr().out)
+    t8, t16 = tokens(8), tokens(16)
+    assert t16["kv_head_replication"] == 2 and t8["kv_head_replication"] == 1
+    # Twice the memory, each token stored twice: about what 8 GPUs hold (weights shared).
+    assert t16["kv_capacity_tokens"] < 1.2 * t8["kv_capacity_tokens"]
+    assert main(["kv-calc", "--model", "llama-3-70b", "--gpu", "H100-80GB",
+                 "--tensor-parallel-size", "3"]) == 2
+    assert "must divide the model's 8 KV heads" in capsys.readouterr().err
