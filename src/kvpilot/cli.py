@@ -14,7 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvpilot.bench.cli", "benchmarks against a running server: bench serve"),
     "operator": ("kvpilot.operator.main", "run the Kopf operator for InferenceDeployment resources"),
     "kv-calc": ("kvpilot.sizing.cli", "KV-cache sizing: bytes per token, per request, max concurrency per GPU"),
-    "simulate": ("kvpilot.simulate_cli", "fleet autoscaling simulator: compare scaling policies on a trace"),
+    "simulate": ("kvpilot.simulation.cli", "fleet autoscaling simulator: compare scaling policies on a trace"),
 }
 
 

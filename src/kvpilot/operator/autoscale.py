@@ -28,9 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from kvpilot.autoscaler import AutoscalingSpec as PolicySpec
 from kvpilot.autoscaler import Decision, FleetSignals, PolicyState, decide
-from kvpilot.sizing import capacity as finops
 from kvpilot.operator.autoscale_conditions import (
     metrics_condition,
     scaling_active_condition,
@@ -48,6 +46,7 @@ from kvpilot.operator.fleet import FleetObservation
 from kvpilot.operator.metrics_source import MetricsReading
 from kvpilot.operator.reconcile import Event
 from kvpilot.operator.spec import InferenceSpec
+from kvpilot.sizing import capacity as finops
 
 
 @dataclass(frozen=True)
@@ -69,23 +68,6 @@ class AutoscaleStep:
     status: dict[str, Any]
     conditions: tuple[Condition, ...]
     events: tuple[Event, ...]
-
-
-def policy_spec(spec: InferenceSpec) -> PolicySpec:
-    """The policy's spec from the operator's validated one (defaults already applied)."""
-    auto = spec.autoscaling
-    if auto is None:
-        raise ValueError("spec.autoscaling is not set: nothing to autoscale")
-    return PolicySpec(
-        min_replicas=auto.min_replicas,
-        max_replicas=auto.max_replicas,
-        target_cache_usage=auto.target_cache_usage,
-        target_queue_depth=auto.target_queue_depth,
-        startup_seconds=auto.startup_seconds,
-        scale_up_stabilization_seconds=auto.scale_up_stabilization_seconds,
-        scale_down_stabilization_seconds=auto.scale_down_stabilization_seconds,
-        interval_seconds=auto.interval_seconds,
-    )
 
 
 def scale_reason(decision: Decision) -> str:
@@ -160,7 +142,9 @@ def autoscale_step(observation: FleetObservation, reading: MetricsReading, state
     """
     if observation.deployment_replicas is None:
         raise ValueError("no engine Deployment yet: nothing to scale")
-    pspec = policy_spec(spec)
+    pspec = spec.autoscaling
+    if pspec is None:
+        raise ValueError("spec.autoscaling is not set: nothing to autoscale")
     decision = decide(FleetSignals(reading.pods, observation.pending_replicas), state, pspec,
                       now.timestamp())
     requested = None
