@@ -12,7 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvpilot.engine.server.serve_cli", "OpenAI-compatible server (vLLM-compatible flags)"),
     "generate": ("kvpilot.engine.generate_cli", "one-shot offline generation"),
     "bench": ("kvpilot.bench.cli", "benchmarks against a running server: bench serve"),
-    "operator": ("kvpilot.operator.main", "run the Kopf operator for InferenceDeployment resources"),
+    "operator": ("kvpilot.operator.cli", "run the Kopf operator for InferenceDeployment resources"),
     "kv-calc": ("kvpilot.sizing.cli", "KV-cache sizing: bytes per token, per request, max concurrency per GPU"),
     "simulate": ("kvpilot.simulation.cli", "fleet autoscaling simulator: compare scaling policies on a trace"),
 }

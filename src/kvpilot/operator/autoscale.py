@@ -1,4 +1,4 @@
-"""One autoscaler decision for one InferenceDeployment, as a pure function.
+"""One autoscaler interval for one InferenceDeployment, planned as a pure function.
 
 ::
 
@@ -6,8 +6,9 @@
     MetricsReading    (PodSignals per ready pod, FinOps inputs)
     PolicyState       (from the last decision, or from status)
     InferenceSpec, previous conditions, now
-        --autoscale_step-->  AutoscaleStep
-                               decision         kvpilot.autoscaler.decide()
+        --plan_autoscale-->  AutoscalePlan
+                               decision         kvpilot.autoscaler.decide(): the scaling
+                                                decision itself
                                requested        the count for the Deployment, or None
                                requested_reason rule, signal, value (Event, lastScaleReason)
                                status           signals, capacity, cost, autoscaler.*
@@ -15,7 +16,7 @@
                                events           MetricsUnavailable / MetricsRestored
 
 Nothing here reads a clock, the API or the network; the loop in
-:mod:`kvpilot.operator.autoscale_loop` does that and applies the step. The count goes to
+:mod:`kvpilot.operator.autoscale_loop` does that and applies the plan. The count goes to
 the Deployment only when the policy moved it (``requested``); a hold never writes it, so a
 surge pod during a rollout is not mistaken for a replica to keep.
 """
@@ -29,29 +30,27 @@ from datetime import datetime
 from typing import Any
 
 from kvpilot.autoscaler import Decision, FleetSignals, PolicyState, decide
-from kvpilot.operator.autoscale_conditions import (
+from kvpilot.operator.fleet import FleetObservation
+from kvpilot.operator.metrics_source import MetricsReading
+from kvpilot.operator.reconcile import Event
+from kvpilot.operator.spec import InferenceSpec
+from kvpilot.operator.status.autoscaler import (
+    CapacityEstimate,
+    CostEstimate,
+    ObservedSignals,
+    autoscaler_status,
     metrics_condition,
     scaling_active_condition,
     scaling_limited_condition,
     transition_events,
 )
-from kvpilot.operator.autoscale_status import (
-    CapacityEstimate,
-    CostEstimate,
-    ObservedSignals,
-    autoscaler_status,
-)
-from kvpilot.operator.conditions import Condition
-from kvpilot.operator.fleet import FleetObservation
-from kvpilot.operator.metrics_source import MetricsReading
-from kvpilot.operator.reconcile import Event
-from kvpilot.operator.spec import InferenceSpec
+from kvpilot.operator.status.conditions import Condition
 from kvpilot.sizing import capacity as finops
 
 
 @dataclass(frozen=True)
-class AutoscaleStep:
-    """What one decision changes.
+class AutoscalePlan:
+    """What one interval's decision changes (the loop applies it).
 
     Attributes:
         decision: the policy's answer (its ``state`` is the next PolicyState).
@@ -126,10 +125,10 @@ def finops_estimates(reading: MetricsReading, replicas: int, cost_per_replica_ho
     return (CapacityEstimate(kv, context, concurrent), CostEstimate(hourly, per_million))
 
 
-def autoscale_step(observation: FleetObservation, reading: MetricsReading, state: PolicyState,
+def plan_autoscale(observation: FleetObservation, reading: MetricsReading, state: PolicyState,
                    spec: InferenceSpec, previous_conditions: Iterable[Mapping[str, Any]] | None,
-                   now: datetime) -> AutoscaleStep:
-    """Decide and describe one interval (pure).
+                   now: datetime) -> AutoscalePlan:
+    """Run the policy for one interval and describe what it changes (pure).
 
     Args:
         observation: the Deployment's count and its ready and pending pods; must have a
@@ -139,13 +138,16 @@ def autoscale_step(observation: FleetObservation, reading: MetricsReading, state
         spec: the validated spec, with ``autoscaling`` set.
         previous_conditions: ``status.conditions`` as stored (for transition Events).
         now: timezone-aware; the policy's clock is ``now.timestamp()``.
+
+    Raises:
+        ValueError: no Deployment in ``observation``, or ``spec.autoscaling`` unset.
     """
     if observation.deployment_replicas is None:
         raise ValueError("no engine Deployment yet: nothing to scale")
-    pspec = spec.autoscaling
-    if pspec is None:
+    auto = spec.autoscaling
+    if auto is None:
         raise ValueError("spec.autoscaling is not set: nothing to autoscale")
-    decision = decide(FleetSignals(reading.pods, observation.pending_replicas), state, pspec,
+    decision = decide(FleetSignals(reading.pods, observation.pending_replicas), state, auto,
                       now.timestamp())
     requested = None
     if (decision.direction != "hold"
@@ -162,7 +164,7 @@ def autoscale_step(observation: FleetObservation, reading: MetricsReading, state
     conditions = (
         metrics,
         scaling_active_condition(decision),
-        scaling_limited_condition(decision, pspec.min_replicas, pspec.max_replicas),
+        scaling_limited_condition(decision, auto.min_replicas, auto.max_replicas),
     )
-    return AutoscaleStep(decision, requested, scale_reason(decision), status, conditions,
+    return AutoscalePlan(decision, requested, scale_reason(decision), status, conditions,
                          transition_events(previous_conditions, metrics))
