@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -48,7 +48,8 @@ def _utc_now() -> datetime:
 
 def post_kopf_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
     """Post a Kubernetes Event through Kopf's queue (safe from sync handlers' threads)."""
-    kopf.event(body, type=type_, reason=reason, message=message)
+    # kopf.event reads the object reference from any mapping; its annotation names Body.
+    kopf.event(cast(kopf.Body, body), type=type_, reason=reason, message=message)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ def set_conditions(existing: Iterable[Mapping[str, Any]] | None, updates: Iterab
     stamp = to_rfc3339(now)
     for update in updates:
         old = by_type.get(update.type)
-        new = {"type": update.type, "status": update.status, "reason": update.reason,
+        new: dict[str, Any] = {"type": update.type, "status": update.status, "reason": update.reason,
                "message": update.message}
         new["lastTransitionTime"] = (
             old["lastTransitionTime"]
