@@ -108,7 +108,7 @@ def _usable(value: float | None) -> float | None:
 def finops_estimates(reading: MetricsReading, replicas: int, cost_per_replica_hour: float | None,
                      block_size: int) -> tuple[CapacityEstimate, CostEstimate]:
     """Capacity per replica, concurrent requests at the mean context, cost per hour for
-    ``replicas`` and per million generated tokens (kvpilot.autoscaler.capacity formulas)."""
+    ``replicas`` and per million generated tokens (kvpilot.sizing.capacity formulas)."""
     # Estimates only: an input a source could not vouch for is left out, never raised on
     # (an exception here would stop the scaling decision that follows).
     kv = _usable(reading.kv_capacity_tokens)
