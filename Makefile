@@ -15,6 +15,7 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make serve   start the OpenAI-compatible server on $(HOST):$(PORT) with the embedded SmolLM2"
+	@echo "make lint    ruff, the layering contracts (import-linter) and mypy"
 	@echo "make test    lint, layering check and the full CPU test suite"
 	@echo "make bench   engine benchmarks (see benchmarks/README.md)"
 	@echo "make e2e     end-to-end scenarios on a real local control plane (docs/e2e.md)"
@@ -35,6 +36,7 @@ serve: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks e2e
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # helm and promtool for the chart and alert tests, into .tools/bin (fast when present).
 tools:

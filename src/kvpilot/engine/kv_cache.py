@@ -13,6 +13,7 @@ from kvpilot.engine.attention.backend import LayerKVCache
 from kvpilot.kernels.kv4 import GROUP_SCALE_DTYPE, GROUP_SCALE_MAX, kv4_format, kv4_shapes
 from kvpilot.kernels.reference import is_quantized
 from kvpilot.kernels.rotation import key_rotation_matrix, rotate_heads
+from kvpilot.sizing.capacity import kv_dtype, kv_token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +57,9 @@ def bytes_per_token_layer(num_kv_heads: int, head_dim: int, dtype: torch.dtype, 
     for a 4-bit format (``kv4``, with its E4M3 scale per 16 values). The per-layer fp32
     scales are not counted (8 bytes per layer)."""
     if kv4 is not None:
-        packed, groups = kv4_shapes(head_dim, kv4)
-        return 2 * num_kv_heads * (packed + groups * element_bytes(GROUP_SCALE_DTYPE))
-    return 2 * num_kv_heads * head_dim * element_bytes(dtype)
+        kv4_shapes(head_dim, kv4)  # refuses a head_dim the 4-bit layout cannot hold
+    per_element = kv_dtype(kv4).bytes_per_element if kv4 else element_bytes(dtype)
+    return int(kv_token_bytes(1, num_kv_heads, head_dim, per_element))
 
 
 def bytes_per_block(

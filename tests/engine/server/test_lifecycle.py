@@ -56,7 +56,7 @@ def test_at_the_drain_deadline_what_is_left_gets_a_clean_error_and_the_exit_is_b
     import json
     import socket
 
-    from kvpilot.engine.server.serve_cli import ABORT_FLUSH_SECONDS, EXIT_GRACE_SECONDS
+    from kvpilot.engine.server.cli import ABORT_FLUSH_SECONDS, EXIT_GRACE_SECONDS
 
     drain = 1.0
     proc = ServerProcess("--kv-cache-memory", "0.1", "--drain-timeout", str(drain), "--log-level", "info")
