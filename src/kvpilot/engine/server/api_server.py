@@ -4,6 +4,10 @@ Errors use the OpenAI body ``{"error": {"message", "type", "param", "code"}}``.
 ``/health`` is liveness (200 while the engine thread is alive, also while loading);
 ``/ready`` is readiness (503 while loading or draining). ``/health``, ``/ready`` and
 ``/metrics`` are never behind the API key (probes and Prometheus must reach them).
+
+The OpenAPI schema (``/openapi.json``, ``/docs``) declares, per route, the statuses the
+server really answers with and their bodies (:data:`ERRORS`); FastAPI's own 422 is left
+out of it, since request validation errors are answered with a 400 in the OpenAI body.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpilot.engine.sampling_params import InvalidRequestError
@@ -34,12 +40,21 @@ from kvpilot.engine.server.chat import ChatHandler, render_chat
 from kvpilot.engine.server.completions import CompletionHandler
 from kvpilot.engine.server.metrics import EngineMetrics
 from kvpilot.engine.server.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
+    ReadyResponse,
     TokenizeRequest,
+    TokenizeResponse,
     error_body,
 )
 from kvpilot.engine.server.serving import ModelNotFound, ServingContext
@@ -50,6 +65,86 @@ logger = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/openapi.json")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+# When each error status is answered (all in the OpenAI body, ErrorResponse).
+ERRORS: dict[int, str] = {
+    400: "invalid request: malformed JSON, a wrong type, a value out of range, an unsupported option, "
+         "or a prompt that does not fit the context (`param` names the field)",
+    401: "missing or wrong `Authorization: Bearer` key (when the server has an API key)",
+    404: "`model` is not the served model name",
+    413: "request body over the server's limit",
+    500: "the engine failed while running the request",
+    503: "the model is still loading, the server is draining, or the engine stopped",
+}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries for these error statuses."""
+    return {status: {"model": ErrorResponse, "description": ERRORS[status]} for status in statuses}
+
+
+# Models that only events of a stream reference (added to the document's components).
+STREAM_MODELS: tuple[type[BaseModel], ...] = (CompletionStreamResponse, ChatCompletionChunk)
+
+
+def generated(model: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
+    """The 200 of a generation route: the whole answer as JSON, or with ``stream: true``
+    server-sent events. The event schema describes one event (OpenAPI 3.1 has no
+    ``itemSchema``): its ``data`` is a ``chunk`` in JSON, an ErrorResponse in JSON (a
+    failure after the stream started) or ``[DONE]``, the last one."""
+    ref = "#/components/schemas/"
+    payload = {"anyOf": [{"$ref": ref + chunk.__name__}, {"$ref": ref + ErrorResponse.__name__}]}
+    return {
+        "model": model,
+        "description": f"the answer; with `stream: true` an event stream of `{chunk.__name__}` chunks",
+        "headers": {"X-Request-Id": {"description": "the request's `X-Request-Id`, when it sent one",
+                                     "schema": {"type": "string"}}},
+        "content": {"text/event-stream": {"schema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {"data": {"anyOf": [
+                {"const": "[DONE]"},
+                {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
+            ]}},
+        }}},
+    }
+
+
+def as_served(schema: dict[str, Any], extra_models: tuple[type[BaseModel], ...] = ()) -> dict[str, Any]:
+    """FastAPI's OpenAPI document, corrected to what the server does: FastAPI documents a
+    422 ``HTTPValidationError`` for every route with a body, but this server answers
+    validation errors with a 400 in the OpenAI body; FastAPI writes numeric bounds as
+    floats, which are written back as the integers they are (``2**63`` stays exact); and
+    ``extra_models`` (referenced only from hand-written schemas) join the components."""
+    if extra_models:
+        _, top = models_json_schema([(m, "serialization") for m in extra_models],
+                                    ref_template="#/components/schemas/{model}")
+        for name, definition in top.get("$defs", {}).items():
+            schema.setdefault("components", {}).setdefault("schemas", {}).setdefault(name, definition)
+    for path_item in schema.get("paths", {}).values():
+        for operation in path_item.values():
+            if isinstance(operation, dict):
+                operation.get("responses", {}).pop("422", None)
+    components = schema.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    _integral_bounds(schema)
+    return schema
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _integral_bounds(node: Any) -> None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in _BOUNDS and isinstance(value, float) and value.is_integer():
+                node[key] = int(value)
+            else:
+                _integral_bounds(value)
+    elif isinstance(node, list):
+        for item in node:
+            _integral_bounds(item)
 
 
 @dataclass
@@ -199,6 +294,8 @@ def build_app(state: ServerState) -> FastAPI:
     """The ASGI app for one engine."""
     app = FastAPI(title="kvpilot", version="0.1.0")
     app.state.kv = state
+    fastapi_openapi = app.openapi
+    app.openapi = lambda: as_served(fastapi_openapi(), STREAM_MODELS)  # type: ignore[method-assign]
     ctx = ServingContext(state.engine, state.served_model_name)
     completions = CompletionHandler(ctx)
     chat = ChatHandler(ctx)
@@ -257,13 +354,13 @@ def build_app(state: ServerState) -> FastAPI:
         return error(503, str(exc), "service_unavailable", 503)
 
     # ------------------------------------------------------------ probes
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses={200: {"model": HealthResponse}, **errors(503)})
     async def health() -> Response:
         if state.engine.is_alive:
             return JSONResponse({"status": "ok"})
         return error(503, f"the engine is not running: {state.engine.failure}", "service_unavailable", 503)
 
-    @app.get("/ready")
+    @app.get("/ready", response_model=None, responses={200: {"model": ReadyResponse}, **errors(503)})
     async def ready() -> Response:
         if state.draining:
             return error(503, "draining", "service_unavailable", 503)
@@ -271,25 +368,33 @@ def build_app(state: ServerState) -> FastAPI:
             return error(503, "loading" if state.engine.is_alive else "engine failed", "service_unavailable", 503)
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics")
+    prometheus_text = {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: prometheus_text})
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # ------------------------------------------------------------- API
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=errors(401))
     async def models() -> ModelList:
         max_len = state.engine.engine.max_model_len if state.engine.engine is not None else None
         return ModelList(data=[ModelCard(id=state.served_model_name, root=state.served_model_name, max_model_len=max_len)])
 
-    @app.post("/v1/completions", response_model=None)
+    generation_errors = errors(400, 401, 404, 413, 500, 503)
+
+    @app.post("/v1/completions", response_model=None,
+              responses={200: generated(CompletionResponse, CompletionStreamResponse), **generation_errors})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await respond(completions, body, request)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None,
+              responses={200: generated(ChatCompletionResponse, ChatCompletionChunk), **generation_errors})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await respond(chat, body, request)
 
-    @app.post("/tokenize")
+    tokenize_errors = errors(400, 401, 404, 413, 503)
+
+    @app.post("/tokenize", response_model=None, responses={200: {"model": TokenizeResponse}, **tokenize_errors})
     async def tokenize(body: TokenizeRequest) -> Response:
         ctx.check_model(body.model)
         require_ready(state)
@@ -300,7 +405,7 @@ def build_app(state: ServerState) -> FastAPI:
                                           add_special_tokens=body.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=None, responses={200: {"model": DetokenizeResponse}, **tokenize_errors})
     async def detokenize(body: DetokenizeRequest) -> Response:
         ctx.check_model(body.model)
         require_ready(state)

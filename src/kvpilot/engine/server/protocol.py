@@ -4,6 +4,13 @@ users of an OpenAI-compatible engine expect (``top_k``, ``min_p``, ``ignore_eos`
 
 Ranges are checked here, so a bad value is a 400 naming the field before anything is
 queued; :class:`SamplingParams` checks the same ranges again for the offline API.
+
+The OpenAPI schema (``/openapi.json``) is generated from these models, so it states the
+constraints the server enforces: types are strict (``"n": "2"`` or ``"stream": 1`` is a
+400, as with OpenAI), and a rule checked elsewhere (the context length, the vocabulary,
+an unsupported option) is in the schema where JSON Schema can say it (``maxLength: 0``
+for ``suffix``) and in the field's description otherwise. The response models are the
+bodies the handlers build, for the schema only (the handlers return plain dicts).
 """
 
 from __future__ import annotations
@@ -11,47 +18,119 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from kvpilot.engine.sampling_params import SamplingParams
 
 NonNegFloat = Annotated[float, Field(ge=0.0)]
 
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
 MAX_STOP_STRINGS = 16
+MAX_N = 128
+# The smallest sampling temperature (vLLM's): logits are divided by it in fp32, and a
+# temperature like 1e-40 made them infinite (a 500, found by schemathesis).
+MIN_TEMPERATURE = 0.01
 
 
-class SamplingFields(BaseModel):
+def positive_temperature(temperature: float) -> float:
+    """0 stays 0 (greedy); anything in (0, MIN_TEMPERATURE) becomes MIN_TEMPERATURE."""
+    return temperature if temperature == 0.0 else max(temperature, MIN_TEMPERATURE)
+
+
+def _integral(value: Any) -> Any:
+    """JSON has one number type: ``2.0`` is the integer 2 (as JSON Schema says), ``2.5``
+    is not an integer."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Integer request fields: strict (no strings, no booleans), integral floats accepted.
+# Bounds go before INTEGRAL inside Annotated (pydantic writes `ge`, not `minimum`, into
+# the JSON schema of a bounded Int in a union).
+INTEGRAL = BeforeValidator(_integral)
+Int = Annotated[int, INTEGRAL]
+
+# Token ids: the schema cannot know the vocabulary, the server checks it.
+TOKEN_ID_SCHEMA: dict[str, Any] = {
+    "type": "integer", "minimum": 0,
+    "description": "a token id; ids at or above the model's vocabulary size are refused (400)",
+}
+STOP_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
+        {"type": "null"},
+    ],
+}
+PROMPT_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        {"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1}, "minItems": 1},
+    ],
+}
+SEED_SCHEMA: dict[str, Any] = {
+    "anyOf": [{"type": "integer", "minimum": 0, "exclusiveMaximum": 2**63}, {"type": "null"}],
+}
+NOT_SUPPORTED_BIAS: dict[str, Any] = {
+    "anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}],
+}
+
+
+class StrictModel(BaseModel):
+    """Request bodies: JSON types are not coerced (``"2"`` is no integer, ``1`` no
+    boolean) and floats must be finite; unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = Field(False, description="end the stream with one chunk carrying `usage` (empty `choices`)")
+
+
+class SamplingFields(StrictModel):
     """Fields shared by completions and chat completions. Floats must be finite (NaN and
     infinity are refused by name, not compared with a bound)."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-    model: str | None = None
-    n: int = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0.0, le=100.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stream: bool = False
+    model: str | None = Field(None, description="the served model name (`GET /v1/models`); any other name is a 404")
+    n: Int = Field(1, ge=1, le=MAX_N, description="choices to generate for each prompt")
+    temperature: float | None = Field(None, ge=0.0, le=100.0, description=(
+        f"0 is greedy; default 1; values in (0, {MIN_TEMPERATURE}) are raised to {MIN_TEMPERATURE}, as vLLM does"))
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling; default 1 (off)")
+    stream: bool = Field(False, description="answer with server-sent events (`text/event-stream`)")
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: Annotated[str | list[str] | None, WithJsonSchema(STOP_SCHEMA)] = Field(
+        None, description=f"at most {MAX_STOP_STRINGS} non-empty stop strings")
+    # The OpenAPI document writes bounds as floats: 2**63 - 1 would read as 2**63, 2**63 is exact.
+    seed: Annotated[Annotated[int, Field(ge=0, le=2**63 - 1), INTEGRAL] | None, WithJsonSchema(SEED_SCHEMA)] = (
+        Field(None, description="choice k of n uses seed + k"))
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    user: str | None = None
+    user: str | None = Field(None, description="accepted and ignored")
     # vLLM extensions
-    top_k: int = Field(0, ge=-1)
+    top_k: Int = Field(0, ge=-1, description="keep the k most likely tokens; 0 or -1 is off")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
-    min_tokens: int = Field(0, ge=0)
+    # Logits are divided by it (fp32): a tiny penalty made them infinite (found by schemathesis).
+    repetition_penalty: float = Field(1.0, ge=0.01, le=100.0, description="1 is off; above 1 discourages repeats")
+    min_tokens: Int = Field(0, ge=0, description=(
+        "EOS and `stop_token_ids` are ignored until this many tokens exist; more than `max_tokens` "
+        "(or than the context leaves) is refused (400)"))
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0), INTEGRAL]] | None = Field(None, description=(
+        "token ids that end a choice; ids at or above the vocabulary size are refused (400)"))
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256, description=(
+        "requests with different salts never share prefix-cache entries"))
 
     @field_validator("stop")
     @classmethod
@@ -73,7 +152,7 @@ class SamplingFields(BaseModel):
             n=self.n,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,  # more than max_tokens is refused (400), not clamped
-            temperature=default_temperature if self.temperature is None else self.temperature,
+            temperature=default_temperature if self.temperature is None else positive_temperature(self.temperature),
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,
@@ -90,23 +169,45 @@ class SamplingFields(BaseModel):
         )
 
 
+CONTEXT_RULE = ("the prompt's tokens plus `max_tokens` must fit the model's `max_model_len` "
+                "(`GET /v1/models`), else 400")
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
-    suffix: str | None = None
-    best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "logprobs": 2},
+        {"prompt": ["Once upon a time", "Hello"], "n": 2, "max_tokens": 8, "seed": 7, "stream": True,
+         "stream_options": {"include_usage": True}},
+    ]})
+
+    prompt: Annotated[str | list[str] | list[Int] | list[list[Int]], WithJsonSchema(PROMPT_SCHEMA)] = Field(
+        description=("a text, a batch of texts, token ids, or a batch of token-id lists; each prompt must "
+                     f"have at least one token and {CONTEXT_RULE}; prompts x n is at most 256"))
+    max_tokens: Annotated[int, Field(ge=0), INTEGRAL] | None = Field(16, description=(
+        f"tokens to generate at most; null is the rest of the context; 0 only with `echo`; {CONTEXT_RULE}"))
+    echo: bool = Field(False, description="prepend the prompt to each choice's text")
+    logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = Field(None, description=(
+        "log probabilities of the sampled token and this many alternatives; not with `echo` (400)"))
+    suffix: Annotated[str | None, WithJsonSchema({"anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}]})] = (
+        Field(None, description="not supported: a non-empty suffix is refused (400)"))
+    best_of: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] | None = Field(None, description=(
+        "not supported: only null or the value of `n` is accepted (400)"))
+    logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(NOT_SUPPORTED_BIAS)] = Field(
+        None, description="not supported: a non-empty map is refused (400)")
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: str
-    text: str | None = None
+class TextPart(StrictModel):
+    """A content part; only text parts are supported (any other part is a 400)."""
+
+    type: Annotated[str, WithJsonSchema({"type": "string", "const": "text"})]
+    text: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
+
+    model_config = ConfigDict(json_schema_extra={"required": ["type", "text"]})
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(StrictModel):
+    """A chat message; other fields (``tool_calls``...) are passed to the chat template."""
+
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -114,25 +215,42 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 8, "stream": True,
+         "logprobs": True, "top_logprobs": 2, "stream_options": {"include_usage": True}},
+    ]})
+
+    messages: list[ChatMessage] = Field(..., min_length=1, description=(
+        "rendered with the model's chat template (one it refuses is a 400); the prompt's tokens "
+        "must leave room for at least one output token in `max_model_len`"))
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = Field(
+        None, description=f"default: the rest of the context; {CONTEXT_RULE}")
+    max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = Field(
+        None, description="the same as `max_tokens`, and wins over it")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = Field(
+        None, description="alternatives per token; needs `logprobs: true` (400)")
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
-    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
+    logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(NOT_SUPPORTED_BIAS)] = Field(
+        None, description="not supported: a non-empty map is refused (400)")
+    tools: list[dict[str, Any]] | None = Field(None, description=(
+        "passed to the chat template; tool calls are not parsed out of the reply"))
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
+class TokenizeRequest(StrictModel):
+    """Exactly one of ``prompt`` or ``messages``."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+    ]})
+    model: str | None = Field(None, description="the served model name; any other name is a 404")
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    messages: list[ChatMessage] | None = Field(None, description="rendered with the chat template, then tokenized")
+    add_special_tokens: bool = Field(True, description="for `prompt`")
+    add_generation_prompt: bool = Field(True, description="for `messages`")
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -141,18 +259,142 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+class DetokenizeRequest(StrictModel):
+    model: str | None = Field(None, description="the served model name; any other name is a 404")
+    tokens: list[Annotated[int, Field(ge=0), INTEGRAL, WithJsonSchema(TOKEN_ID_SCHEMA)]]
 
 
 # ----------------------------------------------------------------- responses
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens served from the prefix cache")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: dict[str, int] | None = None
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None = Field(None, description="the stop string or token id that ended the choice")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionStreamResponse(BaseModel):
+    """One event of a completions stream; with ``include_usage`` the last one has empty
+    ``choices`` and the ``usage``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None = Field(None, description="the stop string or token id that ended the choice")
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """``{"role": "assistant", "content": ""}`` opens a choice, ``{"content": ...}`` adds
+    text, ``{}`` comes with its ``finish_reason``."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One event of a chat completions stream; with ``include_usage`` the last one has
+    empty ``choices`` and the ``usage``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: Usage | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+
+
+class ReadyResponse(BaseModel):
+    status: Literal["ready"]
 
 
 class ModelCard(BaseModel):
@@ -169,6 +411,20 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="`invalid_request_error`, `authentication_error`, `request_too_large`, "
+                                  "`service_unavailable` or `server_error`")
+    param: str | None = Field(description="the request field at fault (dotted for nested ones), or null")
+    code: int | str | None = Field(description="`invalid_value`, `model_not_found`, or the HTTP status")
+
+
+class ErrorResponse(BaseModel):
+    """Every error body (OpenAI's)."""
+
+    error: ErrorDetail
+
+
 def error_body(message: str, err_type: str, code: int | str | None, param: str | None = None) -> dict[str, Any]:
-    """The OpenAI error body."""
+    """The OpenAI error body (:class:`ErrorResponse`)."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
