@@ -1,5 +1,6 @@
-"""FP8 KV cache end to end on real SmolLM2 weights (case C05): scales calibrated from the
-first real batch (never a warm-up) or read from a checkpoint, applied on the write and on
+"""FP8 KV cache end to end on real SmolLM2 weights (case C05): scales fixed at start-up from
+a built-in real text (never a dummy warm-up), or read from a checkpoint, or learned from
+the first real batch with --calculate-kv-scales; applied on the write and on
 every read path (prefill, extend, decode), no NaN/inf, and a divergence from the
 full-precision cache that does not grow with the length of the generation."""
 
@@ -123,7 +124,7 @@ def test_c05_scales_are_applied_on_the_write_and_every_read_path(c05, make_engin
         assert agree >= 0.9, f"{path}: greedy agreement {agree:.3f} after multiplying the scales by 4"
 
 
-def test_scales_are_calibrated_from_the_first_real_batch(make_engine, tokenizer, monkeypatch, caplog):
+def test_calculate_kv_scales_calibrates_from_the_first_real_batch(make_engine, tokenizer, monkeypatch, caplog):
     seen = {}
     original = PagedKVCache.calibrate
 
@@ -132,9 +133,9 @@ def test_scales_are_calibrated_from_the_first_real_batch(make_engine, tokenizer,
         original(self, layer, k, v)
 
     monkeypatch.setattr(PagedKVCache, "calibrate", spy)
-    engine = make_engine(kv_cache_dtype="fp8_e5m2", kv_cache_memory=0.05)
+    engine = make_engine(kv_cache_dtype="fp8_e5m2", kv_cache_memory=0.05, calculate_kv_scales=True)
     cache = engine.runner.kv_cache
-    assert cache.needs_calibration and not seen  # nothing ran at start-up (no warm-up)
+    assert cache.needs_calibration and not seen  # live mode: nothing ran at start-up
     prompt = tokenizer.encode("The capital of France is")
     with caplog.at_level(logging.INFO, logger="kvpilot.engine.kv_cache"):
         out, _ = run(engine, prompt, SamplingParams(max_tokens=1, temperature=0))  # one prefill step

@@ -60,13 +60,14 @@ def test_layout_codes_scales_and_skipped_layers():
     assert c.needs_calibration
     x = torch.randn(3, 2, 64)
     for i in range(4):
-        c.calibrate(i, x, x)
+        c.fit_scales(i, x, x, source="test")
     assert not c.needs_calibration  # skipped layers need no scales
 
 
 @pytest.mark.parametrize("kv_dtype", KV4)
 def test_calibration_growth_keeps_codes_and_rescales_group_scales(kv_dtype):
-    c = PagedKVCache(1, 4, 4, 1, 32, torch.uint8, CPU, kv4=kv_dtype)
+    """Live calibration (--calculate-kv-scales): a growth keeps the codes."""
+    c = PagedKVCache(1, 4, 4, 1, 32, torch.uint8, CPU, kv4=kv_dtype, live=True)
     layer = c.layers[0]
     small = torch.linspace(-0.1, 0.1, 32).view(1, 1, 32)
     c.calibrate(0, small, small)

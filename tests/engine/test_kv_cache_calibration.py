@@ -1,4 +1,5 @@
-"""FP8 scale calibration of the paged KV cache, without a model: the first batch sets the
+"""Live FP8 scale calibration (``--calculate-kv-scales``, opt-in) of the paged KV cache,
+without a model: the first batch sets the
 scale, a later batch above the range grows it by a power of two and rescales what is
 already stored (exactly), and the window closes after FP8_CALIBRATION_TOKENS tokens."""
 
@@ -18,7 +19,7 @@ FMAX = torch.finfo(E4M3).max
 
 
 def cache(rotate=False):
-    return PagedKVCache(1, 8, 4, 2, 16, E4M3, CPU, rotate_keys=rotate)
+    return PagedKVCache(1, 8, 4, 2, 16, E4M3, CPU, rotate_keys=rotate, live=True)
 
 
 def test_first_batch_sets_the_scales_with_headroom():
@@ -70,6 +71,16 @@ def test_rotated_keys_are_what_the_k_scale_describes():
     c.calibrate(0, k, k)
     assert float(c.layers[0].k_scale) == pytest.approx(1.0 * FP8_SCALE_HEADROOM / FMAX)
     assert float(c.layers[0].v_scale) == pytest.approx(4.0 * FP8_SCALE_HEADROOM / FMAX)
+
+
+def test_without_live_calibration_batches_never_move_the_scales():
+    c = PagedKVCache(1, 8, 4, 2, 16, E4M3, CPU)
+    assert not c.calibrating
+    c.fit_scales(0, torch.full((2, 2, 16), 0.5), torch.full((2, 2, 16), 0.5), source="test")
+    fixed = float(c.layers[0].k_scale)
+    c.calibrate(0, torch.full((2, 2, 16), 50.0), torch.full((2, 2, 16), 50.0))
+    c.fit_scales(0, torch.full((2, 2, 16), 50.0), torch.full((2, 2, 16), 50.0), source="test")
+    assert float(c.layers[0].k_scale) == fixed == pytest.approx(0.5 * FP8_SCALE_HEADROOM / FMAX)
 
 
 def test_fixed_scales_end_calibration_and_must_be_positive():
