@@ -24,8 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kv4 import dequantize_kv4, quantize_kv4
+from .fast_dequant import FP8_HALF_FACTOR, dequantize_kv4_fast, fp8_as_half, gather_blocks
 from .kv4 import kv4_format as _kv4_format
+from .kv4 import quantize_kv4
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -110,6 +111,31 @@ def store_kv(
     _raw(vf).index_copy_(0, slot_mapping, _raw(quantize(value, value_cache.dtype, v_scale)))
 
 
+def read_blocks_unscaled(
+    cache: torch.Tensor,
+    blocks: torch.Tensor,
+    dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    group_scales: torch.Tensor | None = None,
+    fmt: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Blocks ``cache[blocks]`` as ``(x, factor)``: ``x`` is ``[*blocks.shape,
+    block_size, num_kv_heads, head_dim]`` in ``dtype`` and the stored values are ``x *
+    factor`` (``factor`` a 0-d fp32 tensor, or None for 1). An FP8 cache leaves its
+    scale in ``factor`` so attention can fold it into the query or the output instead
+    of a pass over the pages; a 4-bit cache applies it with its group scales. The FP8
+    and 4-bit conversions are :mod:`kvpilot.kernels.fast_dequant`'s (exact)."""
+    if fmt is not None:
+        assert group_scales is not None, "a 4-bit cache needs its group scales"
+        return dequantize_kv4_fast(gather_blocks(cache, blocks), gather_blocks(group_scales, blocks), fmt, scale,
+                                   dtype), None
+    if not is_quantized(cache.dtype):
+        return gather_blocks(cache, blocks).to(dtype), None
+    half = fp8_as_half(_raw(gather_blocks(cache, blocks)), cache.dtype)
+    factor = torch.tensor(FP8_HALF_FACTOR[cache.dtype], dtype=torch.float32, device=cache.device)
+    return half.to(dtype), factor if scale is None else factor * scale
+
+
 def read_blocks(
     cache: torch.Tensor,
     blocks: torch.Tensor,
@@ -120,10 +146,8 @@ def read_blocks(
 ) -> torch.Tensor:
     """Blocks ``cache[blocks]`` dequantized to ``dtype``: ``[*blocks.shape, block_size,
     num_kv_heads, head_dim]``."""
-    if fmt is None:
-        return dequantize(_take(cache, blocks), dtype, scale)
-    assert group_scales is not None, "a 4-bit cache needs its group scales"
-    return dequantize_kv4(cache[blocks], _take(group_scales, blocks), fmt, scale, dtype)
+    x, factor = read_blocks_unscaled(cache, blocks, dtype, scale, group_scales, fmt)
+    return x if factor is None else (x.float() * factor).to(dtype)
 
 
 def gather_kv(
@@ -136,9 +160,29 @@ def gather_kv(
     fmt: str | None = None,
 ) -> torch.Tensor:
     """The first ``length`` tokens of one sequence, ``[length, num_kv_heads, head_dim]``."""
+    x, factor = gather_kv_unscaled(cache, block_table, length, dtype, scale, group_scales, fmt)
+    return x if factor is None else (x.float() * factor).to(dtype)
+
+
+def gather_kv_unscaled(
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    length: int,
+    dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    group_scales: torch.Tensor | None = None,
+    fmt: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`gather_kv` as ``(x, factor)`` (see :func:`read_blocks_unscaled`)."""
     block_size = cache.shape[1]
     nb = -(-length // block_size)
-    return read_blocks(cache, block_table[:nb].long(), dtype, scale, group_scales, fmt).flatten(0, 1)[:length]
+    x, factor = read_blocks_unscaled(cache, block_table[:nb].long(), dtype, scale, group_scales, fmt)
+    return x.flatten(0, 1)[:length], factor
+
+
+def _times(x: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
+    """``x * factor`` in ``x``'s dtype (a query or an output: small tensors)."""
+    return x if factor is None else (x.float() * factor).to(x.dtype)
 
 
 def paged_decode_attention(
@@ -174,8 +218,9 @@ def paged_decode_attention(
     nb = -(-max_len // block_size)
     blocks = block_tables[:, :nb].long()
     length = nb * block_size
-    k = read_blocks(key_cache, blocks, q.dtype, k_scale, key_group_scales, kv4_format)
-    v = read_blocks(value_cache, blocks, q.dtype, v_scale, value_group_scales, kv4_format)
+    k, k_factor = read_blocks_unscaled(key_cache, blocks, q.dtype, k_scale, key_group_scales, kv4_format)
+    v, v_factor = read_blocks_unscaled(value_cache, blocks, q.dtype, v_scale, value_group_scales, kv4_format)
+    q = _times(q, k_factor)  # (q s) . k = q . (s k): the K scale folded into the query
     k = k.view(num_seqs, length, num_kv_heads, head_dim)
     v = v.view(num_seqs, length, num_kv_heads, head_dim)
     mask = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None].to(q.device)
@@ -183,7 +228,7 @@ def paged_decode_attention(
     out = F.scaled_dot_product_attention(
         qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale
     )
-    return out.reshape(num_seqs, num_heads, head_dim)
+    return _times(out.reshape(num_seqs, num_heads, head_dim), v_factor)  # and the V scale on the output
 
 
 def _length_buckets(lens: list[int], max_waste: float = 0.25) -> list[list[int]]:
@@ -226,8 +271,10 @@ def paged_prefill_attention(
     """
     chunk, num_heads, _ = q.shape
     num_kv_heads = key_cache.shape[2]
-    k = gather_kv(key_cache, block_table, seq_len, q.dtype, k_scale, key_group_scales, kv4_format)
-    v = gather_kv(value_cache, block_table, seq_len, q.dtype, v_scale, value_group_scales, kv4_format)
+    k, k_factor = gather_kv_unscaled(key_cache, block_table, seq_len, q.dtype, k_scale, key_group_scales, kv4_format)
+    v, v_factor = gather_kv_unscaled(value_cache, block_table, seq_len, q.dtype, v_scale, value_group_scales,
+                                     kv4_format)
+    q = _times(q, k_factor)
     k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     qh = q.transpose(0, 1)[None]  # [1, H, chunk, D]
     gqa = num_heads != num_kv_heads
@@ -237,7 +284,7 @@ def paged_prefill_attention(
         q_pos = torch.arange(seq_len - chunk, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return out[0].transpose(0, 1)
+    return _times(out[0].transpose(0, 1), v_factor)
 
 
 def paged_attention(
