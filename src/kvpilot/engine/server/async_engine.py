@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from kvpilot.engine.core.block_pool import CacheIntegrityError
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
@@ -198,7 +199,7 @@ class AsyncEngine:
                     was_busy = False
                     try:
                         engine.scheduler.check_integrity()
-                    except AssertionError:
+                    except CacheIntegrityError:
                         logger.exception("KV cache integrity check failed")
                 if self._on_step is not None:
                     self._on_step(engine)
