@@ -35,6 +35,7 @@ serve: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks e2e
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # helm and promtool for the chart and alert tests, into .tools/bin (fast when present).
 tools:
@@ -68,4 +69,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/shared_prefix.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache .mypy_cache

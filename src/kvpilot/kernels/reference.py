@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kv4 import dequantize_kv4, quantize_kv4
+from .kv4 import KV4Args, dequantize_kv4, quantize_kv4
 from .kv4 import kv4_format as _kv4_format
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -263,7 +263,7 @@ def paged_attention(
     go one by one through :func:`paged_prefill_attention`.
     Returns ``[num_tokens, num_heads, head_dim]``.
     """
-    kv4 = {"key_group_scales": key_group_scales, "value_group_scales": value_group_scales, "kv4_format": kv4_format}
+    kv4 = KV4Args(key_group_scales=key_group_scales, value_group_scales=value_group_scales, kv4_format=kv4_format)
     out = torch.empty_like(q)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
