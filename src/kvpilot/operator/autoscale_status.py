@@ -1,4 +1,4 @@
-"""Status fragments the autoscaler timer writes (issue 6): the last observed signals,
+"""Status fragments the autoscaler timer writes: the last observed signals,
 capacity and cost estimates, and the policy's decision and state.
 
 Each function returns a status merge patch fragment whose keys are all declared in the
