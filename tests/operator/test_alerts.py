@@ -16,6 +16,8 @@ from kvpilot.operator.metrics import OperatorMetrics
 
 from .tools import REPO, helm_template, run, tool
 
+pytestmark = pytest.mark.tools  # runs helm and promtool (`make tools`)
+
 PROMTOOL_TESTS = Path(__file__).parent / "promtool" / "alerts_test.yaml"
 OPERATIONS = REPO / "docs" / "operations.md"
 # docs/architecture.md, "Metrics (engine /metrics)": the engine's series, fixed names.
