@@ -33,6 +33,8 @@ KV_CACHE_DTYPES = {
 }
 KV4_CACHE_DTYPES = ("fp4_e2m1", "int4")
 DEVICES = ("auto", "cpu", "cuda")
+# --max-num-seqs when not given, lowered to --max-num-batched-tokens when that is smaller.
+DEFAULT_MAX_NUM_SEQS = 256
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -71,6 +73,9 @@ class EngineArgs:
         kv_cache_skip_layers: with a quantized KV cache (FP8 or 4-bit), layer indices kept
             in the model dtype instead (``--kv-cache-skip-layers 0,29``), for layers whose
             K/V do not survive quantization.
+        calculate_kv_scales: learn a quantized KV cache's scales from the first real
+            batches (vLLM's flag of that name) instead of fixing them at start-up; the
+            answers then depend on what traffic came first, so it is off by default.
         skip_tokenizer_init: run without a tokenizer (token ids in, token ids out; no
             text, no stop strings), as vLLM's flag of that name.
     """
@@ -83,7 +88,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    max_num_seqs: int = None  # type: ignore[assignment]  # resolved in __post_init__
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
@@ -94,6 +99,7 @@ class EngineArgs:
     seed: int = 0
     kv_cache_key_rotation: bool = True
     kv_cache_skip_layers: tuple[int, ...] = ()
+    calculate_kv_scales: bool = False
     skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
@@ -111,8 +117,16 @@ class EngineArgs:
             raise ValueError(f"--num-gpu-blocks-override must be >= 1; got {self.num_gpu_blocks_override}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1; got {self.max_num_batched_tokens}")
+        if self.max_num_seqs is None:  # vLLM lowers its default to fit a small budget
+            object.__setattr__(self, "max_num_seqs", min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens))
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1; got {self.max_num_seqs}")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(
+                f"--max-num-seqs ({self.max_num_seqs}) must be <= --max-num-batched-tokens "
+                f"({self.max_num_batched_tokens}): every running request decodes one token per step; "
+                "lower --max-num-seqs or leave it out (its default then fits the budget)"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2; got {self.max_model_len}")
         object.__setattr__(self, "kv_cache_skip_layers", tuple(self.kv_cache_skip_layers))
@@ -139,7 +153,9 @@ class EngineArgs:
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", *KV_CACHE_DTYPES])
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
-        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running requests at most")
+        g.add_argument("--max-num-seqs", type=int, default=None,
+                       help=f"running requests at most (default {DEFAULT_MAX_NUM_SEQS}, or "
+                       "--max-num-batched-tokens when that is lower)")
         g.add_argument("--max-model-len", type=int, default=None, help="context length limit (prompt + output)")
         g.add_argument(
             "--enable-prefix-caching",
@@ -165,6 +181,13 @@ class EngineArgs:
             default=d.kv_cache_skip_layers,
             metavar="I,J,...",
             help="quantized KV cache: layers kept in the model dtype (comma-separated indices)",
+        )
+        g.add_argument(
+            "--calculate-kv-scales",
+            action="store_true",
+            default=d.calculate_kv_scales,
+            help="quantized KV cache: learn the scales from the first requests instead of a "
+            "fixed start-up calibration (not deterministic: answers depend on earlier traffic)",
         )
         g.add_argument(
             "--skip-tokenizer-init",

@@ -114,13 +114,18 @@ class LLMEngine:
         """Queue one sequence (``params.n`` is handled by the caller's fan-out).
 
         Raises:
-            InvalidRequestError: empty or too-long prompt, token ids outside the
-                vocabulary, duplicate id; the engine state is unchanged.
+            InvalidRequestError: empty or too-long prompt, prompt or stop token ids
+                outside the vocabulary, duplicate id; the engine state is unchanged.
         """
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+        bad = next((t for t in params.stop_token_ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})", "stop_token_ids"
+            )
         req = Request(
             request_id,
             [int(t) for t in prompt_token_ids],

@@ -33,7 +33,10 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, words
         ({"prompt": "x", "max_tokens": "ten"}, "max_tokens", "valid integer"),
         ({"prompt": "x", "n": 0}, "n", "greater than or equal to 1"),
         ({"prompt": "x", "logprobs": 50}, "logprobs", "less than or equal to 20"),
-        ({"prompt": "x", "stop": [""]}, None, "non-empty"),
+        ({"prompt": "x", "stop": [""]}, "stop", "non-empty"),
+        ({"prompt": "x", "stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16 stop strings are allowed, got 17"),
+        ({"prompt": "x", "stop_token_ids": [1000000000000]}, "stop_token_ids",
+         "token id 1000000000000 is outside the vocabulary [0, 49152)"),
         ({"prompt": [1, 99999999]}, "prompt", "outside the vocabulary"),
         ({"prompt": []}, "prompt", "empty list"),
         ({}, "prompt", "Field required"),
@@ -61,9 +64,34 @@ def test_chat_bad_values(http, body, param, words):
     assert_error(http.post("/v1/chat/completions", json=body), 400, param, words)
 
 
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "min_p", "repetition_penalty"])
+def test_non_finite_floats_are_refused_by_name(http, field, value):
+    """NaN used to be reported as "should be less than or equal to 100"."""
+    body = f'{{"prompt": "x", "max_tokens": 1, "{field}": {value}}}'.encode()
+    err = assert_error(http.post("/v1/completions", content=body, headers={"content-type": "application/json"}),
+                       400, field, "finite number")
+    assert field in err["message"]
+
+
+def test_a_prompt_too_long_to_fit_is_refused_by_size_before_tokenizing(http):
+    """A prompt whose characters cannot fit the context (1024 tokens here) is refused
+    from its length alone; the message says so (the tokenizer never saw it)."""
+    text = "lorem ipsum " * 80_000  # 960,000 characters, under the 1 MiB body limit
+    err = assert_error(http.post("/v1/completions", json={"prompt": text, "max_tokens": 1}), 400, "prompt",
+                       "960000 characters cannot fit in this model's maximum context length of 1024 tokens")
+    assert "at most" in err["message"]
+    chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    assert_error(http.post("/v1/chat/completions", json=chat), 400, "messages", "960000 characters cannot fit")
+    # Below the size bound a long prompt is still measured in tokens, as before.
+    assert_error(http.post("/v1/completions", json={"prompt": "lorem ipsum " * 500, "max_tokens": 1}), 400,
+                 "prompt", "maximum context length is 1024 tokens")
+
+
 def test_malformed_json_unknown_model_and_oversized_body(http):
     r = http.post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"})
-    assert_error(r, 400, None, "not valid JSON")
+    err = assert_error(r, 400, "body", "not valid JSON (at character 15)")
+    assert err["param"] != "15"
     err = assert_error(http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, "model", "gpt-9")
     assert err["code"] == "model_not_found"
     big = {"prompt": "x" * (2 << 20)}

@@ -215,7 +215,10 @@ def build_app(state: ServerState) -> FastAPI:
         param = ".".join(loc) or None
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
-            msg = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}"
+            # loc holds a character offset there, not a field: the whole body is at fault.
+            at = loc[0] if loc else "?"
+            param = "body"
+            msg = f"the request body is not valid JSON (at character {at}): {first.get('ctx', {}).get('error', msg)}"
         elif param:
             msg = f"{param}: {msg} (got {first.get('input')!r:.200})" if "input" in first else f"{param}: {msg}"
         return error(400, msg, "invalid_request_error", "invalid_value", param)
@@ -258,7 +261,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def health() -> Response:
         if state.engine.is_alive:
             return JSONResponse({"status": "ok"})
-        return error(503, f"the engine is not running: {state.engine.load_error}", "service_unavailable", 503)
+        return error(503, f"the engine is not running: {state.engine.failure}", "service_unavailable", 503)
 
     @app.get("/ready")
     async def ready() -> Response:

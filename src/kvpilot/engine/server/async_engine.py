@@ -26,7 +26,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from kvpilot.engine.core.block_pool import CacheIntegrityError
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
@@ -78,15 +77,19 @@ class AsyncEngine:
             there, so the HTTP server can answer ``/health`` and ``/ready`` meanwhile).
         on_step: called in the engine thread after each step and when idle, with the
             engine (for metrics).
+        on_integrity_check: called in the engine thread after each KV cache integrity
+            check with True when it passed (for metrics).
     """
 
     def __init__(
         self,
         engine_factory: Callable[[], LLMEngine],
         on_step: Callable[[LLMEngine], None] | None = None,
+        on_integrity_check: Callable[[bool], None] | None = None,
     ) -> None:
         self._factory = engine_factory
         self._on_step = on_step
+        self._on_integrity_check = on_integrity_check
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
@@ -95,6 +98,11 @@ class AsyncEngine:
         self.engine: LLMEngine | None = None
         self.load_error: BaseException | None = None
         self.num_unfinished = 0  # requests added and not yet finished (read from any thread)
+        # KV cache integrity checks run when the engine goes idle: how many, how many
+        # failed, and the first failure (which makes is_alive False: /health fails).
+        self.integrity_checks = 0
+        self.integrity_failures = 0
+        self.integrity_error: str | None = None
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -108,8 +116,21 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        """The engine thread runs (loading counts) and has not failed."""
-        return self._thread.is_alive() and self.load_error is None
+        """The engine thread runs (loading counts), has not failed to load, and its KV
+        cache passed every integrity check (a broken block pool would serve wrong KV: a
+        failed liveness probe lets Kubernetes restart the pod)."""
+        return self._thread.is_alive() and self.load_error is None and self.integrity_error is None
+
+    @property
+    def failure(self) -> str:
+        """Why the engine is not alive, for /health (empty while it is)."""
+        if self.load_error is not None:
+            return f"the model failed to load: {self.load_error}"
+        if self.integrity_error is not None:
+            return f"the KV cache integrity check failed: {self.integrity_error}"
+        if not self._thread.is_alive():
+            return "the engine thread stopped"
+        return ""
 
     @property
     def is_ready(self) -> bool:
@@ -197,12 +218,25 @@ class AsyncEngine:
             else:
                 if was_busy:  # just went idle: a good moment for the integrity check
                     was_busy = False
-                    try:
-                        engine.scheduler.check_integrity()
-                    except CacheIntegrityError:
-                        logger.exception("KV cache integrity check failed")
+                    self._check_integrity(engine)
                 if self._on_step is not None:
                     self._on_step(engine)
+
+    def _check_integrity(self, engine: LLMEngine) -> None:
+        """Run the block pool / radix cache integrity check; count it, and on failure log
+        it and record it (``/health`` then fails). The loop keeps serving meanwhile."""
+        self.integrity_checks += 1
+        passed = True
+        try:
+            engine.scheduler.check_integrity()
+        except Exception as e:  # CacheIntegrityError (or an assert in older checks)
+            passed = False
+            self.integrity_failures += 1
+            logger.exception("KV cache integrity check failed")
+            if self.integrity_error is None:
+                self.integrity_error = f"{type(e).__name__}: {e}"
+        if self._on_integrity_check is not None:
+            self._on_integrity_check(passed)
 
     def _drain_inbox(self, engine: LLMEngine, block: bool) -> None:
         try:

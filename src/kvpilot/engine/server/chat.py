@@ -45,13 +45,17 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
                 tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Token ids of the conversation rendered with the tokenizer's chat template."""
+    """Token ids of the conversation rendered with the tokenizer's chat template. Raises
+    InvalidRequestError when the messages' text alone cannot fit the context (checked
+    before rendering and tokenizing) or the template refuses them."""
     tok = ctx.tokenizer
+    dicts = message_dicts(messages)
+    ctx.check_prompt_size(sum(len(d["content"]) for d in dicts), "messages")
     if not getattr(tok, "chat_template", None):
         raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
     try:
         text = tok.apply_chat_template(
-            message_dicts(messages),
+            dicts,
             tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,

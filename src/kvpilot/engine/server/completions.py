@@ -23,7 +23,8 @@ from kvpilot.engine.server.serving import (
 
 
 def parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[list[int]]:
-    """Token ids per prompt. Raises InvalidRequestError for empty input."""
+    """Token ids per prompt. Raises InvalidRequestError for empty input, and for text
+    too long to fit the context before any of it is tokenized."""
     p = req.prompt
     if isinstance(p, str):
         texts_or_ids: list[Any] = [p]
@@ -33,6 +34,9 @@ def parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[list[int]
         texts_or_ids = [p]
     else:
         texts_or_ids = list(p)
+    for item in texts_or_ids:
+        if isinstance(item, str):
+            ctx.check_prompt_size(len(item), "prompt")
     prompts = []
     for item in texts_or_ids:
         ids = ctx.tokenizer.encode(item) if isinstance(item, str) else list(item)

@@ -67,6 +67,14 @@ class EngineMetrics:
         self.e2e = histogram("kvpilot:e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
         self.queue_time = histogram("kvpilot:request_queue_time_seconds", "Arrival to first scheduling.", REQUEST_BUCKETS)
         self.capacity = gauge("kvpilot:kv_cache_capacity_tokens", "KV cache capacity: blocks x block size.")
+        self.integrity_checks = counter(
+            "kvpilot:kv_cache_integrity_checks",
+            "KV cache integrity checks run (block pool and radix cache accounting, each time the engine goes idle).",
+        )
+        self.integrity_failures = counter(
+            "kvpilot:kv_cache_integrity_failures",
+            "KV cache integrity checks that failed (the first failure makes /health fail, so the pod restarts).",
+        )
         self.success = Counter(
             "kvpilot:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r
         )
@@ -93,6 +101,12 @@ class EngineMetrics:
             cfg.kv_cache_dtype_name,
             str(engine.args.enable_prefix_caching).lower(),
         ).set(1)
+
+    def observe_integrity_check(self, passed: bool) -> None:
+        """Count one integrity check and whether it failed (engine thread)."""
+        self.integrity_checks.inc()
+        if not passed:
+            self.integrity_failures.inc()
 
     def observe(self, engine: LLMEngine) -> None:
         """Set the gauges and add the statistics accumulated since the last call (call

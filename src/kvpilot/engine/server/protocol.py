@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvpilot.engine.sampling_params import SamplingParams
 
@@ -22,10 +22,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions."""
+MAX_STOP_STRINGS = 16
 
-    model_config = ConfigDict(extra="ignore")
+
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions. Floats must be finite (NaN and
+    infinity are refused by name, not compared with a bound)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
@@ -49,14 +53,15 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
-    @model_validator(mode="after")
-    def _check_stop(self) -> SamplingFields:
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if len(stops) > 16:
-            raise ValueError(f"stop: at most 16 stop strings are allowed, got {len(stops)}")
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else (stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
         if any(not s for s in stops):
-            raise ValueError("stop: stop strings must be non-empty")
-        return self
+            raise ValueError("stop strings must be non-empty")
+        return stop
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -4,8 +4,12 @@ Start-up: the HTTP server binds at once and answers ``/health`` (200) and ``/rea
 (503) while the model loads in the engine thread; a load failure exits with status 1.
 SIGTERM drains: ``/ready`` turns 503, new generation requests get 503, in-flight ones
 finish (up to ``--drain-timeout`` seconds; what is still running then is aborted with a
-503 body, or an error event on a stream), then the process exits 0. A second signal
-stops at once.
+503 body, or an error event on a stream), then the process exits 0. The whole exit is
+bounded: whatever still holds the process ``EXIT_GRACE_SECONDS`` after the drain ended
+(a connection uvicorn waits for, a step or a tokenization still running in a worker
+thread) is cut by a hard exit, so the pod is gone within ``--drain-timeout`` plus
+``ABORT_FLUSH_SECONDS + EXIT_GRACE_SECONDS`` (set ``terminationGracePeriodSeconds``
+above that). A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -29,7 +33,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvpilot.serve")
 # After the drain deadline aborts what is left: how long the aborted responses get to reach
 # their clients before uvicorn closes the connections.
-ABORT_FLUSH_SECONDS = 3.0
+ABORT_FLUSH_SECONDS = 2.0
+# After the drain: how long uvicorn's own shutdown may take before the process exits hard.
+# With ABORT_FLUSH_SECONDS this stays under the 5 s the operator leaves between the drain
+# timeout and the pod's SIGKILL (operator/builders/engine_args.py, EXIT_MARGIN_SECONDS).
+EXIT_GRACE_SECONDS = 2.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,10 +81,11 @@ def run(args: argparse.Namespace) -> int:
         metrics.set_config(engine)
         return engine
 
-    engine = AsyncEngine(factory, on_step=metrics.observe)
+    engine = AsyncEngine(factory, on_step=metrics.observe, on_integrity_check=metrics.observe_integrity_check)
     state = ServerState(engine, metrics, served, args.api_key, args.max_request_body_bytes)
     app = build_app(state)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=2)
     server = DrainingServer(config, state, args.drain_timeout)
     engine.start()
     threading.Thread(target=_exit_on_load_failure, args=(engine, server), daemon=True).start()
@@ -130,3 +139,15 @@ class DrainingServer(uvicorn.Server):
             while self.state.inflight and time.monotonic() < end:
                 time.sleep(0.05)
         self.should_exit = True
+        threading.Thread(target=_exit_after, args=(EXIT_GRACE_SECONDS,), name="kvpilot-exit", daemon=True).start()
+
+
+def _exit_after(seconds: float) -> None:
+    """Exit the process with status 0 if it is still alive ``seconds`` from now (a
+    daemon thread: a normal exit before then ends it)."""
+    time.sleep(seconds)
+    logger.warning("shutdown took longer than %.0fs after the drain; exiting now", seconds)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -79,6 +79,30 @@ class ServingContext:
     def max_model_len(self) -> int:
         return self.llm.max_model_len
 
+    @property
+    def max_chars_per_token(self) -> int:
+        """The most characters one token of this vocabulary stands for (its longest
+        piece; byte-level and SentencePiece pieces are never shorter than the text they
+        cover). Computed once."""
+        if not hasattr(self, "_max_chars_per_token"):
+            vocab = self.tokenizer.get_vocab()
+            self._max_chars_per_token = max((len(piece) for piece in vocab), default=1) or 1
+        return self._max_chars_per_token
+
+    def check_prompt_size(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a text of ``chars`` characters that cannot fit in
+        the context: it has at least ``chars / max_chars_per_token`` tokens. A factor of
+        2 covers normalizers that shorten text. Raises InvalidRequestError (400)."""
+        limit = self.max_model_len
+        most = 2 * limit * self.max_chars_per_token
+        if chars > most:
+            raise InvalidRequestError(
+                f"{param}: {chars} characters cannot fit in this model's maximum context length of {limit} "
+                f"tokens (a token covers at most {self.max_chars_per_token} characters here, so at most "
+                f"{most} characters are tokenized); send a shorter {param}",
+                param,
+            )
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise ModelNotFound(f"The model `{model}` does not exist; this server serves `{self.served_model_name}`")
