@@ -15,9 +15,9 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make serve   start the OpenAI-compatible server on $(HOST):$(PORT) with the embedded SmolLM2"
+	@echo "make lint    ruff, the layering contracts (import-linter) and mypy"
 	@echo "make test    lint, layering check and the full CPU test suite"
 	@echo "make unit    the fast subset: no weights, Triton interpreter, servers, hypothesis, helm (under 2 min)"
-	@echo "make lint    ruff, the import layering contracts and mypy"
 	@echo "make bench   engine benchmarks (see benchmarks/README.md)"
 	@echo "make e2e     end-to-end scenarios on a real local control plane (docs/e2e.md)"
 	@echo "make demo    the same cluster, the SmolLM2 sample under a load ramp, a scaling plot"

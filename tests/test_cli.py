@@ -26,7 +26,7 @@ def test_the_api_key_can_come_from_the_environment_and_the_flag_wins(monkeypatch
     set KVPILOT_API_KEY instead."""
     import argparse
 
-    from kvpilot.engine.server import serve_cli
+    from kvpilot.engine.server import cli as serve_cli
 
     monkeypatch.setenv("KVPILOT_API_KEY", "from-secret")
     parser = argparse.ArgumentParser(allow_abbrev=False)

@@ -1,5 +1,6 @@
 """Every reference in the repository resolves: each ``docs/*.md`` path the code, tests and
-docs cite exists, relative links between the docs point at files, each failure-case id
+docs cite exists, so does every repository path the docs and the README name, relative
+links between the docs point at files, each failure-case id
 (``C01`` ..) cited anywhere is defined in docs/failure-cases.md, and the tests that page
 names exist. Nothing points outside the repository (no ``../shared``)."""
 
@@ -26,6 +27,7 @@ UPSTREAM_DOCS = {
 }
 
 DOC_PATH = re.compile(r"(?<![\w./-])docs/[\w./-]+?\.md\b")
+REPO_PATH = re.compile(r"(?<![\w./-])(?:benchmarks|charts|crds|docker|e2e|scripts|src|tests)/[\w./-]*\w")
 MD_LINK = re.compile(r"\]\(([^)#\s:]+\.md)(?:#[^)]*)?\)")
 CASE_ID = re.compile(r"\bC\d\d\b")
 CASE_ROW = re.compile(r"^\| (C\d\d) \|(.*)$", re.MULTILINE)
@@ -70,6 +72,15 @@ def test_every_cited_docs_path_exists():
     missing = {path: files for path, files in occurrences(DOC_PATH).items()
                if path not in UPSTREAM_DOCS and not (REPO / path).is_file()}
     assert not missing, f"cited but not in the repository: {missing}"
+
+
+def test_repository_paths_in_the_docs_exist():
+    missing = []
+    for page in [*DOCS.glob("*.md"), REPO / "README.md"]:
+        for path in REPO_PATH.findall(read(page)):
+            if not (REPO / path).exists():
+                missing.append(f"{page.relative_to(REPO)} -> {path}")
+    assert not missing, f"named in the docs but not in the repository: {missing}"
 
 
 def test_relative_links_between_docs_resolve():

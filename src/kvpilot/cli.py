@@ -1,5 +1,11 @@
-"""The ``kvpilot`` console script: a thin dispatcher. Each subcommand's module is
-imported only when it runs, so ``kvpilot operator`` never imports torch."""
+"""The ``kvpilot`` console script: a thin dispatcher, the only command-line module at the
+package root.
+
+The convention: each component owns its command line in a ``cli.py`` that provides
+``add_arguments(parser)`` (its flags, on the parser the dispatcher made) and
+``run(args) -> int`` (the exit status); a component with subcommands of its own (``bench``)
+adds subparsers there. Each subcommand's module is imported only when it runs, so
+``kvpilot operator`` never imports torch."""
 
 from __future__ import annotations
 
@@ -7,14 +13,14 @@ import argparse
 import importlib
 import sys
 
-# subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
+# subcommand -> (the component's cli module, help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("kvpilot.engine.server.serve_cli", "OpenAI-compatible server (vLLM-compatible flags)"),
-    "generate": ("kvpilot.engine.generate_cli", "one-shot offline generation"),
+    "serve": ("kvpilot.engine.server.cli", "OpenAI-compatible server (vLLM-compatible flags)"),
+    "generate": ("kvpilot.engine.cli", "one-shot offline generation"),
     "bench": ("kvpilot.bench.cli", "benchmarks against a running server: bench serve"),
-    "operator": ("kvpilot.operator.main", "run the Kopf operator for InferenceDeployment resources"),
-    "kv-calc": ("kvpilot.kvcalc_cli", "KV-cache sizing: bytes per token, per request, max concurrency per GPU"),
-    "simulate": ("kvpilot.simulate_cli", "fleet autoscaling simulator: compare scaling policies on a trace"),
+    "operator": ("kvpilot.operator.cli", "run the Kopf operator for InferenceDeployment resources"),
+    "kv-calc": ("kvpilot.sizing.cli", "KV-cache sizing: bytes per token, per request, max concurrency per GPU"),
+    "simulate": ("kvpilot.simulation.cli", "fleet autoscaling simulator: compare scaling policies on a trace"),
 }
 
 

@@ -64,3 +64,46 @@ def test_bad_values_name_the_field_the_value_and_what_is_allowed(crd, message):
     with pytest.raises(ValueError) as err:
         AutoscalingSpec.from_crd({"maxReplicas": 10, **crd})
     assert message in str(err.value)
+
+
+def _autoscaling_defaults(crd_path):
+    """``{dotted name under spec.autoscaling: default}`` as a CRD file declares them."""
+    import yaml
+
+    crd = yaml.safe_load(crd_path.read_text())
+    (version,) = crd["spec"]["versions"]
+    root = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    found = {}
+
+    def walk(node, path):
+        for key, sub in node.get("properties", {}).items():
+            dotted = f"{path}.{key}" if path else key
+            if "default" in sub and sub["default"] != {}:
+                found[dotted] = sub["default"]
+            walk(sub, dotted)
+
+    walk(root["autoscaling"], "")
+    return found
+
+
+@pytest.mark.parametrize(
+    "crd_file",
+    ["crds/inferencedeployments.kvpilot.dev.yaml",
+     "charts/kvpilot/crds/inferencedeployments.kvpilot.dev.yaml"],
+)
+def test_the_defaults_table_is_the_crds(crd_file):
+    """One table (kvpilot.autoscaler.spec.DEFAULTS) holds spec.autoscaling's defaults; both
+    copies of the CRD must declare exactly it, and the dataclass must default to it."""
+    from pathlib import Path
+
+    from kvpilot.autoscaler.spec import DEFAULTS
+
+    repo = Path(__file__).resolve().parents[2]
+    found = _autoscaling_defaults(repo / crd_file)
+    assert found == DEFAULTS
+    assert {type(v) for v in found.values()} == {type(v) for v in DEFAULTS.values()}
+    defaulted = AutoscalingSpec.from_crd({"maxReplicas": 3})
+    assert {k: v for k, v in defaulted.to_crd().items() if k != "maxReplicas"} == {
+        k: v for k, v in DEFAULTS.items() if "." not in k
+    }
+    assert defaulted.metrics.source == DEFAULTS["metrics.source"]

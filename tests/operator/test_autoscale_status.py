@@ -6,7 +6,7 @@ import json
 import math
 from datetime import datetime, timezone
 
-from kvpilot.operator.autoscale_status import autoscaler_status, json_number
+from kvpilot.operator.status.autoscaler import autoscaler_status, json_number
 
 
 def test_json_number_replaces_non_finite_floats_anywhere():

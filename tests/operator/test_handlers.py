@@ -93,13 +93,13 @@ def test_resync_repairs_a_manually_edited_deployment(ctx):
 def test_invalid_spec_is_a_permanent_error_with_a_condition(ctx):
     body = inference(spec={"model": EMBEDDED, "autoscaling": {"minReplicas": 4, "maxReplicas": 2}},
                      generation=3)
-    patch = kopf.Patch()
-    with pytest.raises(kopf.PermanentError, match=r"autoscaling\.minReplicas: got 4"):
-        run_reconcile(ctx, body, patch)
-    ready = patch.status["conditions"][0]
+    with pytest.raises(kopf.PermanentError, match=r"autoscaling\.minReplicas: got 4") as info:
+        run_reconcile(ctx, body)
+    status = info.value.status
+    ready = status["conditions"][0]
     assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "False", "InvalidSpec")
     assert "must be <= autoscaling.maxReplicas (2)" in ready["message"]
-    assert patch.status["observedGeneration"] == 3
+    assert status["observedGeneration"] == 3
     assert ctx.post_event.events[0][1:3] == ("Warning", "InvalidSpec")
     assert metric(ctx, "kvpilot_operator_reconcile_total", result="invalid_spec") == 1
     assert ctx.api.writes() == []
@@ -108,32 +108,28 @@ def test_invalid_spec_is_a_permanent_error_with_a_condition(ctx):
 def test_refused_object_is_a_permanent_error(ctx):
     ctx.api.fail_next("apply:Deployment", InvalidObjectError(
         "apply Deployment llm/chat: HTTP 422: spec.template.spec.containers[0].resources: bad", 422))
-    patch = kopf.Patch()
-    with pytest.raises(kopf.PermanentError, match="HTTP 422"):
-        run_reconcile(ctx, inference(), patch)
-    assert patch.status["conditions"][0]["reason"] == "ApplyFailed"
+    with pytest.raises(kopf.PermanentError, match="HTTP 422") as info:
+        run_reconcile(ctx, inference())
+    assert info.value.status["conditions"][0]["reason"] == "ApplyFailed"
     assert metric(ctx, "kvpilot_operator_reconcile_total", result="apply_failed") == 1
 
 
 def test_conflicts_are_temporary(ctx):
     ctx.api.fail_next("apply:Deployment", *[ConflictError("modified", 409)] * CONFLICT_ATTEMPTS)
     with pytest.raises(kopf.TemporaryError) as info:
-        run_reconcile(ctx, inference(), kopf.Patch())
+        run_reconcile(ctx, inference())
     assert info.value.delay == CONFLICT_RETRY_SECONDS
     assert metric(ctx, "kvpilot_operator_reconcile_total", result="conflict") == 1
     # The retry that Kopf schedules then succeeds.
-    patch = kopf.Patch()
-    run_reconcile(ctx, inference(), patch)
-    assert patch.status["desiredReplicas"] == 1
+    assert run_reconcile(ctx, inference()).status["desiredReplicas"] == 1
 
 
 def test_api_outage_is_temporary_and_leaves_status_alone(ctx):
     ctx.api.fail_next("get:Deployment", TransientApiError("connection refused"))
-    patch = kopf.Patch()
     with pytest.raises(kopf.TemporaryError) as info:
-        run_reconcile(ctx, inference(), patch)
+        run_reconcile(ctx, inference())
     assert info.value.delay == TRANSIENT_RETRY_SECONDS
-    assert "status" not in patch
+    assert getattr(info.value, "status", None) is None  # nothing to write
     assert metric(ctx, "kvpilot_operator_reconcile_total", result="transient") == 1
 
 

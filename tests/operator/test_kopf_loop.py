@@ -23,9 +23,9 @@ from kubernetes import client as k8s
 from kubernetes.config import kube_config
 
 from kvpilot.operator import constants as c
+from kvpilot.operator.cli import operate
 from kvpilot.operator.handlers import OperatorContext
 from kvpilot.operator.kube import KubernetesApi
-from kvpilot.operator.main import operate
 from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.options import OperatorOptions
 

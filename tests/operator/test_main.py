@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvpilot.operator.main import add_arguments, options_from_args
+from kvpilot.operator.cli import add_arguments, options_from_args
 
 
 def parse(argv, env=None, monkeypatch=None):

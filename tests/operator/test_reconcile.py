@@ -129,7 +129,7 @@ def test_conflict_is_retried_against_fresh_state():
     api.before_apply = concurrent_resize
     result = run(api, AUTO)
     assert deployment_replicas(api) == 3
-    assert result.decision.replicas == 3
+    assert result.target.replicas == 3
     deployment_applies = [call for call in api.calls if call[:2] == ("apply", "Deployment")]
     assert len(deployment_applies) == 3  # create, conflicting apply, retried apply
 
@@ -140,7 +140,7 @@ def test_conflicts_exhausted_raise():
     with pytest.raises(ConflictError):
         run(api)
     api.fail_next("apply:Deployment", *[ConflictError("busy", 409)] * (CONFLICT_ATTEMPTS - 1))
-    assert run(api).decision.replicas == 1
+    assert run(api).target.replicas == 1
 
 
 def test_invalid_spec_raises_before_any_write():
@@ -203,7 +203,7 @@ def test_removing_autoscaling_without_replicas_keeps_the_fleet():
     run(api, AUTO, requested=5)
     assert deployment_replicas(api) == 5
     result = run(api, {"model": EMBEDDED})
-    assert deployment_replicas(api) == 5 and not result.decision.is_scale
+    assert deployment_replicas(api) == 5 and not result.target.is_scale
     run(api, {"model": EMBEDDED, "replicas": 2})
     assert deployment_replicas(api) == 2
-    assert run(FakeKubeApi(), {"model": EMBEDDED}).decision.replicas == 1  # a new one
+    assert run(FakeKubeApi(), {"model": EMBEDDED}).target.replicas == 1  # a new one

@@ -7,10 +7,10 @@ from datetime import timedelta
 
 import pytest
 
-from kvpilot.operator.conditions import Condition, set_conditions, to_rfc3339
-from kvpilot.operator.replicas import ReplicaDecision, decide_replicas
+from kvpilot.operator.reconcile import ReplicaTarget, replica_target, scale_status
 from kvpilot.operator.spec import parse_spec
-from kvpilot.operator.status import failure_status, scale_status, workload_status
+from kvpilot.operator.status.conditions import Condition, set_conditions, to_rfc3339
+from kvpilot.operator.status.workload import failure_status, workload_status
 
 from .fakes import T0
 
@@ -37,8 +37,8 @@ DECISIONS = [
 
 
 @pytest.mark.parametrize("spec,current,requested,replicas,reason", DECISIONS)
-def test_decide_replicas(spec, current, requested, replicas, reason):
-    decision = decide_replicas(spec, current, requested, "queue depth 9 > 4" if requested else "")
+def test_replica_target(spec, current, requested, replicas, reason):
+    decision = replica_target(spec, current, requested, "queue depth 9 > 4" if requested else "")
     assert decision.replicas == replicas and decision.current == current
     assert reason in decision.reason
     assert (decision.reason == "") == (current in (None, replicas))
@@ -117,9 +117,9 @@ def test_workload_status_from_the_deployment_watch_leaves_generation_alone():
 
 
 def test_scale_and_failure_status():
-    assert scale_status(ReplicaDecision(3, None, ""), T0) == {}
-    assert scale_status(ReplicaDecision(3, 3, ""), T0) == {}
-    assert scale_status(ReplicaDecision(4, 3, "queue depth 9 > 4"), T0) == {
+    assert scale_status(ReplicaTarget(3, None, ""), T0) == {}
+    assert scale_status(ReplicaTarget(3, 3, ""), T0) == {}
+    assert scale_status(ReplicaTarget(4, 3, "queue depth 9 > 4"), T0) == {
         "lastScaleTime": "2026-11-29T12:00:00Z", "lastScaleReason": "3 -> 4: queue depth 9 > 4"}
     failed = failure_status("InvalidSpec", "spec.x: got 1", None, 7, T0)
     assert failed["observedGeneration"] == 7

@@ -12,11 +12,8 @@ from kvpilot.operator.api import ConflictError
 from kvpilot.operator.handlers import OperatorContext, on_deployment_event, on_spec
 from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.options import OperatorOptions
-from kvpilot.operator.status_writer import (
-    STATUS_CONFLICT_ATTEMPTS,
-    merge_conditions,
-    write_status,
-)
+from kvpilot.operator.status.conditions import merge_conditions
+from kvpilot.operator.status.writer import STATUS_CONFLICT_ATTEMPTS, write_status
 
 from .fake_sources import loaded
 from .fakes import Clock, FakeKubeApi, inference
@@ -128,7 +125,7 @@ def test_the_loop_does_not_write_a_stale_ready_from_its_snapshot():
     fleet.api.set_deployment_status("llm", "chat", replicas=1, readyReplicas=1, updatedReplicas=1)
     on_deployment_event(body=fleet.api.stored("Deployment", "llm", "chat"), type="MODIFIED",
                         memo=fleet.ctx)
-    step = fleet.loop.decide(snapshot, *_resource_and_spec(snapshot), fleet.clock())
+    step = fleet.loop.run_interval(snapshot, *_resource_and_spec(snapshot), fleet.clock())
     assert step is not None and step.requested is None  # a hold: the reconcile did not run
     stored = types(fleet.status["conditions"])
     assert stored[0] == ("Ready", "True", "AllReplicasReady")

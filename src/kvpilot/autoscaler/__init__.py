@@ -11,7 +11,7 @@ The operator's timer calls :func:`decide` once per ``intervalSeconds``::
 from kvpilot.autoscaler.policy import Decision, decide
 from kvpilot.autoscaler.rules import Candidate
 from kvpilot.autoscaler.signals import FleetLoad, FleetSignals, PodSignals, aggregate, counter_rate
-from kvpilot.autoscaler.spec import AutoscalingSpec
+from kvpilot.autoscaler.spec import AutoscalingSpec, MetricsSourceSpec
 from kvpilot.autoscaler.state import PolicyState, Recommendation
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "Decision",
     "FleetLoad",
     "FleetSignals",
+    "MetricsSourceSpec",
     "PodSignals",
     "PolicyState",
     "Recommendation",

@@ -1,4 +1,15 @@
-"""The scaling decision: one pure function, :func:`decide`.
+"""The scaling decision: one pure function, :func:`decide`, a pipeline of named stages.
+
+::
+
+    signals, state, spec, now
+      -> observe        load over the ready pods; history pruned to the windows
+      -> (no KV usage)  hold current: MetricsAvailable=False           [missing_metrics]
+      -> assess         demand sample, trend, starvation episode, the four rule candidates,
+                        this interval's recommendation recorded
+      -> propose_up     the forecast and the alarm now, reactive rules stabilized
+      -> propose_hold_or_down   the first hold check that applies, else one step down
+      -> bound          clamp to [min, max]; direction, limited, last-scale times -> Decision
 
 Decision table (first row that applies wins; ``current`` = ready + pending)::
 
@@ -6,9 +17,11 @@ Decision table (first row that applies wins; ``current`` = ready + pending)::
   up = max(forecast, starvation,   -> if up > current: scale UP to up now (no window waits
        reactive over up-window)       for the forecast or the alarm)
   highest candidate >= current     -> hold ("at target")
-  any ready pod missing a signal   -> hold (never down on missing data: C15, C17)
+  current at minReplicas           -> hold ("at the lower bound")
+  any ready pod missing a signal   -> hold (never down on missing data)
   window not a full, continuous    -> hold (scale-down stabilization)
     run of recommendations < current
+  settling after the last step     -> hold (the next step waits for the load to move)
   consolidation check fails        -> hold (current - 1 would not absorb the load under target)
   otherwise                        -> scale DOWN by one
   finally                          -> clamp to [min, max]; report which bound limited it
@@ -21,10 +34,12 @@ metrics on a scale-up, so partial data can justify a scale-up but never a scale-
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kvpilot.autoscaler import rules
-from kvpilot.autoscaler.forecast import fit_trend, still_rising
+from kvpilot.autoscaler.decision import Decision, Proposal, bound
+from kvpilot.autoscaler.forecast import Trend, fit_trend, still_rising
 from kvpilot.autoscaler.rules import Candidate
 from kvpilot.autoscaler.signals import FleetLoad, FleetSignals, aggregate
 from kvpilot.autoscaler.spec import AutoscalingSpec
@@ -36,56 +51,7 @@ from kvpilot.autoscaler.windows import (
     stabilized_up,
 )
 
-
-@dataclass(frozen=True)
-class Decision:
-    """What to do, and why.
-
-    Attributes:
-        desired_replicas: the count to write to the Deployment (within [min, max]).
-        current_replicas: ready + pending at decision time.
-        direction: ``up``, ``down`` or ``hold``.
-        rule: the rule that decided: a candidate's name, ``scale_down``, ``hold``,
-            ``missing_metrics`` or ``bounds``.
-        signal / value: the metric behind that rule and its value.
-        reason: one sentence for the Event and ``status.lastScaleReason``.
-        candidates: every rule's answer, in a fixed order.
-        unclamped_replicas: what the rules asked for before [min, max].
-        limited: ``max`` / ``min`` when a bound cut the answer (ScalingLimited=True).
-        metrics_available: False when no ready pod reported KV usage (MetricsAvailable).
-        missing_pods: ready pods with at least one missing signal.
-        state: the history to pass to the next call.
-    """
-
-    desired_replicas: int
-    current_replicas: int
-    direction: str
-    rule: str
-    signal: str | None
-    value: float | None
-    reason: str
-    candidates: tuple[Candidate, ...]
-    unclamped_replicas: int
-    limited: str | None
-    metrics_available: bool
-    missing_pods: tuple[str, ...]
-    state: PolicyState
-
-    def to_dict(self) -> dict[str, object]:
-        """JSON-ready summary (without the state) for status and logs."""
-        return {
-            "desiredReplicas": self.desired_replicas,
-            "currentReplicas": self.current_replicas,
-            "direction": self.direction,
-            "rule": self.rule,
-            "signal": self.signal,
-            "value": None if self.value is None else round(self.value, 6),
-            "reason": self.reason,
-            "limited": self.limited,
-            "metricsAvailable": self.metrics_available,
-            "missingPods": list(self.missing_pods),
-            "candidates": [c.to_dict() for c in self.candidates],
-        }
+__all__ = ["Decision", "decide"]
 
 
 def decide(
@@ -101,30 +67,81 @@ def decide(
         spec: targets, bounds and windows.
         now: the caller's clock, seconds (monotonic or wall, but the same one every call).
     """
-    current = signals.current_replicas
-    ready = signals.ready_replicas
-    load = aggregate(signals)
-    rec_window = max(spec.scale_down_stabilization_seconds, spec.scale_up_stabilization_seconds)
-    state = state.pruned(now, spec.forecast_window_seconds, rec_window)
-
+    load, state = observe(signals, state, spec, now)
     if load.usage_reported == 0:
-        state = _record(state, now, None, None)
-        why = "no ready pod" if ready == 0 else f"none of {ready} ready pods reported KV usage"
-        return _finish(
-            spec,
-            now,
-            current,
-            current,
-            "missing_metrics",
-            None,
-            None,
-            f"metrics missing ({why}): holding {current}",
-            (),
-            load,
-            state,
-            False,
-        )
+        return missing_metrics(signals, load, state, spec, now)
+    interval = assess(signals, load, state, spec, now)
+    proposal = propose_up(interval, spec) or propose_hold_or_down(interval, spec)
+    return bound(proposal, interval.current, interval.candidates, load, interval.state, spec,
+                 now)
 
+
+@dataclass(frozen=True)
+class Interval:
+    """What the stages after :func:`assess` read: one interval, fully observed.
+
+    Attributes:
+        now: the caller's clock.
+        current / ready: ready + pending, and ready replicas.
+        load: the fleet's load (:func:`~kvpilot.autoscaler.signals.aggregate`).
+        trend: KV demand's least-squares trend over the settled window, or None.
+        latest_demand: this interval's demand (replica-equivalents), None if incomplete.
+        candidates: headroom, queue drain, forecast, starvation (this order).
+        state: the history with this interval's demand and recommendation recorded.
+    """
+
+    now: float
+    current: int
+    ready: int
+    load: FleetLoad
+    trend: Trend | None
+    latest_demand: float | None
+    candidates: tuple[Candidate, ...]
+    state: PolicyState
+
+    def rule(self, name: str) -> Candidate:
+        return next(c for c in self.candidates if c.rule == name)
+
+    @property
+    def highest(self) -> Candidate:
+        """The candidate asking for the most replicas (headroom always answers here)."""
+        found = _highest(*self.candidates)
+        if found is None or found.replicas is None:
+            raise AssertionError("headroom answers whenever KV usage was reported")
+        return found
+
+    @property
+    def reactive(self) -> Candidate | None:
+        return _highest(self.rule("headroom"), self.rule("queue_drain"))
+
+
+def observe(
+    signals: FleetSignals, state: PolicyState, spec: AutoscalingSpec, now: float
+) -> tuple[FleetLoad, PolicyState]:
+    """The fleet's load, and the history pruned to what the windows can still use."""
+    rec_window = max(spec.scale_down_stabilization_seconds, spec.scale_up_stabilization_seconds)
+    return aggregate(signals), state.pruned(now, spec.forecast_window_seconds, rec_window)
+
+
+def missing_metrics(
+    signals: FleetSignals, load: FleetLoad, state: PolicyState, spec: AutoscalingSpec, now: float
+) -> Decision:
+    """No ready pod reported KV usage: hold, and record an incomplete interval (it breaks
+    the scale-down window)."""
+    current, ready = signals.current_replicas, signals.ready_replicas
+    state = _record(state, now, None, None)
+    why = "no ready pod" if ready == 0 else f"none of {ready} ready pods reported KV usage"
+    hold = Proposal(current, "missing_metrics", None, None,
+                    f"metrics missing ({why}): holding {current}")
+    return bound(hold, current, (), load, state, spec, now, metrics_available=False)
+
+
+def assess(
+    signals: FleetSignals, load: FleetLoad, state: PolicyState, spec: AutoscalingSpec, now: float
+) -> Interval:
+    """Record the demand sample, fit the trend, track the starvation episode, ask the four
+    rules, and record what they recommended (the windows read it next time)."""
+    current, ready = signals.current_replicas, signals.ready_replicas
     latest_demand = None
     if load.complete:
         latest_demand = load.demand_tokens / load.capacity_per_replica
@@ -146,158 +163,128 @@ def decide(
         rules.forecast(trend, latest_demand, current, spec, drain.replicas is not None, rising),
         rules.starvation(load, ready, current, spec, state.starvation_base_replicas),
     )
-    by_rule = {c.rule: c for c in candidates}
-    reactive = _highest(by_rule["headroom"], by_rule["queue_drain"])
-    urgent = _highest(by_rule["forecast"], by_rule["starvation"])
-    highest = _highest(*candidates)
-    assert highest is not None  # headroom always answers once usage was reported
+    interval = Interval(now, current, ready, load, trend, latest_demand, candidates, state)
     # The scale-down window remembers what the sizing rules asked for (headroom, forecast).
     # A queue or a full pod is pressure to answer now, not load to keep capacity for once
     # gone: while either lasts, its candidate holds the count and the consolidation check
     # refuses to step down.
-    held = _highest(by_rule["headroom"], by_rule["forecast"])
+    held = _highest(interval.rule("headroom"), interval.rule("forecast"))
+    reactive = interval.reactive
     state = _record(
         state,
         now,
         held.replicas if load.complete and held else None,
         reactive.replicas if reactive else None,
     )
+    return replace(interval, state=state)
 
-    # Scale up: the forecast and the alarm act now; reactive rules may be stabilized.
-    up_reactive = stabilized_up(state, now, spec, reactive)
+
+def propose_up(interval: Interval, spec: AutoscalingSpec) -> Proposal | None:
+    """Scale up when any urgent rule (forecast, starvation) or a reactive one, stabilized
+    over the scale-up window, asks for more than ``current``; None otherwise."""
+    up_reactive = stabilized_up(interval.state, interval.now, spec, interval.reactive)
+    urgent = _highest(interval.rule("forecast"), interval.rule("starvation"))
     up = _highest(up_reactive, urgent)
-    if up is not None and up.replicas is not None and up.replicas > current:
-        return _finish(
-            spec,
-            now,
-            current,
-            up.replicas,
-            up.rule,
-            up.signal,
-            up.value,
-            up.detail,
-            candidates,
-            load,
-            state,
-            True,
-        )
+    if up is None or up.replicas is None or up.replicas <= interval.current:
+        return None
+    return Proposal(up.replicas, up.rule, up.signal, up.value, up.detail)
 
-    assert highest.replicas is not None
-    if highest.replicas >= current:
-        return _finish(
-            spec,
-            now,
-            current,
-            current,
-            "hold",
-            highest.signal,
-            highest.value,
-            f"at target: {highest.detail}",
-            candidates,
-            load,
-            state,
-            True,
-        )
-    if current <= spec.min_replicas:
-        return _finish(
-            spec,
-            now,
-            current,
-            highest.replicas,
-            "hold",
-            highest.signal,
-            highest.value,
-            f"at the lower bound: {highest.detail}",
-            candidates,
-            load,
-            state,
-            True,
-        )
-    if not load.complete:
-        return _finish(
-            spec,
-            now,
-            current,
-            current,
-            "hold",
-            None,
-            None,
-            f"never scale down on missing data: no signal from {', '.join(load.missing_pods[:5])}",
-            candidates,
-            load,
-            state,
-            True,
-        )
-    held_for = below_target_for(state, now, spec, current)
-    if held_for < spec.scale_down_stabilization_seconds:
-        return _finish(
-            spec,
-            now,
-            current,
-            current,
-            "hold",
-            highest.signal,
-            highest.value,
-            f"below target for {held_for:.0f} s of the"
-            f" {spec.scale_down_stabilization_seconds:.0f} s scale-down window"
-            f" ({highest.rule} asks {highest.replicas})",
-            candidates,
-            load,
-            state,
-            True,
-        )
+
+def propose_hold_or_down(interval: Interval, spec: AutoscalingSpec) -> Proposal:
+    """The first hold check that applies (:data:`HOLD_CHECKS`, in order), else one step
+    down."""
+    for check in HOLD_CHECKS:
+        hold = check(interval, spec)
+        if hold is not None:
+            return hold
+    return step_down(interval, spec)
+
+
+def _hold(interval: Interval, reason: str, *, asked: int | None = None,
+          quiet: bool = False) -> Proposal:
+    """Keep ``current`` (or propose ``asked``), citing the highest candidate's signal."""
+    top = interval.highest
+    return Proposal(
+        interval.current if asked is None else asked,
+        "hold",
+        None if quiet else top.signal,
+        None if quiet else top.value,
+        reason,
+    )
+
+
+def at_target(interval: Interval, spec: AutoscalingSpec) -> Proposal | None:
+    top = interval.highest
+    if top.replicas is not None and top.replicas >= interval.current:
+        return _hold(interval, f"at target: {top.detail}")
+    return None
+
+
+def at_lower_bound(interval: Interval, spec: AutoscalingSpec) -> Proposal | None:
+    top = interval.highest
+    if interval.current <= spec.min_replicas:
+        return _hold(interval, f"at the lower bound: {top.detail}", asked=top.replicas)
+    return None
+
+
+def data_missing(interval: Interval, spec: AutoscalingSpec) -> Proposal | None:
+    missing = interval.load.missing_pods
+    if missing:
+        return _hold(interval, "never scale down on missing data: no signal from"
+                     f" {', '.join(missing[:5])}", quiet=True)
+    return None
+
+
+def window_not_full(interval: Interval, spec: AutoscalingSpec) -> Proposal | None:
+    held_for = below_target_for(interval.state, interval.now, spec, interval.current)
+    window = spec.scale_down_stabilization_seconds
+    if held_for < window:
+        top = interval.highest
+        return _hold(interval, f"below target for {held_for:.0f} s of the {window:.0f} s"
+                     f" scale-down window ({top.rule} asks {top.replicas})")
+    return None
+
+
+def settling(interval: Interval, spec: AutoscalingSpec) -> Proposal | None:
+    """Right after a step down, wait one forecast window before the next while the load
+    per remaining pod is still near the target (so the next step sees the moved load)."""
+    current, now, last = interval.current, interval.now, interval.state.last_scale_down_time
     settle = spec.forecast_window_seconds
-    used = load.used_tokens / load.capacity_per_replica
-    near_target = used / (current - 1) > spec.target_cache_usage / 2 if current > 1 else True
-    recent = state.last_scale_down_time is not None and now - state.last_scale_down_time < settle
-    if recent and near_target:
-        return _finish(
-            spec,
-            now,
-            current,
-            current,
-            "hold",
-            highest.signal,
-            highest.value,
-            f"settling: the last step down was {now - state.last_scale_down_time:.0f} s ago;"
-            f" the next waits {settle:.0f} s so it is judged on the load after it",
-            candidates,
-            load,
-            state,
-            True,
-        )
-    blocker = consolidation_blocker(load, trend, latest_demand, current - 1, spec)
-    if blocker:
-        return _finish(
-            spec,
-            now,
-            current,
-            current,
-            "hold",
-            highest.signal,
-            highest.value,
-            f"consolidation check: {blocker}",
-            candidates,
-            load,
-            state,
-            True,
-        )
-    return _finish(
-        spec,
-        now,
-        current,
-        current - 1,
+    near_target = _used(interval) / (current - 1) > spec.target_cache_usage / 2 if current > 1 else True
+    if last is not None and now - last < settle and near_target:
+        return _hold(interval, f"settling: the last step down was {now - last:.0f} s ago;"
+                     f" the next waits {settle:.0f} s so it is judged on the load after it")
+    return None
+
+
+def consolidation_blocked(interval: Interval, spec: AutoscalingSpec) -> Proposal | None:
+    blocker = consolidation_blocker(interval.load, interval.trend, interval.latest_demand,
+                                    interval.current - 1, spec)
+    return _hold(interval, f"consolidation check: {blocker}") if blocker else None
+
+
+HOLD_CHECKS: tuple[Callable[[Interval, AutoscalingSpec], Proposal | None], ...] = (
+    at_target, at_lower_bound, data_missing, window_not_full, settling, consolidation_blocked,
+)
+
+
+def step_down(interval: Interval, spec: AutoscalingSpec) -> Proposal:
+    """One replica fewer: every hold check passed."""
+    fewer = interval.current - 1
+    usage = _used(interval) / fewer
+    return Proposal(
+        fewer,
         "scale_down",
         "kv_usage",
-        used / (current - 1),
+        usage,
         f"below target for a full {spec.scale_down_stabilization_seconds:.0f} s window;"
-        f" {current - 1} replicas absorb the load at"
-        f" {used / (current - 1):.1%} KV usage",
-        candidates,
-        load,
-        state,
-        True,
+        f" {fewer} replicas absorb the load at {usage:.1%} KV usage",
     )
+
+
+def _used(interval: Interval) -> float:
+    """Tokens held, in replica-equivalents."""
+    return interval.load.used_tokens / interval.load.capacity_per_replica
 
 
 def _highest(*candidates: Candidate | None) -> Candidate | None:
@@ -310,47 +297,3 @@ def _record(
 ) -> PolicyState:
     rec = Recommendation(now, replicas, reactive)
     return replace(state, recommendations=(*state.recommendations, rec))
-
-
-def _finish(
-    spec: AutoscalingSpec,
-    now: float,
-    current: int,
-    asked: int,
-    rule: str,
-    signal: str | None,
-    value: float | None,
-    reason: str,
-    candidates: tuple[Candidate, ...],
-    load: FleetLoad,
-    state: PolicyState,
-    available: bool,
-) -> Decision:
-    desired = min(max(asked, spec.min_replicas), spec.max_replicas)
-    limited = "max" if asked > spec.max_replicas else "min" if asked < spec.min_replicas else None
-    if desired != asked:
-        bound = spec.max_replicas if limited == "max" else spec.min_replicas
-        reason = f"{reason} (limited to {limited}Replicas={bound})"
-        moved_by_bounds = (desired > current) != (asked > current) or asked == current
-        if desired != current and moved_by_bounds:  # the count moves only for the bounds
-            rule = "bounds"
-    direction = "up" if desired > current else "down" if desired < current else "hold"
-    if direction != "hold":
-        state = replace(state, last_scale_time=now)
-        if direction == "down":
-            state = replace(state, last_scale_down_time=now)
-    return Decision(
-        desired,
-        current,
-        direction,
-        rule,
-        signal,
-        value,
-        reason,
-        candidates,
-        asked,
-        limited,
-        available,
-        load.missing_pods,
-        state,
-    )

@@ -1,21 +1,45 @@
 """The autoscaling spec: what a user asks of the policy (``spec.autoscaling`` on the CR).
 
-:class:`AutoscalingSpec` is frozen and validated once in ``__post_init__``; bad values raise
-``ValueError`` naming the field (in the CRD's camelCase), the value received and what is
-allowed. :meth:`AutoscalingSpec.from_crd` reads the CR's camelCase mapping.
+One :class:`AutoscalingSpec` for everyone: the operator builds it from the validated CR
+(``kvpilot.operator.spec.parse_spec``), the simulator from a scenario
+(``kvpilot.autoscaler.sim.compare.Scenario``), and the policy reads it. It is frozen and
+validated once in ``__post_init__``; bad values raise ``ValueError`` naming the field (in
+the CRD's camelCase), the value received and what is allowed.
 
-The fields below ``interval_seconds`` are policy constants the CRD does not expose (yet);
-their defaults are the ones the simulator and benchmark were run with.
+:data:`DEFAULTS` is the one table of the CRD's ``default:`` values under
+``spec.autoscaling`` (camelCase, dotted below it): the dataclass defaults come from it,
+the operator applies it to raw specs, and ``tests/autoscaler/test_spec.py`` compares it
+with both copies of the CRD (``crds/`` and the chart's).
+
+The fields below ``metrics`` are policy constants the CRD does not expose (yet); their
+defaults are the ones the simulator and benchmark were run with.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-# CRD camelCase name -> dataclass field, for from_crd() and error messages.
+# The CRD's defaults under spec.autoscaling (maxReplicas has none: it is required).
+DEFAULTS: dict[str, Any] = {
+    "minReplicas": 1,
+    "targetCacheUsage": 0.75,
+    "targetQueueDepth": 4,
+    "startupSeconds": 120,
+    "scaleUpStabilizationSeconds": 0,
+    "scaleDownStabilizationSeconds": 300,
+    "intervalSeconds": 15,
+    "metrics.source": "pods",
+}
+METRIC_SOURCES = ("prometheus", "pods")
+# Per-pod KV usage at which the starvation alarm fires; a target must stay below it.
+STARVATION_USAGE = 0.95
+# What maxReplicas is when a caller (the simulator, a test) does not say.
+UNSET_MAX_REPLICAS = 10
+
+# CRD camelCase name -> dataclass field, for from_crd()/to_crd() and error messages.
 _CRD_NAMES = {
     "minReplicas": "min_replicas",
     "maxReplicas": "max_replicas",
@@ -31,6 +55,30 @@ _FIELD_TO_CRD = {v: k for k, v in _CRD_NAMES.items()}
 
 def _name(field_name: str) -> str:
     return _FIELD_TO_CRD.get(field_name, field_name)
+
+
+@dataclass(frozen=True)
+class MetricsSourceSpec:
+    """``spec.autoscaling.metrics``: where the operator reads the engines' signals.
+
+    Attributes:
+        source: ``pods`` (scrape each ready pod's ``/metrics``) or ``prometheus``.
+        url: the Prometheus base URL (required for ``prometheus``, else unused).
+
+    Raises:
+        ValueError: an unknown source, or ``prometheus`` without a URL.
+    """
+
+    source: str = DEFAULTS["metrics.source"]
+    url: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.source not in METRIC_SOURCES:
+            raise ValueError(
+                f"metrics.source must be one of {', '.join(METRIC_SOURCES)}; got {self.source!r}"
+            )
+        if self.source == "prometheus" and not self.url:
+            raise ValueError("metrics.url is required when metrics.source is prometheus")
 
 
 @dataclass(frozen=True)
@@ -54,6 +102,7 @@ class AutoscalingSpec:
             observations whose recommendations were all below the current count.
         interval_seconds: how often the operator calls the policy (> 0); also bounds the gap
             between observations that still counts as a continuous window.
+        metrics: where the signals come from (the operator reads it; the policy does not).
         tolerance: dead band around a target, as a ratio (HPA's default 0.1).
         starvation_usage: per-pod KV usage at or above which the starvation alarm fires.
         forecast_window_seconds: span of history the least-squares slope is fitted over.
@@ -61,22 +110,27 @@ class AutoscalingSpec:
             (covers the decision interval and metric lag).
     """
 
-    min_replicas: int = 1
-    max_replicas: int = 10
-    target_cache_usage: float = 0.75
-    target_queue_depth: float = 4.0
-    startup_seconds: float = 120.0
-    scale_up_stabilization_seconds: float = 0.0
-    scale_down_stabilization_seconds: float = 300.0
-    interval_seconds: float = 15.0
+    min_replicas: int = DEFAULTS["minReplicas"]
+    max_replicas: int = UNSET_MAX_REPLICAS
+    target_cache_usage: float = float(DEFAULTS["targetCacheUsage"])
+    target_queue_depth: float = float(DEFAULTS["targetQueueDepth"])
+    startup_seconds: float = float(DEFAULTS["startupSeconds"])
+    scale_up_stabilization_seconds: float = float(DEFAULTS["scaleUpStabilizationSeconds"])
+    scale_down_stabilization_seconds: float = float(DEFAULTS["scaleDownStabilizationSeconds"])
+    interval_seconds: float = float(DEFAULTS["intervalSeconds"])
+    metrics: MetricsSourceSpec = field(default_factory=MetricsSourceSpec)
     tolerance: float = 0.1
-    starvation_usage: float = 0.95
+    starvation_usage: float = STARVATION_USAGE
     forecast_window_seconds: float = 120.0
     forecast_margin_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "metrics":
+                if not isinstance(value, MetricsSourceSpec):
+                    raise ValueError(f"metrics must be a MetricsSourceSpec; got {value!r}")
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{_name(f.name)} must be a number; got {value!r}")
             if isinstance(value, float) and not math.isfinite(value):
@@ -86,6 +140,9 @@ class AutoscalingSpec:
             if not isinstance(value, int) and not float(value).is_integer():
                 raise ValueError(f"{_name(name)} must be a whole number; got {value!r}")
             object.__setattr__(self, name, int(value))
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
         if self.min_replicas < 1:
             raise ValueError(
                 "minReplicas must be >= 1 (scale to zero is not supported);"
@@ -127,15 +184,29 @@ class AutoscalingSpec:
         """How far ahead the forecast must look: start-up time plus the margin."""
         return self.startup_seconds + self.forecast_margin_seconds
 
+    def clamp(self, replicas: int) -> int:
+        """``replicas`` limited to [min_replicas, max_replicas]."""
+        return max(self.min_replicas, min(self.max_replicas, replicas))
+
     @classmethod
     def from_crd(cls, autoscaling: Mapping[str, Any]) -> AutoscalingSpec:
         """Build from the CR's ``spec.autoscaling`` mapping (camelCase keys).
 
-        Unknown keys (e.g. ``metrics``) are ignored; absent keys take the defaults.
+        Unknown keys are ignored; absent keys take the defaults. Raises ValueError as the
+        constructor does (the operator's ``parse_spec`` checks the CRD's ranges first and
+        names the full ``spec.autoscaling...`` path).
         """
-        kwargs = {_CRD_NAMES[k]: v for k, v in autoscaling.items() if k in _CRD_NAMES}
+        kwargs: dict[str, Any] = {
+            _CRD_NAMES[k]: v for k, v in autoscaling.items() if k in _CRD_NAMES
+        }
+        metrics = autoscaling.get("metrics")
+        if isinstance(metrics, Mapping):
+            kwargs["metrics"] = MetricsSourceSpec(
+                source=metrics.get("source", DEFAULTS["metrics.source"]), url=metrics.get("url")
+            )
         return cls(**kwargs)
 
     def to_crd(self) -> dict[str, float | int]:
-        """The CRD-visible fields, camelCase (the inverse of :meth:`from_crd`)."""
+        """The policy's CRD fields, camelCase (``metrics`` left out: the policy does not
+        read it). ``from_crd(spec.to_crd())`` equals a spec with the default metrics."""
         return {crd: getattr(self, name) for crd, name in _CRD_NAMES.items()}

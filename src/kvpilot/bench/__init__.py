@@ -10,7 +10,7 @@ Module map:
 - ``cache_counters``: prefix-cache hit rate from ``/metrics`` counter deltas;
 - ``metrics``: percentiles and per-class summaries;
 - ``runner``: ``run_benchmark`` drives a workload -> ``BenchResult``;
-- ``report``, ``serve_cli``, ``cli``: the ``kvpilot bench serve`` command.
+- ``report``, ``cli``: the ``kvpilot bench serve`` command.
 
 Python use::
 

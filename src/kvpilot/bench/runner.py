@@ -167,8 +167,8 @@ def _by_class(units: Sequence[Unit], records: Sequence[RequestRecord], duration_
     summaries = summarize(records, duration_s, percentiles)
     by_class: dict[str, dict[str, Any]] = {}
     for name, planned in _planned_requests(units).items():
-        by_class[name] = summaries.pop(name, None) or summarize_class([], duration_s,
-                                                                      percentiles)
+        found = summaries.pop(name, None)
+        by_class[name] = found or summarize_class([], duration_s, percentiles)
         by_class[name]["requests_not_sent"] = planned - sum(r.request_class == name
                                                             for r in records)
     by_class.update(summaries)
@@ -207,8 +207,10 @@ class _Run:
                 delay = start + at - self.clock()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                run = self._session if isinstance(unit, SessionSpec) else self._request
-                tasks.append(asyncio.create_task(run(unit)))
+                if isinstance(unit, SessionSpec):
+                    tasks.append(asyncio.create_task(self._session(unit)))
+                else:
+                    tasks.append(asyncio.create_task(self._request(unit)))
             await asyncio.gather(*tasks)
         finally:
             await _cancel(tasks)
@@ -261,9 +263,10 @@ class _Run:
                 await asyncio.sleep(BACKGROUND_RETRY_S)
 
     def _record(self, request_class: str, endpoint: str, target_input_tokens: int,
-                max_tokens: int, **where: int | None) -> RequestRecord:
+                max_tokens: int, session_id: int | None = None, turn: int | None = None,
+                group: int | None = None) -> RequestRecord:
         record = RequestRecord(len(self.records), request_class, endpoint,
-                               target_input_tokens, max_tokens, **where)
+                               target_input_tokens, max_tokens, session_id, turn, group)
         self.records.append(record)
         return record
 

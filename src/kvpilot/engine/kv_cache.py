@@ -13,6 +13,7 @@ from kvpilot.engine.attention.backend import LayerKVCache
 from kvpilot.kernels.kv4 import GROUP_SCALE_DTYPE, GROUP_SCALE_MAX, kv4_format, kv4_shapes
 from kvpilot.kernels.reference import is_quantized
 from kvpilot.kernels.rotation import key_rotation_matrix, rotate_heads
+from kvpilot.sizing.capacity import kv_dtype, kv_token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +57,9 @@ def bytes_per_token_layer(num_kv_heads: int, head_dim: int, dtype: torch.dtype, 
     for a 4-bit format (``kv4``, with its E4M3 scale per 16 values). The per-layer fp32
     scales are not counted (8 bytes per layer)."""
     if kv4 is not None:
-        packed, groups = kv4_shapes(head_dim, kv4)
-        return 2 * num_kv_heads * (packed + groups * element_bytes(GROUP_SCALE_DTYPE))
-    return 2 * num_kv_heads * head_dim * element_bytes(dtype)
+        kv4_shapes(head_dim, kv4)  # refuses a head_dim the 4-bit layout cannot hold
+    per_element = kv_dtype(kv4).bytes_per_element if kv4 else element_bytes(dtype)
+    return int(kv_token_bytes(1, num_kv_heads, head_dim, per_element))
 
 
 def bytes_per_block(
@@ -89,15 +90,25 @@ class PagedKVCache:
     layer ``i`` with its scales, whatever its storage.
 
     Quantized dtypes (FP8, fp4_e2m1, int4): each layer has fp32 ``k_scale``/``v_scale``
-    (FP8 holds ``x / scale``; 4-bit holds codes times a group scale times it). They come
-    from the checkpoint (:meth:`load_checkpoint_scales`) or are
-    calibrated from real batches (:meth:`calibrate`, never a dummy warm-up): the first
-    batch written to a layer sets ``headroom x amax / range`` (``range`` = FP8's max, or
-    ``QMAX x 448`` for 4-bit: the largest group scale then sits at E4M3's max / headroom);
-    during the first ``FP8_CALIBRATION_TOKENS`` tokens a batch that would not fit grows
-    the scale by a power of two before it is written, and the layer's cache (FP8) or its
-    group scales (4-bit: codes stay) are divided by the same power of two (exact in FP8),
-    so no value is ever clamped while the range is learned.
+    (FP8 holds ``x / scale``; 4-bit holds codes times a group scale times it), fixed
+    before the first request is served, so an answer never depends on what other users
+    sent before it (the order vLLM documents):
+
+    1. the checkpoint's ``k_scale``/``v_scale`` (:meth:`load_checkpoint_scales`);
+    2. else a calibration pass at start-up over a built-in text, the same every time
+       (:meth:`fit_scales`, driven by :mod:`kvpilot.engine.kv_scales`): each layer's
+       scale is ``headroom x amax / range`` of that text's K/V (``range`` = FP8's max, or
+       ``QMAX x 448`` for 4-bit: the largest group scale then sits at E4M3's max /
+       headroom);
+    3. else 1.0 (no tokenizer to encode the text), with a warning.
+
+    Values outside the range are clamped by the store kernels; the cache is never
+    rescaled. ``live=True`` (``--calculate-kv-scales``) instead learns the scales from
+    the first real batches (:meth:`calibrate`): the first batch written to a layer sets
+    them and, during the first ``FP8_CALIBRATION_TOKENS`` tokens, a batch that would not
+    fit grows a scale by a power of two and divides the layer's cache (FP8) or its
+    group scales (4-bit) by the same power. That mode is opt-in and not deterministic:
+    an answer then depends on the traffic that came first.
     Every setting and growth is logged. With ``rotate_keys`` (the default for quantized
     caches) K and Q heads are rotated by an orthogonal matrix first
     (:mod:`kvpilot.kernels.rotation`), which lowers the error of attention logits;
@@ -110,6 +121,7 @@ class PagedKVCache:
         rotate_keys: rotate keys of a quantized cache (ignored for other dtypes).
         kv4: ``fp4_e2m1`` or ``int4`` for a 4-bit cache, else None.
         skip_layers: layers stored in ``act_dtype`` instead (quantized caches only).
+        live: learn the scales from traffic (``--calculate-kv-scales``, see above).
     Raises:
         ValueError: a skip layer out of range, skip layers on an unquantized cache, a
             head_dim a 4-bit format cannot hold.
@@ -128,7 +140,9 @@ class PagedKVCache:
         rotate_keys: bool = False,
         kv4: str | None = None,
         skip_layers: tuple[int, ...] = (),
+        live: bool = False,
     ) -> None:
+        self.live = live
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
@@ -169,8 +183,8 @@ class PagedKVCache:
             logger.info("kv cache %s: layers %s kept in %s", self.dtype_name, list(self.skip_layers), act_dtype)
         self._quantized_layers = set(kept) if self.quantized else set()
         self._uncalibrated = set(self._quantized_layers)
-        # layer -> tokens seen while its scales may still grow
-        self._window: dict[int, int] = {i: 0 for i in self._quantized_layers}
+        # layer -> tokens seen while its scales may still grow (live calibration only)
+        self._window: dict[int, int] = {i: 0 for i in self._quantized_layers} if live else {}
 
     @property
     def needs_calibration(self) -> bool:
@@ -179,8 +193,55 @@ class PagedKVCache:
 
     @property
     def calibrating(self) -> bool:
-        """Some layer's scales may still change: pass each step's K/V to :meth:`calibrate`."""
+        """Live calibration only (``live=True``): some layer's scales may still change, so
+        each step's K/V go to :meth:`calibrate`. Always False with fixed scales."""
         return bool(self._window)
+
+    def _range(self) -> float:
+        """The largest magnitude a scale of 1.0 can store: FP8's max, or ``QMAX x 448``."""
+        return self.kv4.qmax * GROUP_SCALE_MAX if self.kv4 is not None else torch.finfo(self.dtype).max
+
+    def _needed(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
+        """Scales that fit ``k``/``v`` ``[num_tokens, heads, dim]`` (unrotated) with
+        ``FP8_SCALE_HEADROOM``; keys are measured after the layer's rotation."""
+        cache = self.layers[layer]
+        if cache.key_rotation is not None:
+            k = rotate_heads(k, cache.key_rotation)
+        fmax = self._range()
+        need_k = max(float(k.abs().max()) * FP8_SCALE_HEADROOM / fmax, 1e-8)
+        need_v = max(float(v.abs().max()) * FP8_SCALE_HEADROOM / fmax, 1e-8)
+        return need_k, need_v
+
+    def fit_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor, source: str) -> None:
+        """Fix ``layer``'s scales to fit the K/V ``[num_tokens, heads, dim]`` of a
+        calibration batch (unrotated), if it has none yet; the scales never change after.
+        No-op for layers that are not quantized, already have scales, or an empty batch."""
+        if layer not in self._uncalibrated or k.numel() == 0:
+            return
+        need_k, need_v = self._needed(layer, k, v)
+        self.set_scales(layer, need_k, need_v, source=f"{source} ({k.shape[0]} tokens)")
+
+    def reset_contents(self) -> None:
+        """Zero every block (and 4-bit group scale): what a calibration pass wrote is
+        gone, the scales stay. Mutates the storage tensors in place."""
+        self.storage.zero_()
+        self.skip_storage.zero_()
+        if self.group_scales is not None:
+            self.group_scales.zero_()
+
+    def default_scales(self) -> None:
+        """Scales of 1.0 for every layer that has none (the last resort), with a warning."""
+        missing = sorted(self._uncalibrated)
+        if not missing:
+            return
+        logger.warning("kv cache %s: no checkpoint scales and no tokenizer to calibrate with; "
+                       "using k_scale = v_scale = 1.0 for layers %s (values beyond the format's "
+                       "range are clamped)", self.dtype_name, missing)
+        for i in missing:
+            self.layers[i].k_scale.fill_(1.0)
+            self.layers[i].v_scale.fill_(1.0)
+            self._uncalibrated.discard(i)
+            self._window.pop(i, None)
 
     @property
     def rotates_keys(self) -> bool:
@@ -216,19 +277,17 @@ class PagedKVCache:
                 self.set_scales(i, ks, vs, source="checkpoint")
         missing = sorted(self._uncalibrated)
         if missing:
-            logger.warning("kv cache: the checkpoint has no KV scales for layers %s; calibrating them from the first batch", missing)
+            how = "from the first batches (--calculate-kv-scales)" if self.live else "at start-up"
+            logger.warning("kv cache: the checkpoint has no KV scales for layers %s; calibrating them %s", missing, how)
 
     def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Fit ``layer``'s scales to a batch of real K/V ``[num_tokens, heads, dim]``
-        (unrotated) before it is written. No-op outside the calibration window."""
+        """Live calibration (``live=True``): fit ``layer``'s scales to a batch of real K/V
+        ``[num_tokens, heads, dim]`` (unrotated) before it is written, growing them (and
+        rescaling the layer's cache) while the window is open. No-op outside the window."""
         if layer not in self._window or k.numel() == 0:
             return
         cache = self.layers[layer]
-        if cache.key_rotation is not None:
-            k = rotate_heads(k, cache.key_rotation)
-        fmax = self.kv4.qmax * GROUP_SCALE_MAX if self.kv4 is not None else torch.finfo(self.dtype).max
-        need_k = max(float(k.abs().max()) * FP8_SCALE_HEADROOM / fmax, 1e-8)
-        need_v = max(float(v.abs().max()) * FP8_SCALE_HEADROOM / fmax, 1e-8)
+        need_k, need_v = self._needed(layer, k, v)
         seen = self._window[layer] + k.shape[0]
         if layer in self._uncalibrated:
             self._uncalibrated.discard(layer)

@@ -30,6 +30,11 @@ from kvpilot.engine.config import (
 from kvpilot.engine.core.scheduler import SchedulerOutput
 from kvpilot.engine.cpu_threads import cpu_threads
 from kvpilot.engine.kv_cache import PagedKVCache, bytes_per_block, check_skip_layers, element_bytes
+from kvpilot.engine.kv_scales import (
+    CALIBRATION_MAX_TOKENS,
+    calibrate_at_startup,
+    calibration_token_ids,
+)
 from kvpilot.engine.model.config import ModelConfig
 from kvpilot.engine.model.llama import LlamaForCausalLM
 from kvpilot.engine.model.loader import (
@@ -193,13 +198,15 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(
             model_config.num_layers, num_blocks, args.block_size, model_config.num_kv_heads,
             model_config.head_dim, kv_dtype, device, act_dtype=dtype, rotate_keys=args.kv_cache_key_rotation,
-            kv4=kv4, skip_layers=args.kv_cache_skip_layers,
+            kv4=kv4, skip_layers=args.kv_cache_skip_layers, live=args.calculate_kv_scales,
         )
         self.kv_cache.load_checkpoint_scales(
             {i: (d["k"], d["v"]) for i, d in loaded.model.kv_cache_scales.items() if "k" in d and "v" in d}
         )
         backend_name = resolve_backend_name(args.attention_backend, device)
         self.backend = get_attention_backend(backend_name, device)
+        if self.kv_cache.needs_calibration and not args.calculate_kv_scales:
+            self._fix_kv_scales(loaded.tokenizer, min(capacity, loaded.model_max_len, CALIBRATION_MAX_TOKENS))
         self.resolved = ResolvedConfig(
             device=device,
             dtype=dtype,
@@ -217,6 +224,16 @@ class ModelRunner:
             kv_name + (" (keys rotated)" if self.kv_cache.rotates_keys else ""), num_blocks, args.block_size,
             capacity, backend_name,
         )
+
+    def _fix_kv_scales(self, tokenizer: Any, limit: int) -> None:
+        """Scales for a quantized cache without checkpoint scales, fixed before serving:
+        a start-up pass over the built-in calibration text, or 1.0 without a tokenizer
+        (:mod:`kvpilot.engine.kv_scales`)."""
+        ids = calibration_token_ids(tokenizer, limit) if tokenizer is not None else []
+        if len(ids) < 2:
+            self.kv_cache.default_scales()
+            return
+        calibrate_at_startup(self.model, self.backend, self.kv_cache, ids)
 
     # ------------------------------------------------------------- inputs
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

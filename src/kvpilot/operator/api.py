@@ -48,7 +48,7 @@ class KubeApi(Protocol):
                      resource_version: str | None = None) -> None:
         """JSON-merge-patch an InferenceDeployment's ``status`` subresource. With
         ``resource_version``, a precondition: ConflictError when the object has moved on
-        (use :func:`kvpilot.operator.status_writer.write_status`, which retries)."""
+        (use :func:`kvpilot.operator.status.writer.write_status`, which retries)."""
         ...
 
     def has_api(self, group_version: str, kind: str) -> bool:

@@ -1,4 +1,4 @@
-"""One autoscaler decision for one InferenceDeployment, as a pure function.
+"""One autoscaler interval for one InferenceDeployment, planned as a pure function.
 
 ::
 
@@ -6,8 +6,9 @@
     MetricsReading    (PodSignals per ready pod, FinOps inputs)
     PolicyState       (from the last decision, or from status)
     InferenceSpec, previous conditions, now
-        --autoscale_step-->  AutoscaleStep
-                               decision         kvpilot.autoscaler.decide()
+        --plan_autoscale-->  AutoscalePlan
+                               decision         kvpilot.autoscaler.decide(): the scaling
+                                                decision itself
                                requested        the count for the Deployment, or None
                                requested_reason rule, signal, value (Event, lastScaleReason)
                                status           signals, capacity, cost, autoscaler.*
@@ -15,7 +16,7 @@
                                events           MetricsUnavailable / MetricsRestored
 
 Nothing here reads a clock, the API or the network; the loop in
-:mod:`kvpilot.operator.autoscale_loop` does that and applies the step. The count goes to
+:mod:`kvpilot.operator.autoscale_loop` does that and applies the plan. The count goes to
 the Deployment only when the policy moved it (``requested``); a hold never writes it, so a
 surge pod during a rollout is not mistaken for a replica to keep.
 """
@@ -28,31 +29,28 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from kvpilot.autoscaler import AutoscalingSpec as PolicySpec
 from kvpilot.autoscaler import Decision, FleetSignals, PolicyState, decide
-from kvpilot.autoscaler import capacity as finops
-from kvpilot.operator.autoscale_conditions import (
+from kvpilot.operator.fleet import FleetObservation
+from kvpilot.operator.metrics_source import MetricsReading
+from kvpilot.operator.reconcile import Event
+from kvpilot.operator.spec import InferenceSpec
+from kvpilot.operator.status.autoscaler import (
+    CapacityEstimate,
+    CostEstimate,
+    ObservedSignals,
+    autoscaler_status,
     metrics_condition,
     scaling_active_condition,
     scaling_limited_condition,
     transition_events,
 )
-from kvpilot.operator.autoscale_status import (
-    CapacityEstimate,
-    CostEstimate,
-    ObservedSignals,
-    autoscaler_status,
-)
-from kvpilot.operator.conditions import Condition
-from kvpilot.operator.fleet import FleetObservation
-from kvpilot.operator.metrics_source import MetricsReading
-from kvpilot.operator.reconcile import Event
-from kvpilot.operator.spec import InferenceSpec
+from kvpilot.operator.status.conditions import Condition
+from kvpilot.sizing import capacity as finops
 
 
 @dataclass(frozen=True)
-class AutoscaleStep:
-    """What one decision changes.
+class AutoscalePlan:
+    """What one interval's decision changes (the loop applies it).
 
     Attributes:
         decision: the policy's answer (its ``state`` is the next PolicyState).
@@ -69,23 +67,6 @@ class AutoscaleStep:
     status: dict[str, Any]
     conditions: tuple[Condition, ...]
     events: tuple[Event, ...]
-
-
-def policy_spec(spec: InferenceSpec) -> PolicySpec:
-    """The policy's spec from the operator's validated one (defaults already applied)."""
-    auto = spec.autoscaling
-    if auto is None:
-        raise ValueError("spec.autoscaling is not set: nothing to autoscale")
-    return PolicySpec(
-        min_replicas=auto.min_replicas,
-        max_replicas=auto.max_replicas,
-        target_cache_usage=auto.target_cache_usage,
-        target_queue_depth=auto.target_queue_depth,
-        startup_seconds=auto.startup_seconds,
-        scale_up_stabilization_seconds=auto.scale_up_stabilization_seconds,
-        scale_down_stabilization_seconds=auto.scale_down_stabilization_seconds,
-        interval_seconds=auto.interval_seconds,
-    )
 
 
 def scale_reason(decision: Decision) -> str:
@@ -127,7 +108,7 @@ def _usable(value: float | None) -> float | None:
 def finops_estimates(reading: MetricsReading, replicas: int, cost_per_replica_hour: float | None,
                      block_size: int) -> tuple[CapacityEstimate, CostEstimate]:
     """Capacity per replica, concurrent requests at the mean context, cost per hour for
-    ``replicas`` and per million generated tokens (kvpilot.autoscaler.capacity formulas)."""
+    ``replicas`` and per million generated tokens (kvpilot.sizing.capacity formulas)."""
     # Estimates only: an input a source could not vouch for is left out, never raised on
     # (an exception here would stop the scaling decision that follows).
     kv = _usable(reading.kv_capacity_tokens)
@@ -144,10 +125,10 @@ def finops_estimates(reading: MetricsReading, replicas: int, cost_per_replica_ho
     return (CapacityEstimate(kv, context, concurrent), CostEstimate(hourly, per_million))
 
 
-def autoscale_step(observation: FleetObservation, reading: MetricsReading, state: PolicyState,
+def plan_autoscale(observation: FleetObservation, reading: MetricsReading, state: PolicyState,
                    spec: InferenceSpec, previous_conditions: Iterable[Mapping[str, Any]] | None,
-                   now: datetime) -> AutoscaleStep:
-    """Decide and describe one interval (pure).
+                   now: datetime) -> AutoscalePlan:
+    """Run the policy for one interval and describe what it changes (pure).
 
     Args:
         observation: the Deployment's count and its ready and pending pods; must have a
@@ -157,11 +138,16 @@ def autoscale_step(observation: FleetObservation, reading: MetricsReading, state
         spec: the validated spec, with ``autoscaling`` set.
         previous_conditions: ``status.conditions`` as stored (for transition Events).
         now: timezone-aware; the policy's clock is ``now.timestamp()``.
+
+    Raises:
+        ValueError: no Deployment in ``observation``, or ``spec.autoscaling`` unset.
     """
     if observation.deployment_replicas is None:
         raise ValueError("no engine Deployment yet: nothing to scale")
-    pspec = policy_spec(spec)
-    decision = decide(FleetSignals(reading.pods, observation.pending_replicas), state, pspec,
+    auto = spec.autoscaling
+    if auto is None:
+        raise ValueError("spec.autoscaling is not set: nothing to autoscale")
+    decision = decide(FleetSignals(reading.pods, observation.pending_replicas), state, auto,
                       now.timestamp())
     requested = None
     if (decision.direction != "hold"
@@ -178,7 +164,7 @@ def autoscale_step(observation: FleetObservation, reading: MetricsReading, state
     conditions = (
         metrics,
         scaling_active_condition(decision),
-        scaling_limited_condition(decision, pspec.min_replicas, pspec.max_replicas),
+        scaling_limited_condition(decision, auto.min_replicas, auto.max_replicas),
     )
-    return AutoscaleStep(decision, requested, scale_reason(decision), status, conditions,
+    return AutoscalePlan(decision, requested, scale_reason(decision), status, conditions,
                          transition_events(previous_conditions, metrics))

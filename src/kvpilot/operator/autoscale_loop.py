@@ -5,8 +5,9 @@ the Kopf daemon :func:`autoscaler_daemon` (Kopf starts it when ``autoscaling`` i
 stops it when it is removed or the object goes). Every ``intervalSeconds``::
 
     observe_fleet (GET Deployment, LIST pods)  ->  source.read(ready pods)
-    -> autoscale_step (pure)  ->  run_reconcile(requested=N) if the policy moved the count
-    -> write_status (signals, capacity, cost, autoscaler, its conditions)  ->  Events
+    -> plan_autoscale (pure; the policy's decide())  ->  run_reconcile(requested=N) if the
+       policy moved the count  ->  write_status (signals, capacity, cost, autoscaler, its
+       conditions)  ->  Events
 
 State that must survive an operator restart lives on the object: ``status.autoscaler
 .policyState`` (the policy's history, last scale times) and ``lastDecision.time`` (so a
@@ -30,15 +31,15 @@ import kopf
 from kvpilot.autoscaler import PolicyState
 from kvpilot.operator import constants as c
 from kvpilot.operator.api import ApiError
-from kvpilot.operator.autoscale import AutoscaleStep, autoscale_step
-from kvpilot.operator.conditions import set_conditions
+from kvpilot.operator.autoscale import AutoscalePlan, plan_autoscale
 from kvpilot.operator.fleet import observe_fleet
-from kvpilot.operator.handlers import OperatorContext, run_reconcile
+from kvpilot.operator.handlers import OperatorContext, ReconcileRefused, run_reconcile
 from kvpilot.operator.metrics_source import MetricsSource, SourceConfig
 from kvpilot.operator.metrics_source.episodes import EpisodeLog
 from kvpilot.operator.reconcile import Resource
 from kvpilot.operator.spec import InferenceSpec, SpecError, parse_spec
-from kvpilot.operator.status_writer import write_status
+from kvpilot.operator.status.conditions import set_conditions
+from kvpilot.operator.status.writer import write_status
 
 # How soon to look again when there is nothing to decide on (invalid spec, no Deployment)
 # or the last attempt failed.
@@ -125,8 +126,8 @@ class AutoscalerLoop:
             waited = now.timestamp() - self.decided_at
             if 0 <= waited < interval - DUE_SLACK_SECONDS:
                 return interval - waited
-        step = self.decide(body, resource, spec, now)
-        return interval if step is not None else RETRY_SECONDS
+        plan = self.run_interval(body, resource, spec, now)
+        return interval if plan is not None else RETRY_SECONDS
 
     def tick_safely(self, body: Mapping[str, Any]) -> float:
         """:meth:`tick`, with every failure logged once per episode and retried later:
@@ -144,47 +145,50 @@ class AutoscalerLoop:
         self._episodes.ok(self._key, self.ctx.clock().timestamp())
         return delay
 
-    def decide(self, body: Mapping[str, Any], resource: Resource, spec: InferenceSpec,
-               now: datetime) -> AutoscaleStep | None:
-        """One decision, applied. None when there is no Deployment yet."""
+    def run_interval(self, body: Mapping[str, Any], resource: Resource, spec: InferenceSpec,
+                     now: datetime) -> AutoscalePlan | None:
+        """Observe, plan (the policy's decision) and apply one interval: the count through
+        the reconcile, then the status and Events. Updates ``state`` and ``decided_at``.
+        None when there is no Deployment yet. Raises ApiError and kopf.TemporaryError (a
+        refused Deployment is recorded, not raised: see below)."""
         api, ns, name = self.ctx.api, resource.namespace, resource.name
+        auto = spec.autoscaling
+        if auto is None:
+            raise ValueError("spec.autoscaling is not set: nothing to autoscale")
         observation = observe_fleet(api, ns, name)
         if observation.deployment_replicas is None:
             return None
-        assert spec.autoscaling is not None
-        metrics = spec.autoscaling.metrics
-        source = self._source_for(SourceConfig(metrics.source, metrics.url, ns, name))
+        source = self._source_for(SourceConfig(auto.metrics.source, auto.metrics.url, ns, name))
         reading = source.read(observation.ready, now.timestamp())
         previous = self._written_conditions
         if previous is None:
             previous = resource.status.get("conditions")
-        step = autoscale_step(observation, reading, self.state, spec, previous, now)
-        patch = kopf.Patch()
-        if step.requested is not None and self._refused != (resource.generation, step.requested):
+        plan = plan_autoscale(observation, reading, self.state, spec, previous, now)
+        status: dict[str, Any] = {}
+        if plan.requested is not None and self._refused != (resource.generation, plan.requested):
             try:
-                run_reconcile(self.ctx, body, patch, requested=step.requested,
-                              requested_reason=step.requested_reason)
-            except kopf.PermanentError:
-                # The API refused the Deployment itself (run_reconcile wrote the reason
-                # into the patch and posted one Warning): retrying the same count every
-                # few seconds cannot help and would only repeat that Warning. Record
-                # it, write the failure and the decision, and try again after a spec
-                # change or when the policy asks for another count.
-                self._refused = (resource.generation, step.requested)
+                status = dict(run_reconcile(self.ctx, body, requested=plan.requested,
+                                            requested_reason=plan.requested_reason).status)
+            except ReconcileRefused as exc:
+                # The API refused the Deployment itself (run_reconcile posted one Warning):
+                # retrying the same count every few seconds cannot help and would only
+                # repeat that Warning. Record it, write the failure and the decision, and
+                # try again after a spec change or when the policy asks for another count.
+                self._refused = (resource.generation, plan.requested)
+                status = dict(exc.status)
         # The count is applied (or needed no change, or was refused): the decision happened.
-        self.state, self.decided_at = step.decision.state, now.timestamp()
-        status = dict(patch.get("status") or {})
+        self.state, self.decided_at = plan.decision.state, now.timestamp()
         # Ready/Progressing only when the reconcile just computed them from the Deployment
         # it applied; otherwise the snapshot's copies may be stale and are not written.
         owned = c.AUTOSCALER_CONDITIONS + (c.RECONCILE_CONDITIONS if status else ())
         base = status.get("conditions") or resource.status.get("conditions")
-        status.update(step.status)
-        status["conditions"] = set_conditions(base, step.conditions, now, None)
+        status.update(plan.status)
+        status["conditions"] = set_conditions(base, plan.conditions, now, None)
         write_status(api, ns, name, status, owned)
         self._written_conditions = status["conditions"]
-        for event in step.events:
+        for event in plan.events:
             self.ctx.post_event(body, event.type, event.reason, event.message)
-        return step
+        return plan
 
 
 def has_autoscaling(spec: Mapping[str, Any], **_: Any) -> bool:

@@ -17,7 +17,7 @@ Terminating pods are neither ready nor pending.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,7 @@ def pod_is_ready(pod: Mapping[str, Any]) -> bool:
 
 
 def fleet_from(deployment: Mapping[str, Any] | None,
-               pods: list[Mapping[str, Any]]) -> FleetObservation:
+               pods: Sequence[Mapping[str, Any]]) -> FleetObservation:
     """The observation from the objects as read (pure)."""
     ready = tuple(sorted(
         (EnginePod(p["metadata"]["name"], (p.get("status") or {}).get("podIP"))

@@ -1,26 +1,14 @@
-"""Kopf wiring: thin handlers over :func:`kvpilot.operator.reconcile.reconcile`.
-
-=====================================  ===============================================
-trigger                                handler
-=====================================  ===============================================
-InferenceDeployment create/update/     :func:`on_spec` - reconcile, write status, post
-resume                                 Events
-every ``--resync-seconds``             :func:`on_resync` - the same (repairs drift)
-engine Deployment event                :func:`on_deployment_event` - copy replica counts
-                                       and readiness into the owner's status
-InferenceDeployment delete             :func:`on_delete` - forget its metric series
-=====================================  ===============================================
-
-The autoscaler's daemon lives in :mod:`kvpilot.operator.autoscale_loop`; Kopf settings and
-registration in :mod:`kvpilot.operator.registration`.
+"""Thin Kopf handlers over :func:`kvpilot.operator.reconcile.reconcile`, and the context
+they share (``memo``). Which trigger calls which handler: the table in
+:mod:`kvpilot.operator.registration`.
 
 Errors carry retry intent: an invalid spec or an object the API refuses becomes a
-``kopf.PermanentError`` plus a ``Ready=False`` condition saying why (no crash loop, no
-retry until the spec changes); 409 conflicts and API outages become a
-``kopf.TemporaryError`` with a delay. Handlers return None and write ``status``
-themselves (:mod:`kvpilot.operator.status_writer`: each writer owns its condition types,
-under a resourceVersion precondition), so Kopf stores nothing there (its progress lives in
-``kvpilot.dev/`` annotations), and nothing here writes ``spec``.
+:class:`ReconcileRefused` (a ``kopf.PermanentError``) carrying a ``Ready=False`` status
+saying why (no crash loop, no retry until the spec changes); 409 conflicts and API
+outages become a ``kopf.TemporaryError`` with a delay. Handlers return None and write
+``status`` themselves (:mod:`kvpilot.operator.status.writer`: each writer owns its
+condition types, under a resourceVersion precondition), so Kopf stores nothing there (its
+progress lives in ``kvpilot.dev/`` annotations), and nothing here writes ``spec``.
 """
 
 from __future__ import annotations
@@ -30,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -46,8 +34,8 @@ from kvpilot.operator.metrics_source import MetricsSource, SourceConfig, build_s
 from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.reconcile import ReconcileResult, Resource, reconcile
 from kvpilot.operator.spec import SpecError
-from kvpilot.operator.status import failure_status, workload_status
-from kvpilot.operator.status_writer import write_status
+from kvpilot.operator.status.workload import failure_status, workload_status
+from kvpilot.operator.status.writer import write_status
 
 EventPoster = Callable[[Mapping[str, Any], str, str, str], None]
 CONFLICT_RETRY_SECONDS = 2.0
@@ -60,7 +48,8 @@ def _utc_now() -> datetime:
 
 def post_kopf_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
     """Post a Kubernetes Event through Kopf's queue (safe from sync handlers' threads)."""
-    kopf.event(body, type=type_, reason=reason, message=message)
+    # kopf.event reads the object reference from any mapping; its annotation names Body.
+    kopf.event(cast(kopf.Body, body), type=type_, reason=reason, message=message)
 
 
 @dataclass(frozen=True)
@@ -85,31 +74,50 @@ class OperatorContext:
     source_factory: Callable[[SourceConfig], MetricsSource] = build_source
 
 
-def run_reconcile(ctx: OperatorContext, body: Mapping[str, Any], patch: kopf.Patch,
-                  requested: int | None = None, requested_reason: str = "") -> ReconcileResult:
-    """Reconcile one InferenceDeployment and put its status into Kopf's ``patch``.
+class ReconcileRefused(kopf.PermanentError):
+    """The spec is invalid or the API refused an object: no retry until the spec changes.
 
-    Raises kopf.PermanentError (invalid spec, refused object: the failure is written to
-    status first) or kopf.TemporaryError (conflicts, API outages).
+    Attributes:
+        status: the status merge patch that says why (Ready and Progressing False with the
+            reason, ``observedGeneration``); the caller writes it.
+        reason: ``InvalidSpec`` or ``ApplyFailed``.
+    """
+
+    def __init__(self, message: str, reason: str, status: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
+
+
+def run_reconcile(ctx: OperatorContext, body: Mapping[str, Any], requested: int | None = None,
+                  requested_reason: str = "") -> ReconcileResult:
+    """Reconcile one InferenceDeployment; count it in the metrics and post its Events.
+
+    Returns the result, whose ``status`` the caller writes. Writes no status itself.
+
+    Raises:
+        ReconcileRefused: invalid spec or refused object (a Warning Event is posted; the
+            exception carries the failure status to write).
+        kopf.TemporaryError: conflicts, API outages (no status to write).
     """
     resource = Resource.from_body(body)
     now = ctx.clock()
     started = time.monotonic()
 
-    def fail(result: str, reason: str, exc: Exception) -> kopf.PermanentError:
+    def refuse(result: str, reason: str, exc: Exception) -> ReconcileRefused:
         ctx.metrics.count_reconcile(result, time.monotonic() - started)
         message = str(exc)
-        patch.status.update(failure_status(reason, message, resource.status.get("conditions"),
-                                           resource.generation, now))
+        status = failure_status(reason, message, resource.status.get("conditions"),
+                                resource.generation, now)
         ctx.post_event(body, "Warning", reason, message)
-        return kopf.PermanentError(message)
+        return ReconcileRefused(message, reason, status)
 
     try:
         result = reconcile(ctx.api, resource, ctx.options, now, requested, requested_reason)
     except SpecError as exc:
-        raise fail("invalid_spec", "InvalidSpec", exc) from exc
+        raise refuse("invalid_spec", "InvalidSpec", exc) from exc
     except InvalidObjectError as exc:
-        raise fail("apply_failed", "ApplyFailed", exc) from exc
+        raise refuse("apply_failed", "ApplyFailed", exc) from exc
     except ConflictError as exc:
         ctx.metrics.count_reconcile("conflict", time.monotonic() - started)
         raise kopf.TemporaryError(f"{exc}; retrying", delay=CONFLICT_RETRY_SECONDS) from exc
@@ -118,40 +126,43 @@ def run_reconcile(ctx: OperatorContext, body: Mapping[str, Any], patch: kopf.Pat
         raise kopf.TemporaryError(str(exc), delay=TRANSIENT_RETRY_SECONDS) from exc
 
     ctx.metrics.count_reconcile("success", time.monotonic() - started)
-    patch.status.update(result.status)
     ctx.metrics.observe(resource.namespace, resource.name, result.status,
                         resource.spec.get("autoscaling"))
-    if result.decision.is_scale:
+    if result.target.is_scale:
         ctx.metrics.count_scale(resource.namespace, resource.name,
-                                result.decision.current or 0, result.decision.replicas)
+                                result.target.current or 0, result.target.replicas)
     for event in result.events:
         ctx.post_event(body, event.type, event.reason, event.message)
     return result
 
 
 def reconcile_and_write_status(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
-    """:func:`run_reconcile`, then its status written with
-    :func:`~kvpilot.operator.status_writer.write_status` (also when it raised), owning
-    only Ready and Progressing.
+    """:func:`run_reconcile`, then its status (or the refusal's) written with
+    :func:`~kvpilot.operator.status.writer.write_status`, owning only Ready and Progressing.
 
     Not through Kopf's patch: that is a merge patch of a list built from ``body``, which
     may predate the autoscaler's last write and would erase its conditions.
 
-    Raises what run_reconcile raises; a failed status write is a kopf.TemporaryError.
+    Raises what run_reconcile raises (after writing a refusal's status); a failed status
+    write is a kopf.TemporaryError.
     """
-    patch = kopf.Patch()
     try:
-        run_reconcile(ctx, body, patch)
-    finally:
-        status = patch.get("status")
-        if status:
-            meta = body.get("metadata") or {}
-            try:
-                write_status(ctx.api, meta.get("namespace", ""), meta.get("name", ""),
-                             dict(status), c.RECONCILE_CONDITIONS)
-            except ApiError as exc:
-                raise kopf.TemporaryError(f"status write failed: {exc}",
-                                          delay=TRANSIENT_RETRY_SECONDS) from exc
+        result = run_reconcile(ctx, body)
+    except ReconcileRefused as exc:
+        _write_reconcile_status(ctx, body, exc.status)
+        raise
+    _write_reconcile_status(ctx, body, result.status)
+
+
+def _write_reconcile_status(ctx: OperatorContext, body: Mapping[str, Any],
+                            status: Mapping[str, Any]) -> None:
+    meta = body.get("metadata") or {}
+    try:
+        write_status(ctx.api, meta.get("namespace", ""), meta.get("name", ""), status,
+                     c.RECONCILE_CONDITIONS)
+    except ApiError as exc:
+        raise kopf.TemporaryError(f"status write failed: {exc}",
+                                  delay=TRANSIENT_RETRY_SECONDS) from exc
 
 
 def on_spec(body: kopf.Body, memo: OperatorContext, **_: Any) -> None:

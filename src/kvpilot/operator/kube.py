@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import urllib3
 from kubernetes import client as k8s
@@ -55,6 +55,12 @@ def resource_path(api_version: str, kind: str, namespace: str, name: str) -> str
 def selector_string(labels: Mapping[str, str]) -> str:
     """An equality label selector, ``k1=v1,k2=v2`` (sorted, so requests are stable)."""
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def _json_object(data: bytes) -> dict[str, Any]:
+    """The JSON object of a response body (the API server answers objects; a body that is
+    not JSON raises ValueError, as json.loads does)."""
+    return cast("dict[str, Any]", json.loads(data))
 
 
 def _message(status: int, body: bytes, what: str) -> str:
@@ -118,7 +124,7 @@ class KubernetesApi:
         if status == 404:
             return None
         raise_for_status(status, data, what, write=False)
-        return json.loads(data)
+        return _json_object(data)
 
     def apply(self, obj: Mapping[str, Any], force: bool = True) -> dict[str, Any]:
         meta = obj["metadata"]
@@ -128,7 +134,7 @@ class KubernetesApi:
         status, data = self._request("PATCH", path, what, body=dict(obj), query=query,
                                      content_type="application/apply-patch+yaml")
         raise_for_status(status, data, what, write=True)
-        return json.loads(data)
+        return _json_object(data)
 
     def patch_status(self, namespace: str, name: str, status: Mapping[str, Any],
                      resource_version: str | None = None) -> None:

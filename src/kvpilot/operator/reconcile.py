@@ -1,18 +1,32 @@
-"""One level-based reconcile of an InferenceDeployment: read, decide, apply, report.
+"""One level-based reconcile of an InferenceDeployment: read, choose the count, apply,
+report.
 
 ::
 
     body --Resource.from_body--> Resource --parse_spec--> InferenceSpec
-    GET Deployment --decide_replicas--> ReplicaDecision --build_children--> Children
+    GET Deployment --replica_target--> ReplicaTarget --build_children--> Children
     SSA Deployment (resourceVersion precondition; 409 -> re-read, up to CONFLICT_ATTEMPTS)
     GET + SSA Service, PodDisruptionBudget[, PodMonitor] (never one we do not control)
     -> ReconcileResult(status merge patch, events)
 
 Idempotent: running it twice on an unchanged object applies identical configurations and
 returns the same status. It writes only the children; the caller writes the status and
-posts the events, and nothing ever writes the InferenceDeployment's spec (case C16).
+posts the events, and nothing ever writes the InferenceDeployment's spec (so GitOps tools
+see no drift).
 
-The autoscaler timer calls :func:`reconcile` with ``requested`` (its recommendation):
+The replica count (:func:`replica_target`). Two controllers must never fight over
+``Deployment.spec.replicas``:
+
+* static (``spec.replicas``): the spec is the truth.
+* neither field: the Deployment keeps its current count (1 when it is created). So removing
+  ``autoscaling`` without writing ``replicas`` leaves the fleet as the autoscaler left it,
+  as removing an HPA leaves its Deployment, instead of dropping it to one pod at once.
+* autoscaling: the autoscaler is the truth. A reconcile keeps the Deployment's current
+  count (clamped to [minReplicas, maxReplicas], e.g. after the bounds changed) and only an
+  explicit ``requested`` count from the autoscaler loop moves it. A new Deployment
+  starts at minReplicas.
+
+The autoscaler loop calls :func:`reconcile` with ``requested`` (its recommendation):
 the same code path then applies the new count, so the two never fight over
 ``Deployment.spec.replicas`` and a concurrent change surfaces as a 409 that is retried
 against fresh state.
@@ -28,12 +42,12 @@ from typing import Any
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.api import ConflictError, InvalidObjectError, KubeApi, TransientApiError
-from kvpilot.operator.builders import Owner, build_children
+from kvpilot.operator.builders import Children, Owner, build_children
 from kvpilot.operator.builders.children import POD_MONITOR_API_VERSION
 from kvpilot.operator.options import OperatorOptions
-from kvpilot.operator.replicas import ReplicaDecision, decide_replicas
-from kvpilot.operator.spec import check_name, parse_spec
-from kvpilot.operator.status import scale_status, workload_status
+from kvpilot.operator.spec import InferenceSpec, check_name, parse_spec
+from kvpilot.operator.status.conditions import to_rfc3339
+from kvpilot.operator.status.workload import workload_status
 
 CONFLICT_ATTEMPTS = 5
 
@@ -80,14 +94,77 @@ class ReconcileResult:
     """Attributes:
         status: merge patch for ``status`` (every key declared in the CRD).
         events: to post, in order.
-        decision: the replica decision that was applied.
+        target: the replica count that was applied.
         applied: ``Kind/name`` of every object applied, in order.
     """
 
     status: dict[str, Any]
     events: tuple[Event, ...]
-    decision: ReplicaDecision
+    target: ReplicaTarget
     applied: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ReplicaTarget:
+    """The replica count one reconcile applies to the engine Deployment.
+
+    Attributes:
+        replicas: the count to apply.
+        current: the Deployment's count before (None = no Deployment yet).
+        reason: why ``replicas`` differs from ``current`` ("" when it does not).
+    """
+
+    replicas: int
+    current: int | None
+    reason: str
+
+    @property
+    def is_scale(self) -> bool:
+        """True when an existing Deployment changes size (an Event and lastScaleTime)."""
+        return self.current is not None and self.current != self.replicas
+
+
+def replica_target(spec: InferenceSpec, current: int | None, requested: int | None = None,
+                   requested_reason: str = "") -> ReplicaTarget:
+    """The replica count this reconcile applies (pure; the policy in the module docstring).
+
+    Args:
+        spec: the validated spec.
+        current: the Deployment's ``spec.replicas`` now (None = it does not exist).
+        requested: the autoscaler's recommendation (ignored for static specs, whose
+            count comes from the spec alone).
+        requested_reason: the autoscaler's explanation, kept in the decision's reason.
+    """
+    if spec.autoscaling is None and spec.replicas is None:
+        return ReplicaTarget(1 if current is None else current, current, "")
+    static = spec.static_replicas
+    if static is not None:
+        reason = f"spec.replicas is {static}" if current is not None and current != static else ""
+        return ReplicaTarget(static, current, reason)
+    bounds = spec.autoscaling
+    if bounds is None:  # static_replicas is None only when autoscaling is set
+        raise AssertionError("unreachable: neither replicas nor autoscaling")
+    if requested is not None:
+        base, why = requested, requested_reason or f"autoscaler recommends {requested}"
+    elif current is not None:
+        base, why = current, ""
+    else:
+        return ReplicaTarget(bounds.min_replicas, None, "")
+    replicas = bounds.clamp(base)
+    if replicas > base:
+        why = f"raised to autoscaling.minReplicas={bounds.min_replicas}" + (f" ({why})" if why else "")
+    elif replicas < base:
+        why = f"capped at autoscaling.maxReplicas={bounds.max_replicas}" + (f" ({why})" if why else "")
+    return ReplicaTarget(replicas, current, why if replicas != current else "")
+
+def scale_status(target: ReplicaTarget, now: datetime) -> dict[str, Any]:
+    """``lastScaleTime``/``lastScaleReason`` when the target resized the fleet, else {}."""
+    if not target.is_scale:
+        return {}
+    return {
+        "lastScaleTime": to_rfc3339(now),
+        "lastScaleReason": f"{target.current} -> {target.replicas}: {target.reason}",
+    }
 
 
 def _check_owner(existing: Mapping[str, Any], resource: Resource, kind: str = "Deployment") -> None:
@@ -128,16 +205,25 @@ def want_pod_monitor(api: KubeApi, options: OperatorOptions) -> bool:
     return options.pod_monitor == "always"
 
 
+@dataclass(frozen=True)
+class _Applied:
+    deployment: dict[str, Any]  # as stored after the apply
+    target: ReplicaTarget
+    children: Children
+    created: bool
+
+
 def _apply_deployment(api: KubeApi, resource: Resource, options: OperatorOptions,
-                      pod_monitor: bool, requested: int | None, requested_reason: str):
-    """Read-decide-apply the Deployment, retrying 409s against fresh state."""
+                      pod_monitor: bool, requested: int | None,
+                      requested_reason: str) -> _Applied:
+    """Read, choose the count and apply the Deployment, retrying 409s against fresh state."""
     spec = parse_spec(resource.spec)
     for attempt in range(1, CONFLICT_ATTEMPTS + 1):
         current = api.get("apps/v1", "Deployment", resource.namespace, resource.name)
         if current is not None:
             _check_owner(current, resource)
-        decision = decide_replicas(spec, _current_replicas(current), requested, requested_reason)
-        children = build_children(resource.owner, spec, decision.replicas, options.engine_image,
+        target = replica_target(spec, _current_replicas(current), requested, requested_reason)
+        children = build_children(resource.owner, spec, target.replicas, options.engine_image,
                                   pod_monitor, options.pod_monitor_labels)
         config = children.deployment
         if current is not None:
@@ -147,7 +233,7 @@ def _apply_deployment(api: KubeApi, resource: Resource, options: OperatorOptions
                 "resourceVersion": current["metadata"]["resourceVersion"],
             }}
         try:
-            return api.apply(config), decision, children, current is None
+            return _Applied(api.apply(config), target, children, current is None)
         except ConflictError:
             if attempt == CONFLICT_ATTEMPTS:
                 raise
@@ -182,22 +268,21 @@ def reconcile(api: KubeApi, resource: Resource, options: OperatorOptions, now: d
         existing = api.get(api_version, kind, resource.namespace, resource.name)
         if existing is not None:
             _check_owner(existing, resource, kind)
-    deployment, decision, children, created = _apply_deployment(
-        api, resource, options, pod_monitor, requested, requested_reason
-    )
+    done = _apply_deployment(api, resource, options, pod_monitor, requested, requested_reason)
+    target = done.target
     applied = [f"Deployment/{resource.name}"]
-    for obj in children.all()[1:]:
+    for obj in done.children.all()[1:]:
         api.apply(obj)
         applied.append(f"{obj['kind']}/{resource.name}")
 
-    status = workload_status(resource.name, deployment, resource.generation,
+    status = workload_status(resource.name, done.deployment, resource.generation,
                              resource.status.get("conditions"), now)
-    status.update(scale_status(decision, now))
+    status.update(scale_status(target, now))
     events: list[Event] = []
-    if created:
+    if done.created:
         events.append(Event("Normal", "Created",
-                            f"created engine Deployment with {decision.replicas} replicas"))
-    if decision.is_scale:
-        direction = "ScaledUp" if decision.replicas > (decision.current or 0) else "ScaledDown"
+                            f"created engine Deployment with {target.replicas} replicas"))
+    if target.is_scale:
+        direction = "ScaledUp" if target.replicas > (target.current or 0) else "ScaledDown"
         events.append(Event("Normal", direction, status["lastScaleReason"]))
-    return ReconcileResult(status, tuple(events), decision, tuple(applied))
+    return ReconcileResult(status, tuple(events), target, tuple(applied))

@@ -6,8 +6,11 @@ whose API server skipped validation. :func:`parse_spec` is the only way in: it a
 CRD's defaults, validates every field and raises :class:`SpecError` naming the field, the
 value received and what is allowed. Nothing here talks to Kubernetes.
 
-The defaults below must equal the CRD's ``default:`` values
-(``tests/operator/test_crd.py`` compares them).
+:data:`DEFAULTS` must equal the CRD's ``default:`` values (``tests/operator/test_crd.py``
+compares them); those under ``autoscaling`` come from the one table in
+:data:`kvpilot.autoscaler.spec.DEFAULTS`. ``spec.autoscaling`` becomes the policy's own
+:class:`~kvpilot.autoscaler.spec.AutoscalingSpec`: the operator, the simulator and the
+policy share one spec.
 """
 
 from __future__ import annotations
@@ -15,9 +18,15 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
-from kvpilot.operator.fields import FieldReader, SpecError
+from kvpilot.autoscaler.spec import DEFAULTS as AUTOSCALING_DEFAULTS
+from kvpilot.autoscaler.spec import (
+    METRIC_SOURCES,
+    STARVATION_USAGE,
+    AutoscalingSpec,
+    MetricsSourceSpec,
+)
 from kvpilot.operator.model_uri import ModelSource, parse_model_uri
 
 KV_CACHE_DTYPES = (
@@ -25,7 +34,6 @@ KV_CACHE_DTYPES = (
 )
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-METRIC_SOURCES = ("prometheus", "pods")
 # Flags the operator derives from spec fields; engine.extraArgs may not repeat them.
 MANAGED_FLAGS = (
     "--model", "--served-model-name", "--host", "--port", "--kv-cache-dtype",
@@ -36,8 +44,6 @@ MANAGED_FLAGS = (
 MAX_REPLICAS = 1000
 # The CRD's pattern for model.servedModelName (also checked here for unvalidated specs).
 _SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}$")
-# The autoscaler's starvation alarm fires at this per-pod usage; a target must stay below.
-STARVATION_USAGE = 0.95
 # The autoscaler fits its KV forecast over two minutes: it needs a decision at least a minute.
 MAX_INTERVAL_SECONDS = 60
 
@@ -48,19 +54,112 @@ DEFAULTS: dict[str, Any] = {
     "engine.maxNumSeqs": 256,
     "engine.blockSize": 16,
     "engine.enablePrefixCaching": True,
-    "autoscaling.minReplicas": 1,
-    "autoscaling.targetCacheUsage": 0.75,
-    "autoscaling.targetQueueDepth": 4,
-    "autoscaling.startupSeconds": 120,
-    "autoscaling.scaleUpStabilizationSeconds": 0,
-    "autoscaling.scaleDownStabilizationSeconds": 300,
-    "autoscaling.intervalSeconds": 15,
-    "autoscaling.metrics.source": "pods",
+    **{f"autoscaling.{key}": value for key, value in AUTOSCALING_DEFAULTS.items()},
     "terminationGracePeriodSeconds": 300,
 }
 _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_T = TypeVar("_T")
 
-__all__ = ["InferenceSpec", "SpecError", "check_name", "parse_spec"]
+__all__ = ["METRIC_SOURCES", "AutoscalingSpec", "FieldReader", "InferenceSpec",
+           "MetricsSourceSpec", "SpecError", "check_name", "parse_spec"]
+
+
+class SpecError(ValueError):
+    """A field the operator cannot use. ``field`` is the dotted path under ``spec`` (or a
+    ``metadata.`` path); the message names the field, the value and what is allowed."""
+
+    def __init__(self, field: str, value: Any, allowed: str) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        where = field if field.startswith("metadata.") else f"spec.{field}"
+        super().__init__(f"{where}: got {value!r}; {allowed}")
+
+
+class FieldReader:
+    """Typed access to one object of the spec. A missing field takes its value from
+    ``defaults`` (dotted paths); every error is a :class:`SpecError` naming the full path,
+    the value and the allowed range. ``raw`` None reads as an empty object."""
+
+    def __init__(self, raw: Any, path: str, defaults: Mapping[str, Any]) -> None:
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise SpecError(path, raw, "an object is required")
+        self.raw: Mapping[str, Any] = raw
+        self.path, self.defaults = path, defaults
+
+    def _key(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def _get(self, key: str) -> Any:
+        value = self.raw.get(key)
+        return self.defaults.get(self._key(key)) if value is None else value
+
+    def integer(self, key: str, lo: int, hi: int) -> int:
+        """A required integer in [lo, hi] (bools refused)."""
+        value = self._get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise SpecError(self._key(key), value, f"an integer in [{lo}, {hi}] is required")
+        return value
+
+    def optional_integer(self, key: str, lo: int, hi: int) -> int | None:
+        """:meth:`integer`, or None when the field is absent and has no default."""
+        return None if self._get(key) is None else self.integer(key, lo, hi)
+
+    def number(self, key: str, lo: float, hi: float, lo_open: bool = False,
+               hi_open: bool = False) -> float:
+        """A required number in the interval (open at an end when ``*_open``), as float."""
+        value = self._get(key)
+        bad = isinstance(value, bool) or not isinstance(value, (int, float))
+        if bad or value > hi or value < lo or (lo_open and value == lo) or (hi_open and value == hi):
+            interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+            raise SpecError(self._key(key), value, f"a number in {interval} is required")
+        return float(value)
+
+    def optional_number(self, key: str, lo: float, hi: float, lo_open: bool = False,
+                        hi_open: bool = False) -> float | None:
+        """:meth:`number`, or None when the field is absent and has no default."""
+        if self._get(key) is None:
+            return None
+        return self.number(key, lo, hi, lo_open, hi_open)
+
+    def choice(self, key: str, allowed: tuple[_T, ...]) -> _T:
+        """One of ``allowed`` (compared by equality; bools refused)."""
+        value = self._get(key)
+        if isinstance(value, bool) or value not in allowed:
+            raise SpecError(self._key(key), value, f"one of {', '.join(map(str, allowed))}")
+        return cast(_T, value)
+
+    def string(self, key: str) -> str | None:
+        """A non-empty string, or None when absent."""
+        return None if self._get(key) is None else self.required_string(key)
+
+    def required_string(self, key: str) -> str:
+        value = self._get(key)
+        if not isinstance(value, str) or not value:
+            raise SpecError(self._key(key), value, "a non-empty string is required")
+        return value
+
+    def boolean(self, key: str) -> bool:
+        value = self._get(key)
+        if not isinstance(value, bool):
+            raise SpecError(self._key(key), value, "true or false")
+        return value
+
+    def mapping(self, key: str) -> dict[str, Any]:
+        """A copy of an object field ({} when absent)."""
+        value = self.raw.get(key) or {}
+        if not isinstance(value, Mapping):
+            raise SpecError(self._key(key), value, "an object is required")
+        return dict(value)
+
+    def items(self, key: str) -> tuple[Any, ...]:
+        """The entries of a list field (() when absent)."""
+        value = self.raw.get(key) or []
+        if not isinstance(value, list):
+            raise SpecError(self._key(key), value, "a list is required")
+        return tuple(value)
 
 
 @dataclass(frozen=True)
@@ -77,33 +176,6 @@ class EngineSpec:
     gpu_memory_utilization: float | None
     max_model_len: int | None
     extra_args: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class MetricsSourceSpec:
-    """``spec.autoscaling.metrics``: ``prometheus`` (PromQL at ``url``) or ``pods``."""
-
-    source: str
-    url: str | None
-
-
-@dataclass(frozen=True)
-class AutoscalingSpec:
-    """``spec.autoscaling``; times in seconds, targets per ready pod."""
-
-    min_replicas: int
-    max_replicas: int
-    target_cache_usage: float
-    target_queue_depth: float
-    startup_seconds: int
-    scale_up_stabilization_seconds: int
-    scale_down_stabilization_seconds: int
-    interval_seconds: int
-    metrics: MetricsSourceSpec
-
-    def clamp(self, replicas: int) -> int:
-        """``replicas`` limited to [min_replicas, max_replicas]."""
-        return max(self.min_replicas, min(self.max_replicas, replicas))
 
 
 @dataclass(frozen=True)
@@ -159,8 +231,8 @@ def _parse_engine(raw: Any) -> EngineSpec:
         max_num_seqs=r.integer("maxNumSeqs", 1, 65536),
         block_size=r.choice("blockSize", BLOCK_SIZES),
         enable_prefix_caching=r.boolean("enablePrefixCaching"),
-        gpu_memory_utilization=r.number("gpuMemoryUtilization", 0.0, 1.0, False, lo_open=True),
-        max_model_len=r.integer("maxModelLen", 1, 1 << 30, required=False),
+        gpu_memory_utilization=r.optional_number("gpuMemoryUtilization", 0.0, 1.0, lo_open=True),
+        max_model_len=r.optional_integer("maxModelLen", 1, 1 << 30),
         extra_args=extra,
     )
     if engine.max_num_batched_tokens < engine.max_num_seqs:
@@ -173,30 +245,38 @@ def _parse_engine(raw: Any) -> EngineSpec:
 
 
 def _parse_autoscaling(raw: Any) -> AutoscalingSpec:
+    """The CRD's ranges first (each error names its ``spec.autoscaling`` path), then the
+    policy's own checks in :class:`AutoscalingSpec` (a ValueError left by them means the
+    ranges here let through what the policy refuses: reported on ``autoscaling``)."""
     r = FieldReader(raw, "autoscaling", DEFAULTS)
     m = FieldReader(r.raw.get("metrics"), "autoscaling.metrics", DEFAULTS)
-    metrics = MetricsSourceSpec(source=m.choice("source", METRIC_SOURCES), url=m.string("url"))
-    if metrics.source == "prometheus" and (
-        metrics.url is None or not re.match(r"^https?://\S+$", metrics.url)
-    ):
-        raise SpecError("autoscaling.metrics.url", metrics.url,
+    source, url = m.choice("source", METRIC_SOURCES), m.string("url")
+    if source == "prometheus" and (url is None or not re.match(r"^https?://\S+$", url)):
+        raise SpecError("autoscaling.metrics.url", url,
                         "an http(s) URL is required when metrics.source is prometheus")
-    spec = AutoscalingSpec(
-        min_replicas=r.integer("minReplicas", 1, MAX_REPLICAS),
-        max_replicas=r.integer("maxReplicas", 1, MAX_REPLICAS),
-        target_cache_usage=r.number("targetCacheUsage", 0.0, STARVATION_USAGE, lo_open=True,
-                                    hi_open=True),
-        target_queue_depth=r.number("targetQueueDepth", 0.0, 10000.0, lo_open=True),
-        startup_seconds=r.integer("startupSeconds", 0, 7200),
-        scale_up_stabilization_seconds=r.integer("scaleUpStabilizationSeconds", 0, 3600),
-        scale_down_stabilization_seconds=r.integer("scaleDownStabilizationSeconds", 0, 86400),
-        interval_seconds=r.integer("intervalSeconds", 1, MAX_INTERVAL_SECONDS),
-        metrics=metrics,
-    )
-    if spec.min_replicas > spec.max_replicas:
-        raise SpecError("autoscaling.minReplicas", spec.min_replicas,
-                        f"must be <= autoscaling.maxReplicas ({spec.max_replicas})")
-    return spec
+    min_replicas = r.integer("minReplicas", 1, MAX_REPLICAS)
+    max_replicas = r.integer("maxReplicas", 1, MAX_REPLICAS)
+    if min_replicas > max_replicas:
+        raise SpecError("autoscaling.minReplicas", min_replicas,
+                        f"must be <= autoscaling.maxReplicas ({max_replicas})")
+    try:
+        return AutoscalingSpec(
+            min_replicas=min_replicas,
+            max_replicas=max_replicas,
+            target_cache_usage=r.number("targetCacheUsage", 0.0, STARVATION_USAGE,
+                                        lo_open=True, hi_open=True),
+            target_queue_depth=r.number("targetQueueDepth", 0.0, 10000.0, lo_open=True),
+            startup_seconds=r.integer("startupSeconds", 0, 7200),
+            scale_up_stabilization_seconds=r.integer("scaleUpStabilizationSeconds", 0, 3600),
+            scale_down_stabilization_seconds=r.integer("scaleDownStabilizationSeconds", 0,
+                                                       86400),
+            interval_seconds=r.integer("intervalSeconds", 1, MAX_INTERVAL_SECONDS),
+            metrics=MetricsSourceSpec(source, url),
+        )
+    except ValueError as exc:
+        if isinstance(exc, SpecError):
+            raise
+        raise SpecError("autoscaling", dict(r.raw), str(exc)) from None
 
 
 def _parse_pod(r: FieldReader) -> PodSettings:
@@ -234,7 +314,7 @@ def parse_spec(raw: Any) -> InferenceSpec:
     """
     r = FieldReader(raw, "", DEFAULTS)
     model = FieldReader(r.raw.get("model"), "model", DEFAULTS)
-    uri = model.string("uri", required=True)
+    uri = model.required_string("uri")
     served = model.string("servedModelName")
     if served is not None and not _SERVED_NAME.match(served):
         raise SpecError("model.servedModelName", served,
@@ -252,10 +332,10 @@ def parse_spec(raw: Any) -> InferenceSpec:
     return InferenceSpec(
         model=source,
         engine=_parse_engine(r.raw.get("engine")),
-        replicas=r.integer("replicas", 0, MAX_REPLICAS, required=False),
+        replicas=r.optional_integer("replicas", 0, MAX_REPLICAS),
         autoscaling=None if autoscaling is None else _parse_autoscaling(autoscaling),
         pod=_parse_pod(r),
-        cost_per_replica_hour=finops.number("costPerReplicaHour", 0.0, 1e9, required=False),
+        cost_per_replica_hour=finops.optional_number("costPerReplicaHour", 0.0, 1e9),
     )
 
 

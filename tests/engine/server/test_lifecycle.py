@@ -56,7 +56,7 @@ def test_at_the_drain_deadline_what_is_left_gets_a_clean_error_and_the_exit_is_b
     import json
     import socket
 
-    from kvpilot.engine.server.serve_cli import ABORT_FLUSH_SECONDS, EXIT_GRACE_SECONDS
+    from kvpilot.engine.server.cli import ABORT_FLUSH_SECONDS, EXIT_GRACE_SECONDS
 
     drain = 1.0
     proc = ServerProcess("--kv-cache-memory", "0.1", "--drain-timeout", str(drain), "--log-level", "info")
@@ -97,7 +97,9 @@ def test_at_the_drain_deadline_what_is_left_gets_a_clean_error_and_the_exit_is_b
         assert len(events) > 2  # it had streamed tokens before the deadline
         assert code == 0
         bound = drain + ABORT_FLUSH_SECONDS + EXIT_GRACE_SECONDS
-        assert exit_seconds <= bound + 2.0, f"exit took {exit_seconds:.1f}s after SIGTERM; bound {bound:.1f}s"
+        # The bound is enforced from the signal by a watchdog; the slack covers process
+        # teardown on a loaded two-core machine.
+        assert exit_seconds <= bound + 4.0, f"exit took {exit_seconds:.1f}s after SIGTERM; bound {bound:.1f}s"
         assert "Traceback" not in proc.logs()
     finally:
         if stalled is not None:

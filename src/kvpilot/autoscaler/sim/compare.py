@@ -12,7 +12,7 @@ from kvpilot.autoscaler.sim.fleet import simulate
 from kvpilot.autoscaler.sim.model import ReplicaModel, SimConfig
 from kvpilot.autoscaler.sim.report import SimResult
 from kvpilot.autoscaler.sim.traces import TRACES, Trace, make_trace
-from kvpilot.autoscaler.spec import AutoscalingSpec
+from kvpilot.autoscaler.spec import DEFAULTS, AutoscalingSpec
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,8 @@ class Scenario:
     warmup_seconds: float = 300.0
     slo_wait_seconds: float = 2.0
     max_factor: float = 1.5
-    target_cache_usage: float = 0.75
-    target_queue_depth: float = 4.0
+    target_cache_usage: float = float(DEFAULTS["targetCacheUsage"])
+    target_queue_depth: float = float(DEFAULTS["targetQueueDepth"])
 
     def __post_init__(self) -> None:
         checks = (

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from kvpilot.autoscaler.policy import Decision, decide
 from kvpilot.autoscaler.signals import FleetSignals, PodSignals
+from kvpilot.autoscaler.sim.fleet import ScalingPolicy
 from kvpilot.autoscaler.sim.replica import Replica
 from kvpilot.autoscaler.spec import AutoscalingSpec
 from kvpilot.autoscaler.state import PolicyState
@@ -178,7 +179,7 @@ class KpaStylePolicy:
 POLICIES = ("kvpilot", "hpa", "kpa")
 
 
-def make_policy(name: str, spec: AutoscalingSpec):
+def make_policy(name: str, spec: AutoscalingSpec) -> ScalingPolicy:
     """A fresh policy by name, sharing the spec's bounds and targets."""
     if name == "kvpilot":
         return KvPilotPolicy(spec)

@@ -20,6 +20,8 @@ import math
 import random
 import time
 from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
 
 from kvpilot.autoscaler.sim.model import ReplicaModel, SimConfig
 from kvpilot.autoscaler.sim.replica import Replica, Req, Stats
@@ -155,8 +157,19 @@ class _Fleet:
         return -1
 
 
+class ScalingPolicy(Protocol):
+    """What :func:`simulate` drives (see :mod:`kvpilot.autoscaler.sim.controllers`)."""
+
+    name: str
+    interval_seconds: float
+
+    def decide(self, now: float, ready: Sequence[Replica], pending: int) -> int:
+        """The desired total (ready + pending) at ``now``; ``ready`` is read-only."""
+        ...
+
+
 def simulate(
-    trace: Trace, policy, model: ReplicaModel | None = None, config: SimConfig | None = None
+    trace: Trace, policy: ScalingPolicy, model: ReplicaModel | None = None, config: SimConfig | None = None
 ) -> SimResult:
     """Run ``policy`` on ``trace``; deterministic for a given trace seed and config seed.
 
@@ -246,7 +259,7 @@ def _sample(fleet: _Fleet, timeline: Timeline, now: float) -> None:
 
 def _result(
     trace: Trace,
-    policy,
+    policy: ScalingPolicy,
     config: SimConfig,
     fleet: _Fleet,
     timeline: Timeline,

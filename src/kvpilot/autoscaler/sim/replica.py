@@ -217,19 +217,18 @@ class Replica:
                 stats.finished += 1
                 stats.generated_tokens += req.output
                 stats.waits.append(req.waited)
-        req = self.prefilling
-        if req is not None and self.prefill_end <= now + 1e-9:
+        prefilled = self.prefilling
+        if prefilled is not None and self.prefill_end <= now + 1e-9:
             self.prefilling = None
             self.prefill_end = math.inf
-            req.ctx = req.need
-            req.v_start = self.v
-            req.stint += 1
-            self.dec_const += req.ctx - self.v
-            self.running[req] = None
+            prefilled.ctx = prefilled.need
+            prefilled.v_start = self.v
+            prefilled.stint += 1
+            self.dec_const += prefilled.ctx - self.v
+            self.running[prefilled] = None
             self._set_batch(self.n_dec + 1)
-            heapq.heappush(
-                heap, (self.v + req.output - req.generated, next(_TIEBREAK), req.stint, req)
-            )
+            heapq.heappush(heap, (self.v + prefilled.output - prefilled.generated,
+                                  next(_TIEBREAK), prefilled.stint, prefilled))
         while self.kv_tokens(now) >= self.cap - _EPS and (self.n_dec or self.prefilling):
             self._preempt_newest(now, stats)
         self._admit(now, stats)

@@ -222,7 +222,8 @@ def agentic(
         seq = 0
         next_start = next(starts, None)
         while next_start is not None or pending:
-            if pending and (next_start is None or pending[0][0] <= next_start):
+            # next_start None: the loop's condition leaves pending non-empty.
+            if next_start is None or (pending and pending[0][0] <= next_start):
                 t, _, p, o, c = heapq.heappop(pending)
                 if t < duration:
                     yield (t, p, o, c)

@@ -68,10 +68,6 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def kv_bytes_per_token(self, element_bytes: float) -> float:
-        """KV bytes per token over all layers: 2 (K and V) x layers x kv_heads x head_dim x bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
-
     # ------------------------------------------------------------------ HF
     @classmethod
     def from_hf_config(cls, path: str | Path) -> ModelConfig:

@@ -53,7 +53,7 @@ HF_DOWNLOAD_SCRIPT = (
 def startup_budget_seconds(spec: InferenceSpec) -> int:
     """How long the startup probe waits for the first healthy answer."""
     expected = spec.autoscaling.startup_seconds if spec.autoscaling else DEFAULT_STARTUP_SECONDS
-    return max(MIN_STARTUP_BUDGET_SECONDS, 5 * expected)
+    return math.ceil(max(MIN_STARTUP_BUDGET_SECONDS, 5 * expected))
 
 
 def _container_security() -> dict[str, Any]:
@@ -88,8 +88,10 @@ def _env(spec: InferenceSpec) -> list[dict[str, Any]]:
 
 def _volumes(spec: InferenceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(pod volumes, engine volume mounts)."""
-    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}]
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}},
+                                     {"name": "cache", "emptyDir": {}}]
+    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"},
+                                    {"name": "cache", "mountPath": CACHE_DIR}]
     if spec.model.scheme == "hf":
         volumes.append({"name": "models", "emptyDir": {}})
         mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
@@ -115,7 +117,8 @@ def _probe(path: str, period: int, timeout: int, failures: int) -> dict[str, Any
     }
 
 
-def _engine_container(spec: InferenceSpec, image: str, mounts: list[dict[str, Any]]) -> dict:
+def _engine_container(spec: InferenceSpec, image: str,
+                      mounts: list[dict[str, Any]]) -> dict[str, Any]:
     startup_failures = math.ceil(startup_budget_seconds(spec) / STARTUP_PERIOD_SECONDS)
     return {
         "name": "engine",

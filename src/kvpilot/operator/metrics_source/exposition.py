@@ -44,8 +44,12 @@ class EngineSample:
     requests_finished: float | None
 
 
-def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    by_name: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+# Samples by name: (labels, value) for each series of that name.
+SamplesByName = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def _samples(text: str) -> SamplesByName:
+    by_name: SamplesByName = defaultdict(list)
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -55,13 +59,13 @@ def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     return by_name
 
 
-def _gauge(by_name, name: str) -> float | None:
+def _gauge(by_name: SamplesByName, name: str) -> float | None:
     """The largest finite sample (NaN and +-Inf are not measurements: missing)."""
     values = [v for _, v in by_name.get(name, ()) if math.isfinite(v)]
     return max(values) if values else None
 
 
-def _counter(by_name, name: str) -> float | None:
+def _counter(by_name: SamplesByName, name: str) -> float | None:
     """The sum of the series; a non-finite or negative sample is no counter value, and
     makes the whole counter missing (a partial sum would fake a reset)."""
     values = [v for _, v in by_name.get(name, ())]
@@ -70,7 +74,7 @@ def _counter(by_name, name: str) -> float | None:
     return sum(values)
 
 
-def _capacity_from_info(by_name, name: str) -> float | None:
+def _capacity_from_info(by_name: SamplesByName, name: str) -> float | None:
     for labels, _ in by_name.get(name, ()):
         try:
             blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])

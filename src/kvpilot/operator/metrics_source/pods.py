@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvpilot.autoscaler import counter_rate
+from kvpilot.autoscaler import PodSignals, counter_rate
 from kvpilot.operator.metrics_source.episodes import EpisodeLog
 from kvpilot.operator.metrics_source.exposition import (
     EngineSample,
@@ -103,7 +103,9 @@ class PodScrapeSource:
 
     def read(self, pods: Sequence[EnginePod], now: float) -> MetricsReading:
         results = self._scrape_all(pods)
-        signals, rates, failures = [], [], []
+        signals: list[PodSignals] = []
+        rates: list[float | None] = []
+        failures: list[str] = []
         prompt = generated = finished = 0.0
         previous, self._previous = self._previous, {}
         for pod, result in zip(pods, results):
@@ -130,14 +132,14 @@ class PodScrapeSource:
                 prompt += result.prompt_tokens or 0.0
                 generated += result.generation_tokens or 0.0
                 finished += result.requests_finished or 0.0
-        key = f"{self.label} pods"
+        episode = f"{self.label} pods"
         problem = None
         if failures:
             problem = (f"scraping /metrics failed for {len(failures)} of {len(pods)} ready"
                        f" pods: {'; '.join(failures[:3])}")
-            self._episodes.failing(key, problem, now)
+            self._episodes.failing(episode, problem, now)
         else:
-            self._episodes.ok(key, now)
+            self._episodes.ok(episode, now)
         return MetricsReading(
             source=self.name,
             pods=tuple(signals),

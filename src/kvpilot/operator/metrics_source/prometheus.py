@@ -57,11 +57,13 @@ def _per_pod(result: list[Mapping[str, Any]], pod_label: str) -> dict[str, float
     out: dict[str, float] = {}
     for item in result:
         pod = (item.get("metric") or {}).get(pod_label)
+        if not isinstance(pod, str) or not pod:  # no pod label: not one of ours
+            continue
         try:
             out[pod] = float(item["value"][1])
         except (KeyError, IndexError, TypeError, ValueError):
             continue
-    return {k: v for k, v in out.items() if k}
+    return out
 
 
 class PrometheusSource:

@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from kvpilot.autoscaler import capacity, presets
+from kvpilot.sizing import capacity, presets
 
 GB = 1e9
 

@@ -2,8 +2,8 @@
 
 One column per trace, three rows: mean KV usage of the ready replicas, requests waiting,
 and replicas paid for (starting + ready + draining), one line per policy. The grey band
-is the warm-up, which is not counted. Kept out of
-``kvpilot.autoscaler`` so that package stays standard library only.
+is the warm-up, which is not counted. Kept out of ``kvpilot.autoscaler`` so that package
+stays standard library only.
 """
 
 from __future__ import annotations

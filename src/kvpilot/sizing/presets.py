@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MIB = 1024**2
 
@@ -69,7 +71,8 @@ class ModelShape:
         return embed + self.num_layers * layer + h
 
 
-def _m(name, h, inter, layers, heads, kv, vocab, head_dim=0, tied=False, bias=False):
+def _m(name: str, h: int, inter: int, layers: int, heads: int, kv: int, vocab: int,
+       head_dim: int = 0, tied: bool = False, bias: bool = False) -> ModelShape:
     return ModelShape(name, h, inter, layers, heads, kv, vocab, head_dim, tied, bias)
 
 
@@ -126,7 +129,7 @@ def gpu_memory_bytes(name: str) -> int:
     raise ValueError(f"GPU must be one of {', '.join(GPU_MEMORY_MIB)}; got {name!r}")
 
 
-def shape_from_config(name: str, config: dict) -> ModelShape:
+def shape_from_config(name: str, config: Mapping[str, Any]) -> ModelShape:
     """Read a HF ``config.json`` mapping (Llama, Mistral, Qwen2, SmolLM2 keys)."""
     cfg = config.get("text_config", config)  # multimodal wrappers nest the decoder
     try:

@@ -19,16 +19,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpilot.operator.autoscale_status import (
+from kvpilot.operator.handlers import OperatorContext, on_deployment_event, run_reconcile
+from kvpilot.operator.metrics import OperatorMetrics
+from kvpilot.operator.options import OperatorOptions
+from kvpilot.operator.status.autoscaler import (
     CapacityEstimate,
     CostEstimate,
     ObservedSignals,
     autoscaler_status,
 )
-from kvpilot.operator.handlers import OperatorContext, on_deployment_event, run_reconcile
-from kvpilot.operator.metrics import OperatorMetrics
-from kvpilot.operator.options import OperatorOptions
-from kvpilot.operator.status import failure_status, workload_status
+from kvpilot.operator.status.workload import failure_status, workload_status
 
 from .crdschema import load_crd, merge_patch, prune, root_schema, sub_schema, validate
 from .fake_sources import empty, loaded, unreachable
@@ -86,9 +86,7 @@ def reconcile_statuses() -> list[dict]:
     body = inference(spec=auto)
     ctx.api.put(body)
     for kwargs in ({}, {"requested": 3, "requested_reason": "forecast"}, {}):
-        patch = kopf.Patch()
-        run_reconcile(ctx, body, patch, **kwargs)
-        out.append(dict(patch.status))
+        out.append(dict(run_reconcile(ctx, body, **kwargs).status))
         ctx.api.set_deployment_status("llm", "chat", replicas=3, readyReplicas=2,
                                       updatedReplicas=3)
     ctx.api.patch_status("llm", "chat", out[-1])
@@ -96,10 +94,9 @@ def reconcile_statuses() -> list[dict]:
                         memo=ctx)
     out.append([call[4] for call in ctx.api.calls if call[0] == "patch_status"][-1])
     for bad in ({"model": {"uri": "s3://x/y"}}, {"model": EMBEDDED, "replicas": -2}):
-        patch = kopf.Patch()
-        with pytest.raises(kopf.PermanentError):
-            run_reconcile(ctx, inference(spec=bad, generation=2), patch)
-        out.append(dict(patch.status))
+        with pytest.raises(kopf.PermanentError) as info:
+            run_reconcile(ctx, inference(spec=bad, generation=2))
+        out.append(dict(info.value.status))
     return out
 
 

@@ -1,14 +1,15 @@
 """Status conditions (the metav1.Condition shape) as plain, immutable updates.
 
 A condition's ``lastTransitionTime`` changes only when its ``status`` changes; reason and
-message may change without a transition. Conditions of types this update does not touch
-are kept, so the reconcile loop and the autoscaler timer each own their types without
-erasing the other's.
+message may change without a transition. Conditions of types an update does not touch
+are kept (:func:`set_conditions`), and a writer replaces only the types it owns in the
+stored list (:func:`merge_conditions`), so the reconcile loop and the autoscaler loop each
+own their types without erasing the other's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -48,7 +49,7 @@ def set_conditions(existing: Iterable[Mapping[str, Any]] | None, updates: Iterab
     stamp = to_rfc3339(now)
     for update in updates:
         old = by_type.get(update.type)
-        new = {"type": update.type, "status": update.status, "reason": update.reason,
+        new: dict[str, Any] = {"type": update.type, "status": update.status, "reason": update.reason,
                "message": update.message}
         new["lastTransitionTime"] = (
             old["lastTransitionTime"]
@@ -61,6 +62,22 @@ def set_conditions(existing: Iterable[Mapping[str, Any]] | None, updates: Iterab
             new["observedGeneration"] = old["observedGeneration"]
         by_type[update.type] = new
     return [by_type[t] for t in CONDITION_TYPES if t in by_type]
+
+
+def merge_conditions(stored: Iterable[Mapping[str, Any]] | None,
+                     written: Iterable[Mapping[str, Any]],
+                     owned: Collection[str]) -> list[dict[str, Any]]:
+    """``stored`` with each condition of ``written`` whose type is in ``owned`` replacing
+    the stored one of its type.
+
+    Other types keep their stored entry (``written``'s copies of them are ignored); the
+    result is in CONDITION_TYPES order, like
+    :func:`set_conditions`. No input is mutated.
+    """
+    by_type = {cond["type"]: dict(cond) for cond in stored or () if cond.get("type")}
+    by_type.update({cond["type"]: dict(cond) for cond in written if cond.get("type") in owned})
+    known = [by_type.pop(t) for t in CONDITION_TYPES if t in by_type]
+    return known + [by_type[t] for t in sorted(by_type)]
 
 
 def to_rfc3339(now: datetime) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from kvpilot.autoscaler.sim import ReplicaModel, Scenario, compare
 from kvpilot.autoscaler.sim.calibration import DEFAULT_PRESET, PRESETS, load_calibration, preset
@@ -30,6 +30,9 @@ _MODEL = ReplicaModel()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags. Those of the scenario store under its field names (``dest``), so
+    :func:`scenario_from_args` needs no mapping; their defaults are :class:`Scenario`'s."""
+    d = Scenario()
     parser.add_argument(
         "--trace", default="all", choices=[*TRACES, "all"], help="which trace (default: all)"
     )
@@ -40,32 +43,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--replicas",
+        dest="peak_replicas",
+        metavar="REPLICAS",
         type=float,
-        default=8.0,
-        help="replicas the trace's peak needs at the target KV usage (default 8)",
+        default=d.peak_replicas,
+        help=f"replicas the trace's peak needs at the target KV usage (default {d.peak_replicas:g})",
     )
     parser.add_argument(
         "--max-factor",
         type=float,
-        default=1.5,
-        help="maxReplicas = ceil(factor x --replicas) + 1 (default 1.5)",
+        default=d.max_factor,
+        help=f"maxReplicas = ceil(factor x --replicas) + 1 (default {d.max_factor:g})",
     )
-    parser.add_argument("--duration", type=float, default=3600.0, help="seconds (default 3600)")
+    parser.add_argument(
+        "--duration",
+        dest="duration_seconds",
+        metavar="DURATION",
+        type=float,
+        default=d.duration_seconds,
+        help=f"seconds (default {d.duration_seconds:g})",
+    )
     parser.add_argument(
         "--warmup",
+        dest="warmup_seconds",
+        metavar="WARMUP",
         type=float,
-        default=300.0,
-        help="seconds not counted while the fleet fills (default 300)",
+        default=d.warmup_seconds,
+        help=f"seconds not counted while the fleet fills (default {d.warmup_seconds:g})",
     )
-    parser.add_argument("--seed", type=int, default=0, help="trace and routing seed")
+    parser.add_argument("--seed", type=int, default=d.seed, help="trace and routing seed")
     parser.add_argument(
         "--slo-seconds",
+        dest="slo_wait_seconds",
+        metavar="SLO_SECONDS",
         type=float,
-        default=2.0,
-        help="queueing delay a request tolerates (default 2)",
+        default=d.slo_wait_seconds,
+        help=f"queueing delay a request tolerates (default {d.slo_wait_seconds:g})",
     )
-    parser.add_argument("--target-cache-usage", type=float, default=0.75)
-    parser.add_argument("--target-queue-depth", type=float, default=4.0)
+    parser.add_argument("--target-cache-usage", type=float, default=d.target_cache_usage)
+    parser.add_argument("--target-queue-depth", type=float, default=d.target_queue_depth)
     parser.add_argument(
         "--replica-model",
         default=DEFAULT_PRESET,
@@ -89,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--json", metavar="PATH", help="write results (with timelines) as JSON")
     parser.add_argument("--plot", metavar="PNG", help="write a timeline plot (needs matplotlib)")
+
+
+def scenario_from_args(args: argparse.Namespace) -> Scenario:
+    """The :class:`Scenario` of the parsed flags; raises ValueError on a bad value."""
+    return Scenario(**{f.name: getattr(args, f.name) for f in fields(Scenario)})
 
 
 def _model(args: argparse.Namespace) -> ReplicaModel:
@@ -127,16 +148,7 @@ def run(args: argparse.Namespace) -> int:
             if p not in POLICIES:
                 raise ValueError(f"--policies must name {', '.join(POLICIES)}; got {p!r}")
         model = _model(args)
-        scenario = Scenario(
-            peak_replicas=args.replicas,
-            duration_seconds=args.duration,
-            seed=args.seed,
-            warmup_seconds=args.warmup,
-            slo_wait_seconds=args.slo_seconds,
-            max_factor=args.max_factor,
-            target_cache_usage=args.target_cache_usage,
-            target_queue_depth=args.target_queue_depth,
-        )
+        scenario = scenario_from_args(args)
         results = compare(traces, policies, scenario, model, progress=_progress)
     except ValueError as exc:
         print(f"kvpilot simulate: error: {exc}", file=sys.stderr)
@@ -156,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump(payload, f, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
-        from kvpilot.simulate_plot import plot_timelines
+        from kvpilot.simulation.plot import plot_timelines
 
         plot_timelines(results, args.plot)
         print(f"wrote {args.plot}")

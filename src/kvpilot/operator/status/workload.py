@@ -1,9 +1,12 @@
-"""``status`` of an InferenceDeployment as the reconcile loop writes it.
+"""The part of ``status`` the reconcile owns: replica counts, selector, observedGeneration
+and the Ready/Progressing conditions, read from the engine Deployment as observed (the
+scale fields of a resize, ``lastScaleTime``/``lastScaleReason``, come with the replica
+target in :mod:`kvpilot.operator.reconcile`).
 
 Every key produced here is declared in the CRD's status schema; the API server would
-silently prune any other (case C14, checked in ``tests/operator/test_c14_status_schema.py``).
-All functions are pure: they take the observed objects and the time, and return the
-status merge patch (a dict) without mutating their inputs.
+silently prune any other (``tests/operator/test_status_schema.py`` applies every patch
+to the schema). All functions are pure: they take the observed objects and the time, and
+return the status merge patch (a dict) without mutating their inputs.
 
 Conditions owned here:
 
@@ -22,8 +25,7 @@ from datetime import datetime
 from typing import Any
 
 from kvpilot.operator.builders.labels import selector_string
-from kvpilot.operator.conditions import Condition, set_conditions, to_rfc3339
-from kvpilot.operator.replicas import ReplicaDecision
+from kvpilot.operator.status.conditions import Condition, set_conditions
 
 
 def _int(value: Any) -> int:
@@ -102,16 +104,6 @@ def workload_status(name: str, deployment: Mapping[str, Any], generation: int | 
     if generation is not None:
         status["observedGeneration"] = generation
     return status
-
-
-def scale_status(decision: ReplicaDecision, now: datetime) -> dict[str, Any]:
-    """``lastScaleTime``/``lastScaleReason`` when the decision resized the fleet, else {}."""
-    if not decision.is_scale:
-        return {}
-    return {
-        "lastScaleTime": to_rfc3339(now),
-        "lastScaleReason": f"{decision.current} -> {decision.replicas}: {decision.reason}",
-    }
 
 
 def failure_status(reason: str, message: str, conditions: list[Mapping[str, Any]] | None,

@@ -5,11 +5,11 @@ Start-up: the HTTP server binds at once and answers ``/health`` (200) and ``/rea
 SIGTERM drains: ``/ready`` turns 503, new generation requests get 503, in-flight ones
 finish (up to ``--drain-timeout`` seconds; what is still running then is aborted with a
 503 body, or an error event on a stream), then the process exits 0. The whole exit is
-bounded: whatever still holds the process ``EXIT_GRACE_SECONDS`` after the drain ended
-(a connection uvicorn waits for, a step or a tokenization still running in a worker
-thread) is cut by a hard exit, so the pod is gone within ``--drain-timeout`` plus
-``ABORT_FLUSH_SECONDS + EXIT_GRACE_SECONDS`` (set ``terminationGracePeriodSeconds``
-above that). A second signal stops at once.
+bounded from the signal: whatever still holds the process ``--drain-timeout +
+ABORT_FLUSH_SECONDS + EXIT_GRACE_SECONDS`` after it (a connection uvicorn waits for, a
+step or a tokenization still running in a worker thread) is cut by a hard exit with
+status 0, so a pod is gone before its ``terminationGracePeriodSeconds`` (the operator
+leaves 5 s after the drain timeout). A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -122,6 +122,8 @@ class DrainingServer(uvicorn.Server):
         logger.info("signal %d: draining (up to %.0fs) before exit", sig, self.drain_timeout)
         self.state.draining = True
         threading.Thread(target=self._drain, name="kvpilot-drain", daemon=True).start()
+        bound = self.drain_timeout + ABORT_FLUSH_SECONDS + EXIT_GRACE_SECONDS
+        threading.Thread(target=_exit_after, args=(bound,), name="kvpilot-exit", daemon=True).start()
 
     def _drain(self) -> None:
         deadline = time.monotonic() + self.drain_timeout
@@ -139,14 +141,13 @@ class DrainingServer(uvicorn.Server):
             while self.state.inflight and time.monotonic() < end:
                 time.sleep(0.05)
         self.should_exit = True
-        threading.Thread(target=_exit_after, args=(EXIT_GRACE_SECONDS,), name="kvpilot-exit", daemon=True).start()
 
 
 def _exit_after(seconds: float) -> None:
     """Exit the process with status 0 if it is still alive ``seconds`` from now (a
-    daemon thread: a normal exit before then ends it)."""
+    daemon thread, started at the signal: a normal exit before then ends it)."""
     time.sleep(seconds)
-    logger.warning("shutdown took longer than %.0fs after the drain; exiting now", seconds)
+    logger.warning("still running %.1fs after the signal (drain, abort flush and shutdown); exiting now", seconds)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,4 +1,5 @@
-"""``kvpilot generate``: one-shot offline generation from the command line."""
+"""``kvpilot generate``: one-shot offline generation from the command line (the engine's
+``cli.py``; the server's ``kvpilot serve`` is :mod:`kvpilot.engine.server.cli`)."""
 
 from __future__ import annotations
 

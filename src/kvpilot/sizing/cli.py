@@ -4,8 +4,8 @@
     kvpilot kv-calc --model ./my-hf-folder --gpu H100-80GB --kv-cache-dtype fp8
     kvpilot kv-calc --list
 
-The arithmetic lives in :mod:`kvpilot.autoscaler.capacity` (shared with the operator's
-FinOps status); this module only parses flags and prints.
+The arithmetic lives in :mod:`kvpilot.sizing.capacity` (shared with the engine's KV pool
+and the operator's FinOps status); this module only parses flags and prints.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from kvpilot.autoscaler import capacity, presets
+from kvpilot.sizing import capacity, presets
 
 DEFAULT_CONTEXTS = (2048, 8192, 32768)
 
@@ -85,7 +87,7 @@ def _load_model(name: str) -> presets.ModelShape:
     return presets.model_preset(name)
 
 
-def compute(args: argparse.Namespace) -> dict:
+def compute(args: argparse.Namespace) -> dict[str, Any]:
     """Everything kv-calc prints, as a JSON-ready dict. Raises ValueError on bad input."""
     model = _load_model(args.model)
     contexts = args.context or list(DEFAULT_CONTEXTS)
@@ -97,7 +99,7 @@ def compute(args: argparse.Namespace) -> dict:
         model.num_layers, model.num_kv_heads, model.head_dim, dtype.name
     )
     weight_bytes = model.num_params * capacity.kv_dtype(args.weight_dtype).bytes_per_element
-    out: dict = {
+    out: dict[str, Any] = {
         "model": model.name,
         "num_params": model.num_params,
         "num_layers": model.num_layers,
@@ -113,7 +115,7 @@ def compute(args: argparse.Namespace) -> dict:
             {"context_tokens": c, "kv_bytes": capacity.kv_bytes(per_token, c)} for c in contexts
         ],
     }
-    gpu_bytes = None
+    gpu_bytes: float | None = None
     if args.gpu:
         gpu_bytes = presets.gpu_memory_bytes(args.gpu)
         out["gpu"] = args.gpu
@@ -165,7 +167,7 @@ def _gb(n: float) -> str:
     return f"{n / capacity.GB:,.2f} GB"
 
 
-def render(r: dict) -> str:
+def render(r: Mapping[str, Any]) -> str:
     lines = [
         f"model            {r['model']}  ({r['num_params'] / 1e9:.2f} B params, {r['num_layers']}"
         f" layers, {r['num_kv_heads']} KV heads x head_dim {r['head_dim']})",

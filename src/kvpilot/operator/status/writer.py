@@ -16,30 +16,15 @@ so read and merge again.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.api import ConflictError, KubeApi
+from kvpilot.operator.status.conditions import merge_conditions
 
 # Read-merge-patch rounds before a conflict is reported to the caller (who retries later).
 STATUS_CONFLICT_ATTEMPTS = 5
-
-
-def merge_conditions(stored: Iterable[Mapping[str, Any]] | None,
-                     written: Iterable[Mapping[str, Any]],
-                     owned: Collection[str]) -> list[dict[str, Any]]:
-    """``stored`` with each condition of ``written`` whose type is in ``owned`` replacing
-    the stored one of its type.
-
-    Other types keep their stored entry (``written``'s copies of them are ignored); the
-    result is in CONDITION_TYPES order, like
-    :func:`kvpilot.operator.conditions.set_conditions`. No input is mutated.
-    """
-    by_type = {cond["type"]: dict(cond) for cond in stored or () if cond.get("type")}
-    by_type.update({cond["type"]: dict(cond) for cond in written if cond.get("type") in owned})
-    known = [by_type.pop(t) for t in c.CONDITION_TYPES if t in by_type]
-    return known + [by_type[t] for t in sorted(by_type)]
 
 
 def write_status(api: KubeApi, namespace: str, name: str, status: Mapping[str, Any],

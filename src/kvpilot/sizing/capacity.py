@@ -1,14 +1,16 @@
 """KV-cache sizing and FinOps arithmetic (pure, standard library).
 
-The formula (PagedAttention keeps a K and a V vector per token, per layer, per KV head)::
+The formula (PagedAttention keeps a K and a V vector per token, per layer, per KV head),
+written once here in :func:`kv_token_bytes`::
 
     kv_bytes = 2 x bytes_per_element x num_layers x num_kv_heads x head_dim x tokens
 
 Llama-3-70B (80 layers, 8 KV heads, head_dim 128) in fp16: 327,680 B per token, so 8,192
 tokens take 2.68 GB and 65,536 tokens 21.47 GB (decimal GB); fp8 halves that.
 
-``kvpilot kv-calc`` prints these numbers offline; the operator's FinOps status reuses
-:func:`kv_capacity_tokens`, :func:`max_concurrent_requests`, :func:`cost_per_hour` and
+Users: the engine sizes its KV pool with :func:`kv_token_bytes` and :func:`kv_dtype`
+(``kvpilot.engine.kv_cache``); ``kvpilot kv-calc`` prints these numbers offline; the
+operator's FinOps status reuses :func:`max_concurrent_requests`, :func:`cost_per_hour` and
 :func:`cost_per_million_tokens` with the values the engines report.
 """
 
@@ -89,8 +91,23 @@ def _positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be finite; got {value!r}")
 
 
+def kv_token_bytes(
+    num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: float
+) -> float:
+    """Bytes of K and V for one token across ``num_layers`` layers, unchecked:
+    ``2 x bytes_per_element x num_layers x num_kv_heads x head_dim``. ``bytes_per_element``
+    includes amortized group scales (:attr:`KvDtype.bytes_per_element`)."""
+    return 2 * bytes_per_element * num_layers * num_kv_heads * head_dim
+
+
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> float:
-    """Bytes of K and V for one token across all layers: 2 x bpe x layers x heads x dim."""
+    """Bytes of K and V for one token across all layers (:func:`kv_token_bytes`) for the
+    KV dtype named ``dtype``.
+
+    Raises:
+        ValueError: a non-positive shape, an unknown dtype, or a ``head_dim`` the dtype's
+            group layout cannot hold (4-bit formats need a multiple of 32).
+    """
     for name, value in (
         ("num_layers", num_layers),
         ("num_kv_heads", num_kv_heads),
@@ -101,7 +118,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
     multiple = max(d.group_size, d.head_dim_multiple)
     if head_dim % multiple:
         raise ValueError(f"head_dim must be a multiple of {multiple} for {d.name}; got {head_dim}")
-    return 2 * d.bytes_per_element * num_layers * num_kv_heads * head_dim
+    return kv_token_bytes(num_layers, num_kv_heads, head_dim, d.bytes_per_element)
 
 
 def kv_bytes(bytes_per_token: float, tokens: int) -> float:

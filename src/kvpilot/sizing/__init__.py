@@ -1,0 +1,14 @@
+"""KV-cache sizing: bytes per token, pool capacity, FinOps arithmetic, model and GPU
+presets, and ``kvpilot kv-calc``. Standard library only, so every component may import it:
+
+==============  ================================================================
+``capacity``    the KV formula (:func:`~kvpilot.sizing.capacity.kv_token_bytes`),
+                KV dtypes, pool capacity, concurrency and cost
+``presets``     model shapes (HF ``config.json`` fields) and GPU memory sizes
+``cli``         ``kvpilot kv-calc``
+==============  ================================================================
+
+Users: the engine's KV cache (``kvpilot.engine.kv_cache``), the operator's FinOps status
+(``kvpilot.operator.autoscale``) and ``kvpilot kv-calc``. Layering (import-linter):
+this package imports nothing else from kvpilot and nothing outside the standard library.
+"""
