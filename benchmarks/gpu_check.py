@@ -13,11 +13,11 @@ Sections:
   kernel_tests  the CPU test tables of tests/kernels/cases.py on the device, plus real
                 shapes (Llama-3-8B attention: 32 q / 8 KV heads, head_dim 128, page 16;
                 contexts up to 8,191, prefill chunks up to 1,024) for every cache dtype
-  decode_bench  paged decode, batch 64 x 4,096 context and 1 x 32,768 (same shapes as the
-                FP8 benchmark of issue 4): median time of our split-KV kernel per cache
-                dtype, L2 flushed before every run; bytes = K + V read (group scales
+  decode_bench  paged decode, batch 64 x 4,096 context and 1 x 32,768 (a batch that is
+                bound by KV reads, and one long context): median time of our split-KV kernel
+                per cache dtype, L2 flushed before every run; bytes = K + V read (group scales
                 included) + Q + O; speed-up against our bf16 decode in the same run.
-                Goal (issue 8): 4-bit at least 2.5x bf16 at batch 64 x 4,096.
+                Goal: 4-bit at least 2.5x bf16 at batch 64 x 4,096.
 
 Needs only torch and triton (the GPU machine has nothing else): the repo's ``src`` and
 root are put on ``sys.path``. ``--smoke`` sets ``TRITON_INTERPRET=1`` for the sections and

@@ -38,6 +38,7 @@ def test_gguf_names_map_to_hf_names():
     assert gguf_hf_name("something.else") is None
 
 
+@pytest.mark.slow  # reads the embedded model file
 def test_embedded_model_config_is_read_from_gguf():
     from kvpilot.engine.model.loader import load_model_config
 

@@ -67,6 +67,7 @@ def test_smollm2_preset_is_the_embedded_models_architecture():
     assert set(preset.eos_token_ids) <= set(real.eos_token_ids)
 
 
+@pytest.mark.slow  # an engine in a fresh Python process
 def test_token_only_engine_needs_nothing_but_torch(tmp_path):
     """As on the GPU machine: a Python whose site-packages lack numpy, transformers,
     tokenizers, gguf and the server stack still runs a preset engine end to end."""

@@ -55,6 +55,7 @@ def layer_and_meta(b, cache_dtype, rotate):
     return kv, meta
 
 
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize(
     ("dtype", "cache_dtype", "rotate"),
     [

@@ -12,6 +12,7 @@ from kvpilot.kernels.decode_attention import choose_num_splits, paged_decode_att
 from .cases import DECODE_CASES, KV4_DECODE_CASES, run_decode_case
 
 
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[c.id for c in DECODE_CASES])
 def test_decode_matches_reference(case):
     run_decode_case(case)
@@ -61,6 +62,7 @@ def test_decode_rejects_heads_that_do_not_divide():
         )
 
 
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("case", KV4_DECODE_CASES, ids=[c.id for c in KV4_DECODE_CASES])
 def test_decode_over_a_4bit_cache_matches_reference(case):
     run_decode_case(case)

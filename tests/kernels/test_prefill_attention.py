@@ -20,11 +20,13 @@ from .cases import (
 )
 
 
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=[c.id for c in PREFILL_CASES])
 def test_prefill_matches_reference(case):
     run_prefill_case(case)
 
 
+@pytest.mark.triton_interpreter
 def test_prefill_leaves_rows_of_sequences_it_was_not_given_alone():
     """The backend passes only the prefill sequences (query_start_loc starting after the
     decodes' rows); those rows must keep what the decode kernel wrote."""
@@ -66,6 +68,7 @@ def test_prefill_rejects_mismatched_query_start_loc():
         )
 
 
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("case", KV4_PREFILL_CASES, ids=[c.id for c in KV4_PREFILL_CASES])
 def test_prefill_over_a_4bit_cache_matches_reference(case):
     run_prefill_case(case)

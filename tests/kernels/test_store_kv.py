@@ -19,16 +19,19 @@ from .cases import (
 )
 
 
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("case", STORE_CASES, ids=[c[0] for c in STORE_CASES])
 def test_store_matches_reference_bit_for_bit(case):
     run_store_case(case)
 
 
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
 def test_fp8_quantization_equals_torch_on_every_value_and_tie(dtype):
     run_fp8_rounding_check(dtype)
 
 
+@pytest.mark.triton_interpreter
 def test_all_slots_skipped_writes_nothing():
     kc = torch.zeros(2, 4, 1, 16)
     vc = torch.zeros_like(kc)
@@ -55,11 +58,13 @@ def test_launcher_rejects_bad_arguments_with_a_clear_message(kwargs, message):
         store_kv(args["key"], args["key"], kc, kc.clone(), args["slot_mapping"])
 
 
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("case", KV4_STORE_CASES, ids=[c[0] for c in KV4_STORE_CASES])
 def test_4bit_store_matches_reference_bit_for_bit(case):
     run_kv4_store_case(case)
 
 
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("fmt", ["fp4_e2m1", "int4"])
 def test_4bit_codes_equal_torch_on_every_grid_value_and_tie(fmt):
     """One group per row whose largest value pins the group scale to 1.0 (E4M3-exact), so

@@ -5,7 +5,7 @@ field manager sent before), the status subresource, Events, and deletion with fi
 
 It is a test double, not a conformance implementation: no admission, no managed fields,
 no field selectors, one storage version per kind. The real API server is exercised by the
-e2e suite (issue 7).
+e2e suite (`make e2e`, docs/e2e.md).
 """
 
 from __future__ import annotations

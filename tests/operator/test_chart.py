@@ -17,6 +17,8 @@ from kvpilot.operator.kube import PLURALS
 
 from .tools import CHART, KUBE_VERSION, REPO, helm_template, run, tool
 
+pytestmark = pytest.mark.tools  # runs helm and promtool (`make tools`)
+
 SCENARIOS = {
     "default": [],
     "minimal": [Path(__file__).parent / "chart-values" / "minimal.yaml"],

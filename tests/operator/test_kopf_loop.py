@@ -37,6 +37,8 @@ CR = ("kvpilot.dev", "inferencedeployments")
 DEPLOYMENTS = ("apps", "deployments")
 WAIT_SECONDS = 30
 
+pytestmark = pytest.mark.server  # a fake API server and a real Kopf loop, in threads
+
 
 def wait_for(what: str, check: Callable[[], object]) -> object:
     deadline = time.monotonic() + WAIT_SECONDS

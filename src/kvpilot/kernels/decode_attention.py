@@ -56,7 +56,7 @@ PROGRAMS_PER_SM = 4
 
 
 @triton.jit
-def _decode_split_kernel(
+def _decode_split_kernel(  # type: ignore[no-untyped-def]
     # q [S, Hq, D]; caches [NB, PAGE, Hkv, D]; block_tables [S, W]; seq_lens [S]
     q_ptr,
     k_cache_ptr,
@@ -168,7 +168,7 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _decode_merge_kernel(
+def _decode_merge_kernel(  # type: ignore[no-untyped-def]
     # scratch from stage 1, the output [S, Hq, D] and the fp32 v_scale (when QUANT)
     mid_o_ptr,
     mid_lse_ptr,
@@ -233,8 +233,8 @@ def choose_num_splits(
     one long sequence gets up to 64.
     """
     programs = max(1, num_seqs * num_kv_heads)
-    want = triton.cdiv(sms * PROGRAMS_PER_SM, programs)
-    longest = triton.cdiv(max(1, max_seq_len), max(min_split_tokens, block_n))
+    want: int = triton.cdiv(sms * PROGRAMS_PER_SM, programs)
+    longest: int = triton.cdiv(max(1, max_seq_len), max(min_split_tokens, block_n))
     return max(1, min(want, longest, MAX_SPLITS))
 
 

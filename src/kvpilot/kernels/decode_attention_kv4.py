@@ -24,7 +24,7 @@ from .kv4_triton import load_kv4_tile
 
 
 @triton.jit
-def decode_split_kv4_kernel(
+def decode_split_kv4_kernel(  # type: ignore[no-untyped-def]
     # q [S, Hq, D]; packed caches [NB, PAGE, Hkv, D/2]; group scales [NB, PAGE, Hkv, D/16]
     q_ptr,
     k_cache_ptr,

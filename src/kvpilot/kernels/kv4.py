@@ -39,6 +39,7 @@ tokens (the per-layer fp32 tensor scales are a few bytes and not counted).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
@@ -54,6 +55,24 @@ class KV4Format:
 
     name: str
     qmax: float
+
+
+class KV4Args(TypedDict):
+    """The 4-bit keyword arguments of every store, decode and prefill function (the
+    Triton launchers and the torch references), all None for a cache that is not 4-bit.
+
+    Splatted into a call (``store_kv(..., **kv4)``); mypy checks each key against the
+    callee's parameter of the same name.
+
+    Attributes:
+        key_group_scales, value_group_scales: the E4M3 scales, one per 16 values,
+            ``[num_blocks, block_size, num_kv_heads, head_dim // 16]``.
+        kv4_format: ``fp4_e2m1`` or ``int4``.
+    """
+
+    key_group_scales: torch.Tensor | None
+    value_group_scales: torch.Tensor | None
+    kv4_format: str | None
 
 
 KV4_FORMATS = {
@@ -123,7 +142,7 @@ def quantize_kv4(x: torch.Tensor, fmt: KV4Format | str, tensor_scale: torch.Tens
     d = x.shape[-1]
     check_kv4_head_dim(d, fmt.name)
     y = x.float() / tensor_scale
-    groups = y.unflatten(-1, (d // GROUP_SIZE, GROUP_SIZE))
+    groups = torch.unflatten(y, -1, (d // GROUP_SIZE, GROUP_SIZE))
     s = (groups.abs().amax(-1) / fmt.qmax).clamp_(max=GROUP_SCALE_MAX).to(GROUP_SCALE_DTYPE)
     sf = s.float()[..., None]
     v = torch.where(sf > 0, groups / torch.where(sf > 0, sf, 1.0), 0.0).flatten(-2)

@@ -36,7 +36,7 @@ MAX_TILE = 4096
 
 
 @triton.jit
-def kv4_values(codes, IS_INT4: tl.constexpr):
+def kv4_values(codes, IS_INT4: tl.constexpr):  # type: ignore[no-untyped-def]
     """fp32 value of 4-bit codes (int32, 0..15), in units of the group scale.
 
     int4: offset binary, ``code - 8``. fp4_e2m1: bit 3 sign, bits 2-1 exponent ``e``,
@@ -52,7 +52,7 @@ def kv4_values(codes, IS_INT4: tl.constexpr):
 
 
 @triton.jit
-def load_kv4_tile(
+def load_kv4_tile(  # type: ignore[no-untyped-def]
     cache_ptr,
     group_scale_ptr,
     # [N] element offsets of each row's packed bytes / group scales; [N] row mask
@@ -78,7 +78,7 @@ def load_kv4_tile(
 
 
 @triton.jit
-def _encode_half(
+def _encode_half(  # type: ignore[no-untyped-def]
     y,
     ROWS: tl.constexpr,
     BLOCK_DH: tl.constexpr,
@@ -112,7 +112,7 @@ def _encode_half(
 
 
 @triton.jit
-def _store_kv4_kernel(
+def _store_kv4_kernel(  # type: ignore[no-untyped-def]
     # new K/V [T, H, D]; packed caches [NB, PAGE, H, HALF]; group scales [NB, PAGE, H, D/16]
     key_ptr,
     value_ptr,

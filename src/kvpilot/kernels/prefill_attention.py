@@ -51,7 +51,7 @@ from .triton_utils import (
 
 
 @triton.jit
-def _attend_tile(
+def _attend_tile(  # type: ignore[no-untyped-def]
     # running state of the tile's rows: q [M, D], acc [M, D], max and sum [M]
     q,
     acc,
@@ -101,7 +101,7 @@ def _attend_tile(
 
 
 @triton.jit
-def _prefill_kernel(
+def _prefill_kernel(  # type: ignore[no-untyped-def]
     # q and out [T, Hq, D]; caches [NB, PAGE, Hkv, D]
     q_ptr,
     k_cache_ptr,

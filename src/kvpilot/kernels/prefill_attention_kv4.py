@@ -17,7 +17,7 @@ from .kv4_triton import load_kv4_tile
 
 
 @triton.jit
-def _attend_tile_kv4(
+def _attend_tile_kv4(  # type: ignore[no-untyped-def]
     # running state of the tile's rows: q halves [M, DH], acc halves [M, DH], max and sum [M]
     q_lo,
     q_hi,
@@ -78,7 +78,7 @@ def _attend_tile_kv4(
 
 
 @triton.jit
-def prefill_kv4_kernel(
+def prefill_kv4_kernel(  # type: ignore[no-untyped-def]
     # q and out [T, Hq, D]; packed caches [NB, PAGE, Hkv, D/2]; group scales [NB, PAGE, Hkv, D/16]
     q_ptr,
     k_cache_ptr,

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from .fast_dequant import FP8_HALF_FACTOR, dequantize_kv4_fast, fp8_as_half, gather_blocks
+from .kv4 import KV4Args, quantize_kv4
 from .kv4 import kv4_format as _kv4_format
-from .kv4 import quantize_kv4
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -310,7 +310,7 @@ def paged_attention(
     go one by one through :func:`paged_prefill_attention`.
     Returns ``[num_tokens, num_heads, head_dim]``.
     """
-    kv4 = {"key_group_scales": key_group_scales, "value_group_scales": value_group_scales, "kv4_format": kv4_format}
+    kv4 = KV4Args(key_group_scales=key_group_scales, value_group_scales=value_group_scales, kv4_format=kv4_format)
     out = torch.empty_like(q)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()

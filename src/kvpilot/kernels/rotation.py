@@ -32,7 +32,8 @@ def hadamard_matrix(
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / n**0.5).to(dtype=dtype, device=device)
+    norm: float = n**0.5
+    return (h / norm).to(dtype=dtype, device=device)
 
 
 def key_rotation_matrix(
@@ -46,7 +47,8 @@ def key_rotation_matrix(
     gen = torch.Generator().manual_seed(0)
     qmat, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64))
     qmat = qmat * torch.sign(torch.diagonal(r))[None, :]
-    return qmat.to(dtype=dtype, device=device)
+    rotation: torch.Tensor = qmat.to(dtype=dtype, device=device)  # linalg.qr is untyped
+    return rotation
 
 
 def rotate_heads(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ MAX_TILE = 4096
 
 
 @triton.jit
-def _quantize_tile(
+def _quantize_tile(  # type: ignore[no-untyped-def]
     x,
     scale,
     FP8_MAX: tl.constexpr,
@@ -55,7 +55,7 @@ def _quantize_tile(
 
 
 @triton.jit
-def _store_kv_kernel(
+def _store_kv_kernel(  # type: ignore[no-untyped-def]
     # new K/V [T, H, D]; paged caches [NB, PAGE, H, D]; slot_mapping [T] int64 (< 0: skip)
     key_ptr,
     value_ptr,
@@ -209,9 +209,9 @@ def store_kv(
         BLOCK_T=block_t,
         BLOCK_HD=block_hd,
         QUANT=quant,
-        FP8_MAX=fmt.max if quant else 0.0,
-        MANTISSA_BITS=fmt.mantissa_bits if quant else 0,
-        MIN_NORMAL_EXP=fmt.min_normal_exp if quant else 0,
+        FP8_MAX=fmt.max if fmt is not None else 0.0,
+        MANTISSA_BITS=fmt.mantissa_bits if fmt is not None else 0,
+        MIN_NORMAL_EXP=fmt.min_normal_exp if fmt is not None else 0,
         SOFT_ROUND=quant and INTERPRET,
         num_warps=4,
     )

@@ -145,7 +145,7 @@ def check_scale(
 
 
 @triton.jit
-def round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+def round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):  # type: ignore[no-untyped-def]
     """Round fp32 ``y`` (already clamped to the format's range) to the nearest value of
     an FP8 format, ties to even, so the cast that follows is exact.
 

@@ -29,6 +29,9 @@ class Context:
     def check_model(self, model) -> None:
         return None
 
+    def check_prompt_size(self, chars, param) -> None:
+        return None
+
     def resolve_max_tokens(self, prompt_len, max_tokens, param="max_tokens") -> int:
         return max_tokens or 4
 

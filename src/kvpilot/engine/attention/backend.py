@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpilot.kernels.kv4 import KV4Args
 from kvpilot.kernels.rotation import rotate_heads
 
 
@@ -79,13 +80,13 @@ class LayerKVCache:
     kv4_format: str | None = None
 
     @property
-    def kv4(self) -> dict[str, torch.Tensor | str | None]:
+    def kv4(self) -> KV4Args:
         """The 4-bit keyword arguments of the kernels and references (all None otherwise)."""
-        return {
-            "key_group_scales": self.key_group_scales,
-            "value_group_scales": self.value_group_scales,
-            "kv4_format": self.kv4_format,
-        }
+        return KV4Args(
+            key_group_scales=self.key_group_scales,
+            value_group_scales=self.value_group_scales,
+            kv4_format=self.kv4_format,
+        )
 
 
 def rotate_query_key(q: torch.Tensor, k: torch.Tensor, kv: LayerKVCache) -> tuple[torch.Tensor, torch.Tensor]:

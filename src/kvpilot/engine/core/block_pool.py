@@ -10,6 +10,8 @@ Each block is in exactly one of three states::
     used     ref_count  > 0, held by at least one request's block table
 
 The pool tracks ``free`` and ``used``; the radix cache tracks which blocks are cached.
+``check_integrity()`` (on the KV cache manager, the radix cache and the scheduler) checks
+that the three states add up and raises :class:`CacheIntegrityError` when they do not.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ from collections.abc import Iterable
 
 class OutOfBlocksError(RuntimeError):
     """Raised when more blocks are taken than the free list holds (a scheduler bug)."""
+
+
+class CacheIntegrityError(RuntimeError):
+    """The block accounting broke an invariant (a bug, never bad input).
+
+    Raised by the ``check_integrity()`` methods with the numbers that disagree. They are
+    real checks, not ``assert`` statements, so they still run under ``python -O``.
+    """
 
 
 class BlockPool:

@@ -9,9 +9,10 @@ ref count is 0 are evicted (LRU, leaves first) only when the free list runs dry.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
-from kvpilot.engine.core.block_pool import BlockPool, OutOfBlocksError
+from kvpilot.engine.core.block_pool import BlockPool, CacheIntegrityError, OutOfBlocksError
 from kvpilot.engine.core.radix_cache import RadixCache, RadixNode
 from kvpilot.engine.core.request import Request
 
@@ -180,24 +181,43 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ integrity
     def check_integrity(self, live_requests: Iterable[Request] = ()) -> None:
-        """Assert ``free + cached + used == total`` and that ref counts equal the number
-        of live requests holding each block. Raises AssertionError."""
+        """Check ``free + cached + used == total``, that each block's ref count equals
+        the number of live requests holding it, and that free blocks are unreferenced and
+        out of the tree; then the radix tree's own invariants.
+
+        Raises:
+            CacheIntegrityError: an invariant does not hold; the message names the numbers.
+        """
         pool = self.pool
         free = pool.free_block_ids()
-        assert len(free) == len(set(free)), "duplicate block on the free list"
-        assert pool.num_free + self.num_cached_blocks + pool.num_used == self.num_blocks, (
-            f"free {pool.num_free} + cached {self.num_cached_blocks} + used {pool.num_used} "
-            f"!= total {self.num_blocks}"
-        )
+        if len(free) != len(set(free)):
+            twice = sorted(b for b, n in Counter(free).items() if n > 1)
+            raise CacheIntegrityError(f"blocks {twice} are on the free list more than once")
+        if pool.num_free + self.num_cached_blocks + pool.num_used != self.num_blocks:
+            raise CacheIntegrityError(
+                f"free {pool.num_free} + cached {self.num_cached_blocks} + used {pool.num_used} "
+                f"!= total {self.num_blocks}"
+            )
         holders = [0] * self.num_blocks
         for req in live_requests:
-            assert len(req.block_ids) == len(set(req.block_ids)), f"{req.request_id} holds a block twice"
+            if len(req.block_ids) != len(set(req.block_ids)):
+                raise CacheIntegrityError(f"{req.request_id} holds a block twice: {req.block_ids}")
             for b in req.block_ids:
                 holders[b] += 1
-        assert holders == pool.ref_counts, "ref counts differ from the block tables of live requests"
-        assert sum(1 for c in pool.ref_counts if c > 0) == pool.num_used
+        wrong = [b for b in range(self.num_blocks) if holders[b] != pool.ref_counts[b]]
+        if wrong:
+            b = wrong[0]
+            raise CacheIntegrityError(
+                f"ref counts differ from the block tables of live requests at {len(wrong)} blocks, "
+                f"first block {b}: ref_count {pool.ref_counts[b]}, held by {holders[b]} requests"
+            )
+        referenced = sum(1 for c in pool.ref_counts if c > 0)
+        if referenced != pool.num_used:
+            raise CacheIntegrityError(f"{referenced} blocks are referenced but num_used is {pool.num_used}")
         for b in free:
-            assert pool.ref_counts[b] == 0
-            assert self.radix is None or not self.radix.contains(b), f"free block {b} is in the tree"
+            if pool.ref_counts[b] != 0:
+                raise CacheIntegrityError(f"free block {b} has ref_count {pool.ref_counts[b]}")
+            if self.radix is not None and self.radix.contains(b):
+                raise CacheIntegrityError(f"free block {b} is in the tree")
         if self.radix is not None:
             self.radix.check_integrity()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from kvpilot.engine.core.block_pool import BlockPool
+from kvpilot.engine.core.block_pool import BlockPool, CacheIntegrityError
 
 
 class RadixNode:
@@ -189,7 +189,14 @@ class RadixCache:
         heapq.heapify(self._heap)
 
     def check_integrity(self) -> None:
-        """Assert the tree's invariants (see the module docstring). Raises AssertionError."""
+        """Check the tree's invariants (see the module docstring): every node is indexed
+        by its block and linked from its parent, no cached block is on the free list, a
+        referenced node's parent is referenced too, every indexed node is reachable, and
+        ``num_cached`` counts the unreferenced nodes.
+
+        Raises:
+            CacheIntegrityError: an invariant does not hold; the message names the numbers.
+        """
         seen = 0
         unreferenced = 0
         for salt, root in self._roots.items():
@@ -198,16 +205,22 @@ class RadixCache:
                 node = stack.pop()
                 seen += 1
                 b = node.block_id
-                assert self._node_of_block.get(b) is node, f"block {b} not indexed (salt {salt!r})"
-                assert not self.pool.is_free(b), f"cached block {b} is also on the free list"
-                assert node.parent is not None and node.parent.children.get(node.key) is node
+                if self._node_of_block.get(b) is not node:
+                    raise CacheIntegrityError(f"block {b} not indexed (salt {salt!r})")
+                if self.pool.is_free(b):
+                    raise CacheIntegrityError(f"cached block {b} is also on the free list")
+                parent = node.parent
+                if parent is None or parent.children.get(node.key) is not node:
+                    raise CacheIntegrityError(f"block {b} is not a child of its parent (salt {salt!r})")
                 ref = self.pool.ref_counts[b]
                 if ref == 0:
                     unreferenced += 1
-                elif node.parent.block_id >= 0:
-                    assert self.pool.ref_counts[node.parent.block_id] > 0, (
-                        f"block {b} is referenced but its parent {node.parent.block_id} is not"
+                elif parent.block_id >= 0 and self.pool.ref_counts[parent.block_id] <= 0:
+                    raise CacheIntegrityError(
+                        f"block {b} is referenced ({ref}) but its parent {parent.block_id} is not"
                     )
                 stack.extend(node.children.values())
-        assert seen == len(self._node_of_block), f"{seen} nodes reachable, {len(self._node_of_block)} indexed"
-        assert unreferenced == self.num_cached, f"num_cached={self.num_cached}, counted {unreferenced}"
+        if seen != len(self._node_of_block):
+            raise CacheIntegrityError(f"{seen} nodes reachable, {len(self._node_of_block)} indexed")
+        if unreferenced != self.num_cached:
+            raise CacheIntegrityError(f"num_cached={self.num_cached}, counted {unreferenced} unreferenced nodes")

@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvpilot.engine.core.block_pool import CacheIntegrityError
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.sampling_params import InvalidRequestError
@@ -394,8 +395,18 @@ class Scheduler:
         return touched
 
     def check_integrity(self) -> None:
-        """Block accounting invariants over all live requests (tests and idle time)."""
+        """Block accounting invariants over all live requests (tests after every step,
+        the server whenever the engine goes idle): the KV cache manager's checks, no
+        waiting request holding blocks, at most ``max_num_seqs`` running.
+
+        Raises:
+            CacheIntegrityError: an invariant does not hold; the message names the numbers.
+        """
         self.kv.check_integrity(self.requests.values())
         for req in self.waiting:
-            assert not req.block_ids, f"waiting {req.request_id} holds blocks"
-        assert len(self.running) <= self.config.max_num_seqs
+            if req.block_ids:
+                raise CacheIntegrityError(f"waiting {req.request_id} holds blocks {req.block_ids}")
+        if len(self.running) > self.config.max_num_seqs:
+            raise CacheIntegrityError(
+                f"{len(self.running)} requests running, max_num_seqs is {self.config.max_num_seqs}"
+            )
