@@ -65,6 +65,8 @@ class LLM:
 
         Raises:
             InvalidRequestError: a prompt is rejected (nothing is left queued).
+            Exception: whatever a step raised; this call's requests are aborted first, so
+                the LLM keeps serving later calls.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -98,12 +100,17 @@ class LLM:
             self.engine.abort_request(added)
             raise
         logprobs: dict[str, list[TokenLogprob]] = {cid: [] for cid in children}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.new_logprobs:
-                    logprobs[out.request_id].extend(out.new_logprobs)
-                if out.finished:
-                    outputs[out.request_id] = out
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.new_logprobs:
+                        logprobs[out.request_id].extend(out.new_logprobs)
+                    if out.finished:
+                        outputs[out.request_id] = out
+        except Exception:
+            # Leave nothing behind: a failed step's requests would fail every later call.
+            self.engine.abort_request([cid for cid in added if cid not in outputs])
+            raise
         for cid, (p_idx, i) in children.items():
             out = outputs[cid]
             lp = logprobs[cid] if params[p_idx].logprobs is not None else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -21,6 +22,13 @@ def _check(cond: bool, param: str, value: object, allowed: str) -> None:
         raise InvalidRequestError(f"{param} must be {allowed}, got {value!r}", param=param)
 
 
+# Temperatures in (0, MIN_TEMPERATURE) are raised to it (vLLM does the same): dividing
+# fp32 logits by a temperature like 1e-40 makes them infinite.
+MIN_TEMPERATURE = 0.01
+# The smallest repetition penalty: logits are divided or multiplied by it.
+MIN_REPETITION_PENALTY = 0.01
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Field names follow vLLM and the OpenAI API.
@@ -29,7 +37,8 @@ class SamplingParams:
         n: completions per prompt (the front end fans out; choice ``i`` uses ``seed + i``).
         max_tokens: output tokens to generate at most; ``None`` = up to ``max_model_len``.
         min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens exist.
-        temperature: 0 = greedy (argmax); otherwise logits are divided by it.
+        temperature: 0 = greedy (argmax); otherwise logits are divided by it (values
+            below ``MIN_TEMPERATURE`` are raised to it).
         top_p: nucleus sampling mass in (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 = off.
         min_p: drop tokens whose probability is below ``min_p`` x the top probability.
@@ -40,7 +49,8 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (in addition to EOS).
         ignore_eos: keep generating past EOS (benchmarks use this for fixed lengths).
         presence_penalty, frequency_penalty: OpenAI-style, over output tokens, in [-2, 2].
-        repetition_penalty: CTRL/HF-style, over prompt and output tokens, > 0 (1 = off).
+        repetition_penalty: CTRL/HF-style, over prompt and output tokens, in [0.01, 100]
+            (1 = off).
         logprobs: ``None`` = none; k >= 0 = the sampled token's logprob plus the top k.
         skip_special_tokens: drop special tokens from the detokenized text.
     """
@@ -81,13 +91,18 @@ class SamplingParams:
                 self.min_tokens,
                 f"<= max_tokens ({self.max_tokens})",
             )
+        _check(math.isfinite(self.temperature), "temperature", self.temperature, "a finite number")
         _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # vLLM's floor: logits / 1e-40 are infinite
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         _check(self.top_k >= -1, "top_k", self.top_k, "-1, 0 (off) or a positive integer")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "> 0")
+        _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100.0, "repetition_penalty",
+               self.repetition_penalty, f"in [{MIN_REPETITION_PENALTY}, 100]")
         if self.logprobs is not None:
             _check(
                 0 <= self.logprobs <= self.MAX_LOGPROBS,

@@ -28,22 +28,12 @@ from pydantic import (
     model_validator,
 )
 
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.sampling_params import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams
 
 NonNegFloat = Annotated[float, Field(ge=0.0)]
 
 MAX_STOP_STRINGS = 16
 MAX_N = 128
-# The smallest sampling temperature (vLLM's): logits are divided by it in fp32, and a
-# temperature like 1e-40 made them infinite (a 500, found by schemathesis).
-MIN_TEMPERATURE = 0.01
-
-
-def positive_temperature(temperature: float) -> float:
-    """0 stays 0 (greedy); anything in (0, MIN_TEMPERATURE) becomes MIN_TEMPERATURE."""
-    return temperature if temperature == 0.0 else max(temperature, MIN_TEMPERATURE)
-
-
 def _integral(value: Any) -> Any:
     """JSON has one number type: ``2.0`` is the integer 2 (as JSON Schema says), ``2.5``
     is not an integer."""
@@ -120,7 +110,7 @@ class SamplingFields(StrictModel):
     top_k: Int = Field(0, ge=-1, description="keep the k most likely tokens; 0 or -1 is off")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     # Logits are divided by it (fp32): a tiny penalty made them infinite (found by schemathesis).
-    repetition_penalty: float = Field(1.0, ge=0.01, le=100.0, description="1 is off; above 1 discourages repeats")
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=100.0, description="1 is off; above 1 discourages repeats")
     min_tokens: Int = Field(0, ge=0, description=(
         "EOS and `stop_token_ids` are ignored until this many tokens exist; more than `max_tokens` "
         "(or than the context leaves) is refused (400)"))
@@ -152,7 +142,7 @@ class SamplingFields(StrictModel):
             n=self.n,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,  # more than max_tokens is refused (400), not clamped
-            temperature=default_temperature if self.temperature is None else positive_temperature(self.temperature),
+            temperature=default_temperature if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,
