@@ -1,4 +1,4 @@
-"""The OpenAPI schema says what the server does (issue 12): schemathesis generates
+"""The OpenAPI schema says what the server does: schemathesis generates
 requests from ``/openapi.json``, valid and invalid ones, and sends them in-process to
 the real app over the embedded SmolLM2. Every response must have a declared status,
 content type, headers and body; no request may get a 5xx; a request the schema calls
