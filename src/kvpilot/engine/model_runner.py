@@ -233,7 +233,9 @@ class ModelRunner:
         if len(ids) < 2:
             self.kv_cache.default_scales()
             return
-        calibrate_at_startup(self.model, self.backend, self.kv_cache, ids)
+        # The torch backend (the reference) runs the pass whatever serves, so the scales
+        # depend on the model, the text and the device, not on the attention backend.
+        calibrate_at_startup(self.model, get_attention_backend("torch", self.device), self.kv_cache, ids)
 
     # ------------------------------------------------------------- inputs
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
