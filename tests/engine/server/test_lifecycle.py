@@ -97,9 +97,10 @@ def test_at_the_drain_deadline_what_is_left_gets_a_clean_error_and_the_exit_is_b
         assert len(events) > 2  # it had streamed tokens before the deadline
         assert code == 0
         bound = drain + ABORT_FLUSH_SECONDS + EXIT_GRACE_SECONDS
-        # The bound is enforced from the signal by a watchdog; the slack covers process
-        # teardown on a loaded two-core machine.
-        assert exit_seconds <= bound + 4.0, f"exit took {exit_seconds:.1f}s after SIGTERM; bound {bound:.1f}s"
+        # The bound is enforced from the signal by a watchdog; the slack covers signal
+        # delivery and process teardown on a loaded two-core machine (the exit used to
+        # take a minute past the deadline).
+        assert exit_seconds <= bound + 8.0, f"exit took {exit_seconds:.1f}s after SIGTERM; bound {bound:.1f}s"
         assert "Traceback" not in proc.logs()
     finally:
         if stalled is not None:
