@@ -147,7 +147,7 @@ def read_blocks(
     """Blocks ``cache[blocks]`` dequantized to ``dtype``: ``[*blocks.shape, block_size,
     num_kv_heads, head_dim]``."""
     x, factor = read_blocks_unscaled(cache, blocks, dtype, scale, group_scales, fmt)
-    return x if factor is None else (x.float() * factor).to(dtype)
+    return _times(x, factor)
 
 
 def gather_kv(
@@ -161,7 +161,7 @@ def gather_kv(
 ) -> torch.Tensor:
     """The first ``length`` tokens of one sequence, ``[length, num_kv_heads, head_dim]``."""
     x, factor = gather_kv_unscaled(cache, block_table, length, dtype, scale, group_scales, fmt)
-    return x if factor is None else (x.float() * factor).to(dtype)
+    return _times(x, factor)
 
 
 def gather_kv_unscaled(
@@ -181,7 +181,7 @@ def gather_kv_unscaled(
 
 
 def _times(x: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
-    """``x * factor`` in ``x``'s dtype (a query or an output: small tensors)."""
+    """``x * factor`` in ``x``'s dtype (computed in fp32); ``x`` itself when ``factor`` is None."""
     return x if factor is None else (x.float() * factor).to(x.dtype)
 
 
