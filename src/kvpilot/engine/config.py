@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from kvpilot.engine.kv_events import KVEventsConfig, KVEventsConfigError
+
 DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -49,6 +51,15 @@ def parse_layer_list(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def parse_kv_events_config(text: str) -> KVEventsConfig:
+    """``--kv-events-config`` JSON -> :class:`KVEventsConfig`; an argparse error naming
+    the field, the value and what is allowed otherwise."""
+    try:
+        return KVEventsConfig.from_json(text)
+    except KVEventsConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _choice(name: str, value: str, allowed: tuple[str, ...] | list[str]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
@@ -78,6 +89,9 @@ class EngineArgs:
             answers then depend on what traffic came first, so it is off by default.
         skip_tokenizer_init: run without a tokenizer (token ids in, token ids out; no
             text, no stop strings), as vLLM's flag of that name.
+        kv_events_config: vLLM's ``--kv-events-config``: publish the prefix cache's
+            block stores and evictions on ZMQ for KV-aware routers
+            (:mod:`kvpilot.engine.kv_events`); a JSON string or a dict is parsed.
     """
 
     model: str | None = None
@@ -101,6 +115,7 @@ class EngineArgs:
     kv_cache_skip_layers: tuple[int, ...] = ()
     calculate_kv_scales: bool = False
     skip_tokenizer_init: bool = False
+    kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         _choice("--dtype", self.dtype, ["auto", *DTYPES])
@@ -129,6 +144,18 @@ class EngineArgs:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2; got {self.max_model_len}")
+        kv = self.kv_events_config
+        if isinstance(kv, str):
+            kv = KVEventsConfig.from_json(kv)
+        elif isinstance(kv, dict):
+            kv = KVEventsConfig.from_dict(kv)
+        elif kv is not None and not isinstance(kv, KVEventsConfig):
+            raise ValueError(f"--kv-events-config must be a JSON object; got {type(kv).__name__}")
+        object.__setattr__(self, "kv_events_config", kv)
+        if kv is not None and kv.enable_kv_cache_events and not self.enable_prefix_caching:
+            raise ValueError(
+                "--kv-events-config: enable_kv_cache_events needs prefix caching (the events report the "
+                "prefix cache's blocks); drop --no-enable-prefix-caching or turn the events off")
         object.__setattr__(self, "kv_cache_skip_layers", tuple(self.kv_cache_skip_layers))
         if any(not isinstance(i, int) or i < 0 for i in self.kv_cache_skip_layers):
             raise ValueError(
@@ -194,6 +221,15 @@ class EngineArgs:
             action="store_true",
             default=d.skip_tokenizer_init,
             help="no tokenizer: token ids in and out (dummy benchmarks, preset:<name> models)",
+        )
+        g.add_argument(
+            "--kv-events-config",
+            type=parse_kv_events_config,
+            default=None,
+            metavar="JSON",
+            help="publish KV cache events for KV-aware routers (vLLM's flag), e.g. "
+            '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+            '"replay_endpoint": "tcp://*:5558"}\'',
         )
 
     @classmethod

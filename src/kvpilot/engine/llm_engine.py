@@ -16,6 +16,7 @@ from kvpilot.engine.config import EngineArgs, ResolvedConfig
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig
+from kvpilot.engine.kv_events import EventPublisher, KVEventCollector, make_publisher
 from kvpilot.engine.model_runner import LoadedModel, ModelRunner, load_model
 from kvpilot.engine.outputs import (
     FinishedRequestStats,
@@ -66,6 +67,13 @@ class LLMEngine:
         clock: seconds (monotonic); latencies in stats use it.
         loaded: an already loaded model to share (its device and dtype must match
             ``args``); loaded from ``args.model`` when None.
+        kv_event_publisher: where each step's KV cache events go when
+            ``args.kv_events_config`` turns them on (the server passes the one it started
+            and stops it itself). When None and events are on, the engine makes and starts
+            the publisher the config names and stops it in :meth:`close`.
+
+    Attributes:
+        kv_events: the collector the radix cache reports to (None: events off).
     """
 
     def __init__(
@@ -73,9 +81,30 @@ class LLMEngine:
         args: EngineArgs,
         clock: Callable[[], float] = time.monotonic,
         loaded: LoadedModel | None = None,
+        kv_event_publisher: EventPublisher | None = None,
     ) -> None:
         self.args = args
         self.clock = clock
+        self.kv_events: KVEventCollector | None = None
+        self._kv_publisher: EventPublisher | None = None
+        self._owns_kv_publisher = False
+        kv_cfg = args.kv_events_config
+        if kv_cfg is not None and kv_cfg.enable_kv_cache_events:
+            # Bound before the weights load: a port in use fails start-up at once.
+            self.kv_events = KVEventCollector(args.block_size)
+            if kv_event_publisher is None:
+                own = make_publisher(kv_cfg)
+                own.start()
+                kv_event_publisher, self._owns_kv_publisher = own, True
+            self._kv_publisher = kv_event_publisher
+        try:
+            self._init(args, loaded)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init(self, args: EngineArgs, loaded: LoadedModel | None) -> None:
+        clock = self.clock
         self.loaded = loaded if loaded is not None else load_model(args)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -92,7 +121,7 @@ class LLMEngine:
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=cfg.max_model_len,
             ),
-            KVCacheManager(cfg.num_blocks, cfg.block_size, args.enable_prefix_caching),
+            KVCacheManager(cfg.num_blocks, cfg.block_size, args.enable_prefix_caching, self.kv_events),
             clock,
         )
         self.sampler = Sampler(cfg.device, args.seed)
@@ -117,6 +146,33 @@ class LLMEngine:
             InvalidRequestError: empty or too-long prompt, prompt or stop token ids
                 outside the vocabulary, duplicate id; the engine state is unchanged.
         """
+        self.check_request(prompt_token_ids, params)
+        req = Request(
+            request_id,
+            [int(t) for t in prompt_token_ids],
+            params,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+        )
+        self.scheduler.add_request(req)
+        if self.tokenizer is None:
+            self._detok[request_id] = _NoText()
+        else:
+            # Imported here: the `tokenizers` package is not needed for token-id-only use.
+            from kvpilot.engine.detokenizer import IncrementalDetokenizer
+
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """The checks :meth:`add_request` makes before queueing anything (the render
+        endpoints run them too, so they refuse what generation would refuse). Reads
+        only immutable model facts: safe from any thread.
+
+        Raises:
+            InvalidRequestError: a prompt or stop token id outside the vocabulary, or
+                stop strings on an engine without a tokenizer.
+        """
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
@@ -126,24 +182,8 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})", "stop_token_ids"
             )
-        req = Request(
-            request_id,
-            [int(t) for t in prompt_token_ids],
-            params,
-            eos_token_ids=self.eos_token_ids,
-            cache_salt=cache_salt,
-            arrival_time=self.clock() if arrival_time is None else arrival_time,
-        )
         if self.tokenizer is None and params.stop:
             raise InvalidRequestError("stop strings need a tokenizer; this engine runs without one", "stop")
-        self.scheduler.add_request(req)
-        if self.tokenizer is None:
-            self._detok[request_id] = _NoText()
-        else:
-            # Imported here: the `tokenizers` package is not needed for token-id-only use.
-            from kvpilot.engine.detokenizer import IncrementalDetokenizer
-
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
 
     def abort_request(self, request_ids: Sequence[str]) -> list[str]:
         """Abort requests (unknown or finished ids are ignored); their blocks are freed
@@ -167,6 +207,7 @@ class LLMEngine:
         stats.num_batched_tokens += sched_out.num_batched_tokens
         self._collect_scheduler_deltas(stats)
         if sched_out.is_empty:
+            self._publish_kv_events()
             return []
         logits = self.runner.execute(sched_out)
         sampling = [it.request for it in sched_out.scheduled if it.sample]
@@ -183,9 +224,31 @@ class LLMEngine:
             else:
                 tokens.append(None)
         touched = self.scheduler.update(sched_out, tokens)
+        self._publish_kv_events()
         now = self.clock()
         outputs = [self._make_output(req, sampled, row_of[req.request_id], now, stats) for req in touched]
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        """Hand this step's KV cache events (evictions while scheduling, stores while
+        updating, and anything since the last step) to the publisher as one batch."""
+        collector = self.kv_events
+        if collector is not None and collector.events:
+            assert self._kv_publisher is not None
+            self._kv_publisher.publish(collector.drain())
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request holds (vLLM's ``reset_prefix_cache``) and
+        publish the resulting events at once. Returns how many blocks were dropped."""
+        dropped = self.scheduler.kv.reset_prefix_cache()
+        self._publish_kv_events()
+        return dropped
+
+    def close(self) -> None:
+        """Stop the KV event publisher if this engine started it (idempotent)."""
+        if self._owns_kv_publisher and self._kv_publisher is not None:
+            self._kv_publisher.shutdown()
+            self._owns_kv_publisher = False
 
     def _collect_scheduler_deltas(self, stats: IterationStats) -> None:
         s = self.scheduler

@@ -41,6 +41,8 @@ MODEL = "smollm2"
 REQUEST_MODELS = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions/render": CompletionRequest,
+    "/v1/chat/completions/render": ChatCompletionRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }

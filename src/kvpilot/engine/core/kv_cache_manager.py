@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from kvpilot.engine.core.block_pool import BlockPool, CacheIntegrityError, OutOfBlocksError
 from kvpilot.engine.core.radix_cache import RadixCache, RadixNode
 from kvpilot.engine.core.request import Request
+from kvpilot.engine.kv_events import KVEventCollector
 
 
 def cdiv(a: int, b: int) -> int:
@@ -28,15 +29,24 @@ class KVCacheManager:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         enable_prefix_caching: keep computed full blocks in a radix tree for reuse.
+        kv_events: collects KV cache events (blocks stored in and evicted from the radix
+            tree, resets), or None for no events. Needs prefix caching.
+
+    Raises:
+        ValueError: ``block_size < 1``, or ``kv_events`` without prefix caching.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 kv_events: KVEventCollector | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if kv_events is not None and not enable_prefix_caching:
+            raise ValueError("KV cache events need prefix caching: only blocks in the prefix cache are reported")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.pool = BlockPool(num_blocks)
-        self.radix: RadixCache | None = RadixCache(self.pool, block_size) if enable_prefix_caching else None
+        self.radix: RadixCache | None = (
+            RadixCache(self.pool, block_size, kv_events) if enable_prefix_caching else None)
 
     # ------------------------------------------------------------ accounting
     @property
@@ -172,7 +182,9 @@ class KVCacheManager:
                 self.pool.release([b])
 
     def reset_prefix_cache(self) -> int:
-        """Evict every unreferenced cached block. Returns how many were dropped."""
+        """Evict every unreferenced cached block. Returns how many were dropped. With KV
+        events on, reported as all cleared when nothing stays cached, else as removals
+        (:meth:`RadixCache.reset`)."""
         if self.radix is None:
             return 0
         dropped = self.radix.reset()

@@ -18,6 +18,11 @@ Contract:
   too, and no locked node or ancestor of one can ever be evicted.
 - Blocks are inserted only after their KV has been written (the scheduler publishes a
   block once ``num_computed_tokens`` covers it), so a match never returns unwritten KV.
+- With a :class:`~kvpilot.engine.kv_events.KVEventCollector` (KV cache events on), every
+  inserted block is reported as stored and gets its wire hash (``RadixNode.block_hash``,
+  chained from its parent's and salted by its tree's salt), and every evicted block as
+  removed; emptying the tree in :meth:`RadixCache.reset` is reported as all cleared.
+  Without one (the default) the cost is one ``if`` per insert and per evicted block.
 
 Design after SGLang's ``RadixCache`` (lock counts, LRU leaf eviction) with vLLM's
 full-block granularity (``docs/design/prefix_caching.md``).
@@ -29,19 +34,28 @@ import heapq
 from collections.abc import Sequence
 
 from kvpilot.engine.core.block_pool import BlockPool, CacheIntegrityError
+from kvpilot.engine.kv_events import KVEventCollector
 
 
 class RadixNode:
-    """One block of the tree: ``key`` is its ``block_size`` token ids."""
+    """One block of the tree: ``key`` is its ``block_size`` token ids.
 
-    __slots__ = ("block_id", "children", "key", "last_access", "parent")
+    ``salt`` is the cache salt of the tree the node is in (a root holds it, its
+    descendants copy it); ``block_hash`` is the block's KV-event hash, set at insertion
+    only when events are on (0 otherwise, and at roots).
+    """
 
-    def __init__(self, key: tuple[int, ...], block_id: int, parent: RadixNode | None) -> None:
+    __slots__ = ("block_hash", "block_id", "children", "key", "last_access", "parent", "salt")
+
+    def __init__(self, key: tuple[int, ...], block_id: int, parent: RadixNode | None,
+                 salt: str | None = None) -> None:
         self.key = key
         self.block_id = block_id
         self.parent = parent
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.last_access = 0
+        self.salt: str | None = parent.salt if parent is not None else salt
+        self.block_hash = 0
 
     def __repr__(self) -> str:
         return f"RadixNode(block={self.block_id}, children={len(self.children)}, t={self.last_access})"
@@ -53,11 +67,13 @@ class RadixCache:
     Args:
         pool: the block pool whose reference counts decide what is locked.
         block_size: tokens per block (the edge length).
+        events: where inserts and evictions are reported (KV cache events), or None.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, events: KVEventCollector | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.events = events
         self._roots: dict[str | None, RadixNode] = {}
         self._node_of_block: dict[int, RadixNode] = {}
         self._heap: list[tuple[int, int]] = []  # (last_access, block_id); lazily invalidated
@@ -97,7 +113,7 @@ class RadixCache:
         """The sentinel root for ``salt`` (created on first use; owns no block)."""
         node = self._roots.get(salt)
         if node is None:
-            node = self._roots[salt] = RadixNode((), -1, None)
+            node = self._roots[salt] = RadixNode((), -1, None, salt)
         return node
 
     # --------------------------------------------------------------- mutation
@@ -116,6 +132,7 @@ class RadixCache:
         should switch to the existing block (deduplication).
 
         The block must be referenced by the caller (it is the caller's own computed block).
+        With events on, a new node is reported stored (its hash chained from ``parent``'s).
         """
         if len(key) != self.block_size:
             raise ValueError(f"key has {len(key)} tokens, block_size is {self.block_size}")
@@ -131,6 +148,9 @@ class RadixCache:
         node.last_access = self._clock
         parent.children[key] = node
         self._node_of_block[block_id] = node
+        if self.events is not None:
+            node.block_hash = self.events.block_stored(
+                parent.block_hash if parent.block_id >= 0 else None, key, node.salt)
         return node, True
 
     def on_unreferenced(self, block_id: int) -> bool:
@@ -151,8 +171,18 @@ class RadixCache:
         """Remove up to ``n`` unreferenced leaves, least recently used first.
 
         Returns the evicted block ids; the caller puts them on the pool's free list.
+        With events on, they are reported removed.
         """
+        evicted, hashes = self._evict(n)
+        if self.events is not None:
+            self.events.blocks_removed(hashes)
+        return evicted
+
+    def _evict(self, n: int) -> tuple[list[int], list[int]]:
+        """:meth:`evict` without the report: (block ids, their hashes when events are on)."""
         evicted: list[int] = []
+        hashes: list[int] = []
+        events_on = self.events is not None
         while len(evicted) < n and self._heap:
             last_access, block_id = heapq.heappop(self._heap)
             node = self._node_of_block.get(block_id)
@@ -164,15 +194,29 @@ class RadixCache:
             del self._node_of_block[block_id]
             self.num_cached -= 1
             evicted.append(block_id)
+            if events_on:
+                hashes.append(node.block_hash)
             if parent.block_id >= 0:
                 self._maybe_push(parent)
         if len(self._heap) > 2 * len(self._node_of_block) + 64:
             self._rebuild_heap()
-        return evicted
+        return evicted, hashes
 
     def reset(self) -> list[int]:
-        """Drop every unreferenced node (used when prefix caching is reset). Returns blocks."""
-        return self.evict(len(self._node_of_block))
+        """Drop every unreferenced node (used when prefix caching is reset). Returns blocks.
+
+        With events on: when the tree is empty afterwards this is reported as
+        ``AllBlocksCleared`` (as vLLM reports its reset); when blocks held by running
+        requests stay, the dropped ones are reported removed one by one instead, since
+        "all cleared" would make a router forget blocks that are still cached.
+        """
+        evicted, hashes = self._evict(len(self._node_of_block))
+        if self.events is not None:
+            if self._node_of_block:
+                self.events.blocks_removed(hashes)
+            else:
+                self.events.all_cleared()
+        return evicted
 
     # ---------------------------------------------------------------- helpers
     def _is_evictable_leaf(self, node: RadixNode) -> bool:

@@ -8,17 +8,26 @@ Errors use the OpenAI body ``{"error": {"message", "type", "param", "code"}}``.
 The OpenAPI schema (``/openapi.json``, ``/docs``) declares, per route, the statuses the
 server really answers with and their bodies (:data:`ERRORS`); FastAPI's own 422 is left
 out of it, since request validation errors are answered with a 400 in the OpenAI body.
+
+What a KV-aware router (the vLLM project's ``vllm-router --policy kv_aware``) calls, in
+vLLM's shapes: ``/get_server_info`` (model, instance id, block size), ``/kv_event_sources``
+(the ZMQ publisher of :mod:`kvpilot.engine.kv_events`), ``/get_load`` and the two render
+endpoints, which return the exact prompt token ids a request would run with.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
+import socket
+import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -29,7 +38,9 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpilot.engine.sampling_params import InvalidRequestError
+from kvpilot import __version__
+from kvpilot.engine.kv_events import WIRE_ENCODING, WIRE_SCHEMA_VERSION, KVEventsConfig
+from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvpilot.engine.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -50,9 +61,14 @@ from kvpilot.engine.server.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     HealthResponse,
+    KVEventSources,
+    LoadResponse,
     ModelCard,
     ModelList,
     ReadyResponse,
+    RenderResponse,
+    RenderResponseList,
+    ServerInfoResponse,
     TokenizeRequest,
     TokenizeResponse,
     error_body,
@@ -147,9 +163,20 @@ def _integral_bounds(node: Any) -> None:
             _integral_bounds(item)
 
 
+def new_instance_id() -> str:
+    """Unique per process start (a router tells a restarted engine from the old one by
+    it): the host name, the start time in seconds and 8 random hex digits."""
+    return f"{socket.gethostname()}-{int(time.time())}-{uuid.uuid4().hex[:8]}"
+
+
 @dataclass
 class ServerState:
-    """Mutable server-wide state (set by the CLI and the drain logic)."""
+    """Mutable server-wide state (set by the CLI and the drain logic).
+
+    ``kv_events`` is the ``--kv-events-config`` and ``kv_publisher`` the started
+    publisher (its bound addresses go into ``/kv_event_sources``); ``kv_block_size`` and
+    ``model_path`` answer ``/get_server_info`` before the model has loaded.
+    """
 
     engine: AsyncEngine
     metrics: EngineMetrics
@@ -158,6 +185,11 @@ class ServerState:
     max_body_bytes: int = 16 * 1024 * 1024
     draining: bool = False
     inflight: int = 0  # generation requests being served
+    kv_events: KVEventsConfig | None = None
+    kv_publisher: Any = None
+    kv_block_size: int = 16
+    model_path: str | None = None
+    instance_id: str = field(default_factory=new_instance_id)
 
 
 def error(status: int, message: str, err_type: str, code: int | str | None = None, param: str | None = None) -> JSONResponse:
@@ -405,6 +437,74 @@ def build_app(state: ServerState) -> FastAPI:
                                           add_special_tokens=body.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
 
+    # -------------------------------------------------- KV-aware routers
+    @app.get("/get_server_info", responses={200: {"model": ServerInfoResponse}, **errors(401)})
+    async def get_server_info() -> ServerInfoResponse:
+        llm = state.engine.engine if state.engine.is_ready else None
+        return ServerInfoResponse(
+            model_id=state.served_model_name,
+            model_path=state.model_path or state.served_model_name,
+            served_model_name=state.served_model_name,
+            instance_id=state.instance_id,
+            kv_block_size=llm.config.block_size if llm is not None else state.kv_block_size,
+            max_model_len=llm.max_model_len if llm is not None else None,
+            kv_events=kv_event_sources_of(state) is not None,
+            version=__version__,
+        )
+
+    events_off = {"model": ErrorResponse, "description": "KV cache events are off (no `--kv-events-config` "
+                  "with `enable_kv_cache_events: true` and the zmq publisher)"}
+
+    @app.get("/kv_event_sources", response_model=None,
+             responses={200: {"model": KVEventSources}, 404: events_off, **errors(401)})
+    async def kv_event_sources() -> Response:
+        sources = kv_event_sources_of(state)
+        if sources is None:
+            return error(404, "KV cache events are off on this server; start it with --kv-events-config "
+                         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\"}'",
+                         "invalid_request_error", "not_found")
+        return JSONResponse(sources)
+
+    @app.get("/get_load", responses={200: {"model": LoadResponse}, **errors(401)})
+    async def get_load() -> LoadResponse:
+        llm = state.engine.engine if state.engine.is_ready else None
+        # Two len() reads of the engine thread's queues: atomic, possibly one step apart.
+        running = llm.scheduler.num_running if llm is not None else 0
+        waiting = llm.scheduler.num_waiting if llm is not None else 0
+        return LoadResponse(load=running + waiting, num_running_requests=running, num_waiting_requests=waiting)
+
+    @app.post("/v1/chat/completions/render", response_model=None,
+              responses={200: {"model": RenderResponse, "description": "the rendered request"}, **tokenize_errors})
+    async def render_chat_completion(body: ChatCompletionRequest) -> Response:
+        """The prompt token ids and sampling parameters `POST /v1/chat/completions` would
+        run this request with (chat template included); nothing is generated. Refuses
+        what that endpoint refuses, with the same errors."""
+        ctx.check_model(body.model)
+        require_ready(state)
+        ids, max_tokens, logprobs = await chat.prepare(body)
+        params = body.to_sampling_params(max_tokens, logprobs)
+        ctx.llm.check_request(ids, params)
+        return JSONResponse(rendered("chatcmpl", ids, params, body, state.served_model_name))
+
+    @app.post("/v1/completions/render", response_model=None,
+              responses={200: {"model": RenderResponseList, "description": "one rendered request per prompt"},
+                         **tokenize_errors})
+    async def render_completion(body: CompletionRequest) -> Response:
+        """What `POST /v1/completions` would run: one entry per prompt, with its token ids
+        and sampling parameters; nothing is generated. Refuses what that endpoint refuses."""
+        ctx.check_model(body.model)
+        require_ready(state)
+        prompts, max_tokens = await completions.prepare(body)
+        if body.max_tokens == 0:  # echo only: the real endpoint generates nothing
+            if body.stream:
+                raise InvalidRequestError("max_tokens=0 with echo is not supported when streaming", "max_tokens")
+            params = None
+        else:
+            params = body.to_sampling_params(max_tokens, body.logprobs)
+            for ids in prompts:
+                ctx.llm.check_request(ids, params)
+        return JSONResponse([rendered("cmpl", ids, params, body, state.served_model_name) for ids in prompts])
+
     @app.post("/detokenize", response_model=None, responses={200: {"model": DetokenizeResponse}, **tokenize_errors})
     async def detokenize(body: DetokenizeRequest) -> Response:
         ctx.check_model(body.model)
@@ -416,6 +516,42 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse({"prompt": ctx.tokenizer.decode(body.tokens)})
 
     return app
+
+
+def kv_event_sources_of(state: ServerState) -> dict[str, dict[str, Any]] | None:
+    """``/kv_event_sources``'s body (vLLM's shape, keyed by data-parallel rank), or None
+    when events are off. The addresses are the bound ones (a ``:0`` port resolved)."""
+    cfg, pub = state.kv_events, state.kv_publisher
+    if cfg is None or not cfg.publishes or pub is None or getattr(pub, "endpoint", None) is None:
+        return None
+    return {"0": {
+        "endpoint": pub.endpoint,
+        "replay_endpoint": pub.replay_endpoint,
+        "topic": cfg.topic,
+        "hwm": cfg.hwm,
+        "buffer_steps": cfg.buffer_steps,
+        "max_queue_size": cfg.max_queue_size,
+        "publisher": cfg.publisher,
+        "enable_kv_cache_events": True,
+        "encoding": WIRE_ENCODING,
+        "schema_version": WIRE_SCHEMA_VERSION,
+    }}
+
+
+def rendered(prefix: str, ids: list[int], params: SamplingParams | None, body: Any, served: str) -> dict[str, Any]:
+    """One render result in vLLM's ``GenerateRequest`` shape. ``params`` None is an
+    echo-only completion (``max_tokens: 0``: nothing would be sampled)."""
+    return {
+        "request_id": f"{prefix}-{uuid.uuid4().hex}",
+        "token_ids": ids,
+        "features": None,
+        "sampling_params": dataclasses.asdict(params) if params is not None else {"max_tokens": 0},
+        "model": body.model or served,
+        "stream": body.stream,
+        "stream_options": body.stream_options.model_dump() if body.stream_options is not None else None,
+        "cache_salt": body.cache_salt,
+        "priority": 0,
+    }
 
 
 async def respond(handler: CompletionHandler | ChatHandler, body: Any, request: Request) -> Response:

@@ -69,28 +69,45 @@ def run(args: argparse.Namespace) -> int:
         return 2
     served = engine_args.served_model_name or source.name
 
+    from kvpilot.engine.kv_events import KVEventsConfigError, make_publisher
     from kvpilot.engine.llm_engine import LLMEngine
     from kvpilot.engine.server.api_server import ServerState, build_app
     from kvpilot.engine.server.async_engine import AsyncEngine
     from kvpilot.engine.server.metrics import EngineMetrics
 
-    metrics = EngineMetrics(served)
+    # The KV event publisher lives as long as the server: bound before the model loads (a
+    # port in use is a start-up error), stopped after the engine thread.
+    kv_cfg = engine_args.kv_events_config
+    kv_publisher = make_publisher(kv_cfg) if kv_cfg is not None and kv_cfg.enable_kv_cache_events else None
+    if kv_publisher is not None:
+        try:
+            kv_publisher.start()
+        except KVEventsConfigError as e:
+            print(f"kvpilot serve: {e}", file=sys.stderr)
+            return 2
+    try:
+        metrics = EngineMetrics(served)
 
-    def factory() -> LLMEngine:
-        engine = LLMEngine(engine_args)
-        metrics.set_config(engine)
-        return engine
+        def factory() -> LLMEngine:
+            engine = LLMEngine(engine_args, kv_event_publisher=kv_publisher)
+            metrics.set_config(engine)
+            return engine
 
-    engine = AsyncEngine(factory, on_step=metrics.observe, on_integrity_check=metrics.observe_integrity_check)
-    state = ServerState(engine, metrics, served, args.api_key, args.max_request_body_bytes)
-    app = build_app(state)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=2)
-    server = DrainingServer(config, state, args.drain_timeout)
-    engine.start()
-    threading.Thread(target=_exit_on_load_failure, args=(engine, server), daemon=True).start()
-    server.run()
-    engine.shutdown()
+        engine = AsyncEngine(factory, on_step=metrics.observe, on_integrity_check=metrics.observe_integrity_check)
+        state = ServerState(engine, metrics, served, args.api_key, args.max_request_body_bytes,
+                            kv_events=kv_cfg, kv_publisher=kv_publisher, kv_block_size=engine_args.block_size,
+                            model_path=engine_args.model or source.name)
+        app = build_app(state)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=2)
+        server = DrainingServer(config, state, args.drain_timeout)
+        engine.start()
+        threading.Thread(target=_exit_on_load_failure, args=(engine, server), daemon=True).start()
+        server.run()
+        engine.shutdown()
+    finally:
+        if kv_publisher is not None:
+            kv_publisher.shutdown()
     if engine.load_error is not None:
         print(f"kvpilot serve: the model failed to load: {engine.load_error}", file=sys.stderr)
         return 1

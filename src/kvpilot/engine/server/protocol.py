@@ -23,6 +23,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    RootModel,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -399,6 +400,68 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ------------------------------------------------- router endpoints (vllm-router)
+class ServerInfoResponse(BaseModel):
+    """``GET /get_server_info``: what a KV-aware router needs to know about this engine."""
+
+    model_id: str = Field(description="the served model name (the router's cache identity)")
+    model_path: str = Field(description="the `--model` value (the embedded model's name when none)")
+    served_model_name: str
+    instance_id: str = Field(description="unique per process start: hostname, start time and a random suffix")
+    kv_block_size: int = Field(description="tokens per KV block (`--block-size`)")
+    max_model_len: int | None = Field(description="the context limit; null while the model loads")
+    data_parallel_size: int = Field(1, description="always 1 (one engine per process)")
+    kv_events: bool = Field(description="KV cache events are published (`GET /kv_event_sources`)")
+    version: str
+
+
+class KVEventSource(BaseModel):
+    """One data-parallel rank's KV event publisher, as vLLM reports it."""
+
+    endpoint: str = Field(description="the ZMQ PUB address; a host of 0.0.0.0 or * means every interface of this "
+                                      "server (subscribers use the server's own host)")
+    replay_endpoint: str | None = Field(description="the ZMQ ROUTER answering replay requests, or null")
+    topic: str
+    hwm: int
+    buffer_steps: int
+    max_queue_size: int
+    publisher: Literal["zmq"]
+    enable_kv_cache_events: Literal[True]
+    encoding: Literal["msgpack"] = Field(description="payload encoding (vllm-router 0.1.17 requires it)")
+    schema_version: Literal[1] = Field(description="wire schema version (vllm-router 0.1.17 requires 1)")
+
+
+class KVEventSources(RootModel[dict[str, KVEventSource]]):
+    """``GET /kv_event_sources``: publishers keyed by data-parallel rank (``"0"``)."""
+
+
+class LoadResponse(BaseModel):
+    """``GET /get_load``: the engine's live scheduler counts."""
+
+    load: int = Field(description="running + waiting requests (one per choice of `n`)")
+    num_running_requests: int
+    num_waiting_requests: int
+
+
+class RenderResponse(BaseModel):
+    """A rendered request (vLLM's ``GenerateRequest``): the token ids the engine would
+    run for it, chat template included, and its sampling parameters."""
+
+    request_id: str
+    token_ids: list[int] = Field(description="exactly the prompt token ids generation would use")
+    features: None = Field(None, description="multimodal features: always null (text only)")
+    sampling_params: dict[str, Any]
+    model: str
+    stream: bool
+    stream_options: StreamOptions | None
+    cache_salt: str | None
+    priority: int = 0
+
+
+class RenderResponseList(RootModel[list[RenderResponse]]):
+    """``POST /v1/completions/render``: one rendered request per prompt."""
 
 
 class ErrorDetail(BaseModel):

@@ -1,0 +1,232 @@
+"""Two ``kvpilot serve`` engines behind the real ``vllm-router --policy kv_aware``
+(0.1.17, from the ``router`` extra): a long shared-prefix request warmed on one engine
+directly is routed, through the router, to that engine and served from its prefix cache.
+
+The router learns where prefixes are only from the engines' KV events (ZMQ, discovered
+through ``/get_server_info`` and ``/kv_event_sources``) and tokenizes requests with the
+engines' render endpoints, so a correct routing decision needs all of them. Each prefix
+is cached on one engine only, so a large ``cached_tokens`` in the routed answer, and the
+engines' request counters, show where the router sent it.
+
+The router's debug log tells when it has ingested an engine's batches ("sequence
+advanced source=<instance id> ... seq=N"); the test waits for that rather than sleeping.
+A ZMQ subscriber misses what is published before it joins, so a probe request is sent to
+each engine until the router reports a batch from it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serverproc import ServerProcess, free_port
+
+from .metrics_util import scrape
+
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+
+EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                     "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"})
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ADVANCED = re.compile(r"sequence advanced source=(\S+) rank=\d+ seq=(\d+)")
+SUCCESS = "kvpilot:request_success_total"
+
+
+def router_binary() -> str:
+    path = Path(sys.executable).with_name("vllm-router")
+    found = str(path) if path.exists() else shutil.which("vllm-router")
+    if not found:
+        pytest.skip("vllm-router is not installed (pip install -e '.[router]')")
+    return found
+
+
+class RouterProcess:
+    """``vllm-router --policy kv_aware`` on 127.0.0.1 (free ports), debug log to a file,
+    always stopped."""
+
+    def __init__(self, *worker_urls: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="vllm-router-", suffix=".log", delete=False)  # noqa: SIM115 - closed in stop()
+        cmd = [router_binary(), "--host", "127.0.0.1", "--port", str(self.port),
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+               "--policy", "kv_aware", "--log-level", "debug", "--worker-startup-timeout-secs", "60",
+               "--worker-urls", *worker_urls]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm-router exited with {self.proc.returncode}:\n{self.logs()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"vllm-router not ready after {timeout}s:\n{self.logs()[-4000:]}")
+
+    def logs(self) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return ANSI.sub("", f.read())
+
+    def last_seq(self, instance_id: str) -> int:
+        """The highest event batch seq the router has applied from this engine (-1: none)."""
+        seqs = [int(seq) for src, seq in ADVANCED.findall(self.logs()) if src == instance_id]
+        return max(seqs, default=-1)
+
+    def wait_seq_above(self, instance_id: str, seq: int, timeout: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = self.last_seq(instance_id)
+            if got > seq:
+                return got
+            time.sleep(0.1)
+        raise AssertionError(f"the router applied no batch of {instance_id} above seq {seq} in {timeout}s:\n"
+                             f"{self.logs()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def engines():
+    procs = [ServerProcess("--kv-cache-memory", "0.1", "--max-model-len", "2048", "--log-level", "warning",
+                           "--kv-events-config", EVENTS) for _ in range(2)]
+    try:
+        for p in procs:
+            p.wait_ready()
+        for p in procs:
+            p.instance_id = httpx.get(f"{p.url}/get_server_info", timeout=10).json()["instance_id"]
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.fixture
+def router_for():
+    routers: list[RouterProcess] = []
+
+    def start(*urls: str) -> RouterProcess:
+        r = RouterProcess(*urls)
+        routers.append(r)
+        r.wait_ready()
+        return r
+
+    yield start
+    for r in routers:
+        r.stop()
+
+
+_probe = iter(range(10_000))
+
+
+def subscribe(router: RouterProcess, engine: ServerProcess) -> None:
+    """Send small requests straight to ``engine`` until the router reports one of its
+    batches (it has joined the engine's PUB socket; what it missed before comes by replay)."""
+    deadline = time.monotonic() + 60
+    while router.last_seq(engine.instance_id) < 0:
+        assert time.monotonic() < deadline, f"the router never ingested {engine.url}'s events:\n{router.logs()[-4000:]}"
+        k = next(_probe)
+        prompt = [3000 + 50 * k + i for i in range(40)]  # two full blocks, unique per probe
+        r = httpx.post(f"{engine.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200, r.text
+        end = time.monotonic() + 2
+        while time.monotonic() < end and router.last_seq(engine.instance_id) < 0:
+            time.sleep(0.1)
+
+
+def prefix(topic: str) -> str:
+    return " ".join(f"Fact {i}: the {topic} of district {i} is marked on the old map." for i in range(36))
+
+
+def chat(url: str, system: str, question: str) -> dict:
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+            "max_tokens": 1, "temperature": 0}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def warm(router: RouterProcess, engine: ServerProcess, system: str) -> int:
+    """Cache ``system`` on ``engine`` (a request sent to it directly) and wait until the
+    router has applied the batches that announce it. Returns the prompt's length."""
+    before = router.last_seq(engine.instance_id)
+    usage = chat(engine.url, system, "Which district is first?")["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    router.wait_seq_above(engine.instance_id, before)
+    return usage["prompt_tokens"]
+
+
+def successes(engine: ServerProcess) -> float:
+    """Finished requests of the engine, whatever their finish reason."""
+    return sum(v for k, v in scrape(engine.url).items() if k.startswith(SUCCESS))
+
+
+def routed_to(router: RouterProcess, engines: list[ServerProcess], system: str) -> tuple[int, int]:
+    """Send a same-prefix request through the router: (index of the engine that served
+    it, by the engines' request counters; its cached prompt tokens)."""
+    before = [successes(e) for e in engines]
+    usage = chat(router.url, system, "Which district is last?")["usage"]
+    deadline = time.monotonic() + 10
+    while True:
+        grew = [i for i, e in enumerate(engines) if successes(e) > before[i]]
+        if grew or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert len(grew) == 1, f"request counters moved on engines {grew}"
+    return grew[0], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_kv_aware_router_sends_a_prefix_to_the_engine_that_caches_it(engines, router_for):
+    a, b = engines
+    router = router_for(a.url, b.url)
+    for e in engines:
+        subscribe(router, e)
+    # One prefix cached on each engine: a router that ignored the events could not get
+    # both right (and a wrong guess would find nothing cached).
+    p, q = prefix("river"), prefix("bridge")
+    n_p = warm(router, a, p)
+    n_q = warm(router, b, q)
+    assert n_p > 400 and n_q > 400
+    served, cached = routed_to(router, engines, p)
+    assert served == 0 and cached >= n_p - 48, (served, cached, n_p)
+    served, cached = routed_to(router, engines, q)
+    assert served == 1 and cached >= n_q - 48, (served, cached, n_q)
+    # The router tokenized with the render endpoints and credited the cached prefix.
+    decisions = re.findall(r'KV prefix decision outcome="prefix_cost" worker="([^"]+)" input_tokens=(\d+) '
+                           r"new_prefill_tokens=\d+ credited_prefix_tokens=(\d+)", router.logs())
+    assert [(w, int(c) > 400) for w, _, c in decisions[-2:]] == [(a.url, True), (b.url, True)]
+
+
+def test_a_worker_added_at_run_time_is_indexed_too(engines, router_for):
+    a, b = engines
+    router = router_for(a.url)
+    subscribe(router, a)
+    r = httpx.post(f"{router.url}/add_worker", params={"url": b.url}, timeout=30)
+    assert r.status_code == 200, r.text
+    subscribe(router, b)
+    q = prefix("lighthouse")
+    n_q = warm(router, b, q)
+    warm(router, a, prefix("orchard"))  # something on A too, so A is not simply empty
+    served, cached = routed_to(router, engines, q)
+    assert served == 1 and cached >= n_q - 48, (served, cached, n_q)
