@@ -26,7 +26,7 @@ KNOWN_KEYWORDS = {
     "type", "description", "properties", "required", "items", "additionalProperties",
     "default", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
     "minLength", "maxLength",
-    "pattern", "maxItems", "format", "nullable", "anyOf", "x-kubernetes-validations",
+    "pattern", "maxItems", "minItems", "maxProperties", "minProperties", "format", "nullable", "anyOf", "x-kubernetes-validations",
     "x-kubernetes-preserve-unknown-fields", "x-kubernetes-int-or-string",
     "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
 }
@@ -197,9 +197,14 @@ def validate(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
     if kind == "array":
         if len(value) > schema.get("maxItems", 1 << 30):
             errors.append(f"{path}: {len(value)} items above maxItems {schema['maxItems']}")
+        if len(value) < schema.get("minItems", 0):
+            errors.append(f"{path}: {len(value)} items below minItems {schema['minItems']}")
         for i, item in enumerate(value):
             errors += validate(schema["items"], item, f"{path}[{i}]")
     if kind == "object":
+        if not schema.get("minProperties", 0) <= len(value) <= schema.get("maxProperties", 1 << 30):
+            errors.append(f"{path}: {len(value)} properties out of [minProperties,"
+                          " maxProperties]")
         for key in schema.get("required", ()):
             if key not in value:
                 errors.append(f"{path}.{key}: required")

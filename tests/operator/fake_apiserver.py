@@ -25,7 +25,9 @@ from .crdschema import merge_patch
 # (group, version) -> [(plural, kind, namespaced, subresources)]
 RESOURCES = {
     ("", "v1"): [("services", "Service", True, ()), ("events", "Event", True, ()),
-                 ("pods", "Pod", True, ()), ("namespaces", "Namespace", False, ())],
+                 ("pods", "Pod", True, ()), ("namespaces", "Namespace", False, ()),
+                 ("serviceaccounts", "ServiceAccount", True, ())],
+    ("rbac.authorization.k8s.io", "v1"): [("rolebindings", "RoleBinding", True, ())],
     ("apiextensions.k8s.io", "v1"): [("customresourcedefinitions", "CustomResourceDefinition",
                                       False, ())],
     ("apps", "v1"): [("deployments", "Deployment", True, ("status", "scale"))],

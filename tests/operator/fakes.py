@@ -66,7 +66,7 @@ class FakeKubeApi:
         self.errors.setdefault(call, []).extend(errors)
 
     def writes(self) -> list[tuple[Any, ...]]:
-        return [call for call in self.calls if call[0] in ("apply", "patch_status")]
+        return [call for call in self.calls if call[0] in ("apply", "patch_status", "delete")]
 
     def _maybe_fail(self, call: str) -> None:
         if self.errors.get(call):
@@ -115,6 +115,18 @@ class FakeKubeApi:
             raise ConflictError(f"{c.KIND} {namespace}/{name} has been modified", 409)
         obj["status"] = merge_patch(obj.get("status") or {}, dict(status))
         obj["metadata"]["resourceVersion"] = str(next(self._rv))
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str,
+               uid: str | None = None) -> bool:
+        self.calls.append(("delete", kind, namespace, name))
+        self._maybe_fail(f"delete:{kind}")
+        current = self.objects.get((kind, namespace, name))
+        if current is None:
+            return False
+        if uid is not None and current["metadata"].get("uid") != uid:
+            raise ConflictError(f"{kind} {namespace}/{name}: uid precondition failed", 409)
+        del self.objects[(kind, namespace, name)]
+        return True
 
     def has_api(self, group_version: str, kind: str) -> bool:
         self.calls.append(("has_api", group_version, kind))

@@ -23,6 +23,11 @@ from .crdschema import REPO
 OWNER = Owner("chat", "llm", "uid-chat")
 IMAGE = "kvpilot/engine:test"
 EMBEDDED = {"uri": "embedded://smollm2-135m-instruct"}
+# What the default router (kv_aware) adds to every engine command line: vLLM's KV-events
+# JSON, byte for byte.
+KV_EVENTS = ["--kv-events-config",
+             '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",'
+             ' "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}']
 
 
 def sample(name: str) -> dict:
@@ -43,21 +48,21 @@ ARGS = [
         "--host", "0.0.0.0", "--port", "8000", "--model", "embedded://smollm2-135m-instruct",
         "--device", "cpu", "--kv-cache-dtype", "auto", "--max-num-batched-tokens", "2048",
         "--max-num-seqs", "256", "--block-size", "16", "--enable-prefix-caching",
-        "--drain-timeout", "285",
+        "--drain-timeout", "285", *KV_EVENTS,
     ]),
     ("cpu-sample", sample("smollm2-cpu"), [
         "--host", "0.0.0.0", "--port", "8000", "--model", "embedded://smollm2-135m-instruct",
         "--served-model-name", "smollm2-135m-instruct", "--device", "cpu",
         "--kv-cache-dtype", "auto", "--max-num-batched-tokens", "2048", "--max-num-seqs", "32",
         "--block-size", "16", "--enable-prefix-caching", "--drain-timeout", "45",
-        "--max-model-len", "4096",
+        "--max-model-len", "4096", *KV_EVENTS,
     ]),
     ("gpu-fp8-sample", sample("llama3-8b-fp8-gpu"), [
         "--host", "0.0.0.0", "--port", "8000", "--model", "/models/Meta-Llama-3-8B-Instruct",
         "--served-model-name", "meta-llama/Meta-Llama-3-8B-Instruct", "--device", "cuda",
         "--kv-cache-dtype", "fp8", "--max-num-batched-tokens", "8192", "--max-num-seqs", "256",
         "--block-size", "16", "--enable-prefix-caching", "--drain-timeout", "585",
-        "--gpu-memory-utilization", "0.9", "--max-model-len", "8192",
+        "--gpu-memory-utilization", "0.9", "--max-model-len", "8192", *KV_EVENTS,
     ]),
     ("hf-no-prefix-cache-extra-args", {
         "model": {"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct"},
@@ -68,13 +73,13 @@ ARGS = [
         "--served-model-name", "Qwen/Qwen2.5-0.5B-Instruct", "--device", "cpu",
         "--kv-cache-dtype", "fp8_e5m2", "--max-num-batched-tokens", "2048",
         "--max-num-seqs", "256", "--block-size", "16", "--no-enable-prefix-caching",
-        "--drain-timeout", "285", "--attention-backend", "torch", "--seed=7",
+        "--drain-timeout", "285", *KV_EVENTS, "--attention-backend", "torch", "--seed=7",
     ]),
     ("file-uri", {"model": {"uri": "file:///opt/models/smol.gguf"}}, [
         "--host", "0.0.0.0", "--port", "8000", "--model", "/opt/models/smol.gguf",
         "--device", "cpu", "--kv-cache-dtype", "auto", "--max-num-batched-tokens", "2048",
         "--max-num-seqs", "256", "--block-size", "16", "--enable-prefix-caching",
-        "--drain-timeout", "285",
+        "--drain-timeout", "285", *KV_EVENTS,
     ]),
 ]
 
@@ -106,10 +111,12 @@ def test_builders_are_deterministic_and_do_not_share_state():
 
 
 def test_owner_reference_and_labels_on_every_child():
-    children = build({"model": EMBEDDED}, pod_monitor=True)
+    children = build({"model": EMBEDDED, "router": {"replicas": 2}}, pod_monitor=True)
+    assert len(children.router) == 6  # ServiceAccount ... PodMonitor: every router object
     for obj in children.all():
         meta = obj["metadata"]
-        assert (meta["name"], meta["namespace"]) == ("chat", "llm")
+        router = obj in children.router
+        assert (meta["name"], meta["namespace"]) == ("chat-router" if router else "chat", "llm")
         assert meta["ownerReferences"] == [{
             "apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceDeployment",
             "name": "chat", "uid": "uid-chat", "controller": True, "blockOwnerDeletion": True,

@@ -88,7 +88,8 @@ def test_operator_deployment(rendered):
     (container,) = pod["containers"]
     assert container["command"] == ["kvpilot", "operator"]
     assert container["args"] == [
-        "--engine-image=kvpilot/engine:0.1.0", "--pod-monitor=auto", "--resync-seconds=300",
+        "--engine-image=kvpilot/engine:0.1.0", "--router-image=kvpilot/router:0.1.0",
+        "--pod-monitor=auto", "--resync-seconds=300",
         "--metrics-port=9090", "--health-port=8080", "--log-level=INFO",
     ]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
@@ -104,7 +105,9 @@ def test_namespaced_scenario_args_and_roles(rendered):
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=llm" in args and "--namespace=llm-staging" in args
     assert "--pod-monitor=always" in args and "--resync-seconds=120" in args
-    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+    # The one ClusterRole is what the routers get, bound per namespace by the operator.
+    assert [r["metadata"]["name"] for r in by_kind(docs, "ClusterRole")] == [c.ROUTER_CLUSTER_ROLE]
+    assert not by_kind(docs, "ClusterRoleBinding")
     roles = by_kind(docs, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["llm", "llm-staging"]
     for binding in by_kind(docs, "RoleBinding"):
@@ -125,6 +128,7 @@ def test_full_scenario_passes_values_through(rendered):
     pod = deployment["spec"]["template"]["spec"]
     assert pod["containers"][0]["image"] == "registry.example/kvpilot/operator:0.1.0-rc1"
     assert "--engine-image=registry.example/kvpilot/engine:0.1.0-cu128" in pod["containers"][0]["args"]
+    assert "--router-image=registry.example/kvpilot/router:0.1.0-r1" in pod["containers"][0]["args"]
     assert "--pod-monitor-label=release=kube-prometheus-stack" in pod["containers"][0]["args"]
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     assert pod["priorityClassName"] == "system-cluster-critical"
@@ -173,7 +177,9 @@ def test_selector_labels_never_carry_a_version(rendered):
 
 
 def _rules(docs: list[dict]) -> list[dict]:
-    roles = by_kind(docs, "ClusterRole") or by_kind(docs, "Role")[:1]
+    """The operator's own rules: its ClusterRole, or the first of its per-namespace Roles."""
+    roles = [r for r in by_kind(docs, "ClusterRole")
+             if r["metadata"]["name"] != c.ROUTER_CLUSTER_ROLE] or by_kind(docs, "Role")[:1]
     return roles[0]["rules"]
 
 
@@ -191,9 +197,19 @@ def test_rbac_covers_what_the_operator_does(rendered, scenario):
     and patch; reconcile reads Deployments; the status subresource; Events; Kopf's watch."""
     rules = _rules(rendered[scenario])
     groups = {"Deployment": "apps", "Service": "", "PodDisruptionBudget": "policy",
-              "PodMonitor": "monitoring.coreos.com", c.KIND: c.GROUP}
+              "PodMonitor": "monitoring.coreos.com", "ServiceAccount": "",
+              "RoleBinding": "rbac.authorization.k8s.io",
+              c.INFERENCE_POOL_KIND: "inference.networking.k8s.io", c.KIND: c.GROUP}
     for kind, plural in PLURALS.items():
-        assert {"create", "patch"} <= _granted(rules, groups[kind], plural) or kind == c.KIND
+        if kind == c.KIND:
+            continue
+        # get before every apply (never take over a stranger's object), delete when the
+        # router is turned off (router_kinds below: every kind but the engine's).
+        assert {"get", "create", "patch", "delete"} <= _granted(rules, groups[kind], plural), kind
+    # A RoleBinding to kvpilot-router needs `bind` on it (RBAC escalation check).
+    (bind,) = [r for r in rules if "bind" in r["verbs"]]
+    assert bind == {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"],
+                    "resourceNames": [c.ROUTER_CLUSTER_ROLE], "verbs": ["bind"]}
     assert {"get", "list", "watch"} <= _granted(rules, "apps", "deployments")
     assert {"get", "list", "watch", "patch"} <= _granted(rules, c.GROUP, c.PLURAL)
     assert {"patch"} <= _granted(rules, c.GROUP, f"{c.PLURAL}/status")
@@ -203,10 +219,17 @@ def test_rbac_covers_what_the_operator_does(rendered, scenario):
 
 @pytest.mark.parametrize("scenario", ["default", "namespaced"])
 def test_rbac_is_least_privilege(rendered, scenario):
+    # Deletes only of kinds the router objects have (the operator deletes nothing else).
+    deletable = {"deployments", "services", "serviceaccounts", "poddisruptionbudgets",
+                 "podmonitors", "rolebindings", "inferencepools"}
     for rule in _rules(rendered[scenario]):
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
-        assert not {"delete", "deletecollection", "escalate", "bind",
-                    "impersonate"} & set(rule["verbs"]), rule
+        assert not {"deletecollection", "escalate", "impersonate"} & set(rule["verbs"]), rule
+        if "delete" in rule["verbs"]:
+            assert set(rule["resources"]) <= deletable, rule
+        if "bind" in rule["verbs"]:  # on the routers' ClusterRole by name, nothing else
+            assert rule["resources"] == ["clusterroles"] and rule["verbs"] == ["bind"], rule
+            assert rule["resourceNames"] == [c.ROUTER_CLUSTER_ROLE], rule
         # `update` only where the API server demands it: blockOwnerDeletion on an owner
         # reference needs it on the owner's finalizers (OwnerReferencesPermissionEnforcement).
         if "update" in rule["verbs"]:
@@ -216,6 +239,20 @@ def test_rbac_is_least_privilege(rendered, scenario):
     cluster = {tuple(r["resources"]) for r in _rules(rendered["default"])}
     namespaced = {tuple(r["resources"]) for r in _rules(rendered["namespaced"])}
     assert cluster - namespaced == {("customresourcedefinitions",)}
+
+
+@pytest.mark.parametrize("scenario", ["default", "namespaced", "full"])
+def test_the_router_cluster_role_allows_exactly_what_discovery_needs(rendered, scenario):
+    """vllm-router's Kubernetes service discovery (src/service_discovery.rs) runs a kube-rs
+    watcher on the pods of one namespace: list + watch, and get. Nothing more."""
+    (role,) = [r for r in by_kind(rendered[scenario], "ClusterRole")
+               if r["metadata"]["name"] == c.ROUTER_CLUSTER_ROLE]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"],
+                              "verbs": ["get", "list", "watch"]}]
+
+
+def test_no_router_cluster_role_without_rbac(rendered):
+    assert not by_kind(rendered["minimal"], "ClusterRole")
 
 
 def test_every_rbac_rule_is_commented():

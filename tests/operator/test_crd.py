@@ -20,6 +20,7 @@ from kvpilot.operator.spec import (
     METRIC_SOURCES,
     PULL_POLICIES,
     SpecError,
+    check_name,
     parse_spec,
 )
 
@@ -99,6 +100,7 @@ def test_crd_printer_columns_point_at_declared_fields(crd):
         "KV-Tokens": ".status.capacity.kvCapacityTokensPerReplica",
         "Max-Reqs": ".status.capacity.maxConcurrentRequestsEstimate",
         "Reason": ".status.lastScaleReason",
+        "Endpoint": ".status.endpoint",
     }
     schema = root_schema(crd)
     for path in columns.values():
@@ -232,7 +234,19 @@ def test_bad_names_are_refused(crd):
     assert any("DNS-1035" in e for e in errors)
     _, errors = admit(crd, obj({"model": EMBEDDED}, name="a" * 64))
     assert any("DNS-1035" in e for e in errors)
-    assert admit(crd, obj({"model": EMBEDDED}, name="a" * 63))[1] == []
+    # The router's Service is NAME-router: 56 characters while it runs, else 63.
+    assert admit(crd, obj({"model": EMBEDDED}, name="a" * 56))[1] == []
+    _, errors = admit(crd, obj({"model": EMBEDDED}, name="a" * 57))
+    assert errors == ["<root>: metadata.name must be at most 56 characters while spec.router"
+                      " runs in router mode: the router's Deployment and Service are named"
+                      " NAME-router (a Service name has at most 63)"]
+    with pytest.raises(SpecError, match=r"metadata\.name: got 'a{57}'; at most 56 characters"):
+        check_name("a" * 57, parse_spec({"model": EMBEDDED}).router)
+    for router in ({"enabled": False},
+                   {"mode": "gateway", "gateway": {"endpointPickerRef": {"name": "epp"}}}):
+        spec = {"model": EMBEDDED, "router": router}
+        assert admit(crd, obj(spec, name="a" * 63))[1] == []
+        check_name("a" * 63, parse_spec(spec).router)
 
 
 def test_c16_kubectl_scale_is_refused_with_autoscaling(crd):

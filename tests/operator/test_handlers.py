@@ -198,7 +198,7 @@ def test_register_wires_every_trigger():
     assert daemon.when(spec={"autoscaling": {"maxReplicas": 3}}) is True
     assert daemon.when(spec={"replicas": 2}) is False
     (watch,) = registry._watching.get_all_handlers()
-    assert watch.id == "engine-deployment"
+    assert watch.id == "child-deployment"  # engine and router Deployments
     assert (watch.selector.group, watch.selector.any_name) == ("apps", "deployments")
     assert watch.labels == {c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
     activities = {h.id: h.activity.value for h in registry._activities.get_all_handlers()}

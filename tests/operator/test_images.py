@@ -14,6 +14,7 @@ import yaml
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.builders.pod import ENGINE_UID
+from kvpilot.operator.builders.router import ROUTER_COMMAND, ROUTER_UID
 
 from .tools import CHART, REPO
 
@@ -42,14 +43,17 @@ def hadolint() -> str:
     return on_path
 
 
-@pytest.mark.parametrize("name", ["engine.Dockerfile", "operator.Dockerfile"])
+IMAGES = ["engine.Dockerfile", "operator.Dockerfile", "router.Dockerfile"]
+
+
+@pytest.mark.parametrize("name", IMAGES)
 def test_hadolint_is_clean(name):
     result = subprocess.run([hadolint(), "--no-color", str(DOCKER / name)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("name", ["engine.Dockerfile", "operator.Dockerfile"])
+@pytest.mark.parametrize("name", IMAGES)
 def test_images_run_as_the_uid_the_pods_expect(name):
     users = [rest for keyword, rest in instructions(name) if keyword == "USER"]
     assert users and users[-1] == f"{ENGINE_UID}:{ENGINE_UID}"
@@ -77,6 +81,24 @@ def test_engine_image_is_cuda_and_serves_on_the_engine_port():
     assert [rest for k, rest in ins if k == "ENTRYPOINT"] == ['["kvpilot"]']
 
 
+def test_router_image_is_the_pinned_vllm_router():
+    """The image installs exactly the release pyproject.toml's `router` extra pins (the one
+    the e2e suite runs), runs the `vllm-router` launcher as the UID the router pods set, and
+    exposes the ports the operator's router Deployment names."""
+    ins = instructions("router.Dockerfile")
+    assert [rest for k, rest in ins if k == "FROM"] == ["python:3.11-slim"]
+    pin = re.search(r'^router = \[\s*"(vllm-router==[^"]+)"', (REPO / "pyproject.toml").read_text(),
+                    flags=re.M).group(1)
+    assert pin == "vllm-router==0.1.17"
+    runs = " ".join(rest for k, rest in ins if k == "RUN")
+    assert f'pip install "{pin}"' in runs
+    assert [rest for k, rest in ins if k == "ENTRYPOINT"] == ['["vllm-router"]']
+    assert list(ROUTER_COMMAND) == ["vllm-router"]
+    assert [rest for k, rest in ins if k == "USER"] == [f"{ROUTER_UID}:{ROUTER_UID}"]
+    assert [rest for k, rest in ins if k == "EXPOSE"] == [f"{c.ROUTER_PORT} {c.ROUTER_METRICS_PORT}"]
+    assert not [rest for k, rest in ins if k in ("COPY", "ADD")]  # nothing of the repository
+
+
 def test_pyproject_operator_extra_has_no_torch():
     text = (REPO / "pyproject.toml").read_text()
     block = re.search(r"^operator = \[(.*?)^\]", text, flags=re.S | re.M).group(1)
@@ -93,3 +115,5 @@ def test_versions_agree():
     assert chart["appVersion"] == __version__
     expected = f"{values['engineImage']['repository']}:{chart['appVersion']}"
     assert OperatorOptions().engine_image == expected
+    expected = f"{values['routerImage']['repository']}:{chart['appVersion']}"
+    assert OperatorOptions().router_image == expected

@@ -42,7 +42,7 @@ class Scripted(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    do_GET = do_PATCH = _serve
+    do_GET = do_PATCH = do_DELETE = _serve
 
     def log_message(self, *args):
         pass
@@ -84,8 +84,31 @@ def test_paths():
     assert resource_path("apps/v1", "Deployment", "llm", "chat") == DEPLOYMENT_PATH
     assert resource_path("kvpilot.dev/v1alpha1", "InferenceDeployment", "llm", "chat") == (
         "/apis/kvpilot.dev/v1alpha1/namespaces/llm/inferencedeployments/chat")
+    assert resource_path("rbac.authorization.k8s.io/v1", "RoleBinding", "llm", "chat-router") == (
+        "/apis/rbac.authorization.k8s.io/v1/namespaces/llm/rolebindings/chat-router")
+    assert resource_path("v1", "ServiceAccount", "llm", "chat-router") == (
+        "/api/v1/namespaces/llm/serviceaccounts/chat-router")
+    assert resource_path("inference.networking.k8s.io/v1", "InferencePool", "llm", "chat") == (
+        "/apis/inference.networking.k8s.io/v1/namespaces/llm/inferencepools/chat")
     with pytest.raises(ValueError, match="kind 'Pod' is not one the operator writes"):
         resource_path("v1", "Pod", "llm", "x")
+
+
+def test_delete_runs_in_the_background_with_a_uid_precondition(server):
+    path = "/apis/apps/v1/namespaces/llm/deployments/chat-router"
+    server.responses[("DELETE", path)] = [(200, {"kind": "Status"}), (404, {"message": "nf"}),
+                                          (409, {"message": "Precondition failed: UID"})]
+    api = api_for(server.server_address[1])
+    assert api.delete("apps/v1", "Deployment", "llm", "chat-router", uid="u-7") is True
+    request = server.requests[0]
+    assert (request["method"], request["path"]) == ("DELETE", path)
+    assert request["body"] == {"kind": "DeleteOptions", "apiVersion": "v1",
+                               "propagationPolicy": "Background",
+                               "preconditions": {"uid": "u-7"}}
+    assert api.delete("apps/v1", "Deployment", "llm", "chat-router") is False  # already gone
+    assert "preconditions" not in server.requests[1]["body"]
+    with pytest.raises(ConflictError, match="delete Deployment llm/chat-router"):
+        api.delete("apps/v1", "Deployment", "llm", "chat-router", uid="u-old")
 
 
 def test_apply_is_a_server_side_apply_with_our_field_manager(server):

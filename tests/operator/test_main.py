@@ -23,17 +23,23 @@ def parse(argv, env=None, monkeypatch=None):
 def test_defaults():
     options = options_from_args(parse([]))
     assert options.engine_image == "kvpilot/engine:0.1.0"
+    assert options.router_image == "kvpilot/router:0.1.0"
     assert options.pod_monitor == "auto" and options.resync_seconds == 300
     assert options.namespaces == ()
 
 
 def test_flags_and_environment(monkeypatch):
     args = parse(["--namespace", "a", "--namespace", "b", "--resync-seconds", "60"],
-                 env={"KVPILOT_ENGINE_IMAGE": "my/engine:2", "KVPILOT_POD_MONITOR": "never"},
+                 env={"KVPILOT_ENGINE_IMAGE": "my/engine:2", "KVPILOT_POD_MONITOR": "never",
+                      "KVPILOT_ROUTER_IMAGE": "my/router:3"},
                  monkeypatch=monkeypatch)
     options = options_from_args(args)
     assert options.namespaces == ("a", "b") and options.resync_seconds == 60
     assert options.engine_image == "my/engine:2" and options.pod_monitor == "never"
+    assert options.router_image == "my/router:3"
+    assert options_from_args(parse(["--router-image", "r:4"])).router_image == "r:4"
+    with pytest.raises(ValueError, match="router_image must be a non-empty image reference"):
+        options_from_args(parse(["--router-image", ""]))
 
 
 def test_pod_monitor_labels(capsys):

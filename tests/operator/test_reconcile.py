@@ -34,12 +34,14 @@ def test_create_applies_children_in_order_and_reports():
     api = FakeKubeApi(apis=(PODMONITOR,))
     result = run(api)
     assert result.applied == ("Deployment/chat", "Service/chat", "PodDisruptionBudget/chat",
-                              "PodMonitor/chat")
+                              "PodMonitor/chat", "ServiceAccount/chat-router",
+                              "RoleBinding/chat-router", "Deployment/chat-router",
+                              "Service/chat-router", "PodMonitor/chat-router")
     assert [e.reason for e in result.events] == ["Created"]
     assert result.status["desiredReplicas"] == 1
     assert result.status["observedGeneration"] == 1
     ready = {c_["type"]: c_["status"] for c_ in result.status["conditions"]}
-    assert ready == {"Ready": "False", "Progressing": "True"}
+    assert ready == {"Ready": "False", "Progressing": "True", "RouterReady": "False"}
     assert "lastScaleTime" not in result.status  # creating is not scaling
 
 
@@ -120,7 +122,7 @@ def test_conflict_is_retried_against_fresh_state():
     resized = []
 
     def concurrent_resize(obj):
-        if obj["kind"] == "Deployment" and not resized:
+        if obj["kind"] == "Deployment" and obj["metadata"]["name"] == "chat" and not resized:
             resized.append(True)
             stored = api.objects[("Deployment", "llm", "chat")]
             stored["spec"]["replicas"] = 3
@@ -130,7 +132,8 @@ def test_conflict_is_retried_against_fresh_state():
     result = run(api, AUTO)
     assert deployment_replicas(api) == 3
     assert result.target.replicas == 3
-    deployment_applies = [call for call in api.calls if call[:2] == ("apply", "Deployment")]
+    deployment_applies = [call for call in api.calls
+                          if call[:2] == ("apply", "Deployment") and call[3] == "chat"]
     assert len(deployment_applies) == 3  # create, conflicting apply, retried apply
 
 

@@ -73,7 +73,8 @@ def declared_paths(schema, prefix="") -> set[str]:
 
 
 def _ctx():
-    return OperatorContext(api=FakeKubeApi(apis=("monitoring.coreos.com/v1/PodMonitor",)),
+    return OperatorContext(api=FakeKubeApi(apis=("monitoring.coreos.com/v1/PodMonitor",
+                                                  "inference.networking.k8s.io/v1/InferencePool")),
                            options=OperatorOptions(engine_image="e:1"),
                            metrics=OperatorMetrics(), clock=Clock(),
                            post_event=lambda *a: None)
@@ -93,6 +94,15 @@ def reconcile_statuses() -> list[dict]:
     on_deployment_event(body=ctx.api.stored("Deployment", "llm", "chat"), type="MODIFIED",
                         memo=ctx)
     out.append([call[4] for call in ctx.api.calls if call[0] == "patch_status"][-1])
+    # The router Deployment's watch (RouterReady), then the router off, then gateway mode.
+    ctx.api.set_deployment_status("llm", "chat-router", replicas=1, availableReplicas=1)
+    on_deployment_event(body=ctx.api.stored("Deployment", "llm", "chat-router"),
+                        type="MODIFIED", memo=ctx)
+    out.append([call[4] for call in ctx.api.calls if call[0] == "patch_status"][-1])
+    for router in ({"enabled": False},
+                   {"mode": "gateway", "gateway": {"endpointPickerRef": {"name": "epp"}}}):
+        out.append(dict(run_reconcile(ctx, inference(spec={"model": EMBEDDED,
+                                                           "router": router})).status))
     for bad in ({"model": {"uri": "s3://x/y"}}, {"model": EMBEDDED, "replicas": -2}):
         with pytest.raises(kopf.PermanentError) as info:
             run_reconcile(ctx, inference(spec=bad, generation=2))
@@ -141,14 +151,21 @@ def test_c14_autoscale_loop_statuses_survive_pruning():
     stored = stored_status(*autoscale_loop_statuses())
     assert stored["autoscaler"]["policyState"]["lastScaleDownTime"] > 0
     assert {c["type"] for c in stored["conditions"]} == {
-        "Ready", "Progressing", "MetricsAvailable", "ScalingActive", "ScalingLimited"}
+        "Ready", "Progressing", "RouterReady", "MetricsAvailable", "ScalingActive",
+        "ScalingLimited"}
     assert stored["capacity"]["kvCapacityTokensPerReplica"] == 16384
 
 
 def test_c14_reconcile_statuses_survive_pruning():
-    stored = stored_status(*reconcile_statuses())
+    statuses = reconcile_statuses()
+    stored = stored_status(*statuses)
     assert stored["conditions"][0]["reason"] == "InvalidSpec"
     assert stored["desiredReplicas"] == 3 and stored["readyReplicas"] == 2
+    # Gateway mode last: the pool is named, the endpoint removed (clients use the Gateway).
+    assert stored["inferencePool"] == "chat" and "endpoint" not in stored
+    assert any(p.get("endpoint") == "http://chat-router.llm.svc:8000" for p in statuses)
+    assert any(c["type"] == "RouterReady" and c["status"] == "True"
+               for p in statuses for c in p.get("conditions", ()))
 
 
 def test_c14_autoscaler_fragments_survive_pruning():

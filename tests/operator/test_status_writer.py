@@ -54,8 +54,9 @@ def test_a_reconcile_from_a_stale_body_keeps_the_autoscalers_conditions(ctx):
     ctx.api.patch_status("llm", "chat", {"conditions": [cond("MetricsAvailable", reason="SignalsReported")]})
     on_spec(body=stale, patch=kopf.Patch(), memo=ctx)  # its body has no conditions at all
     stored = ctx.api.stored(c.KIND, "llm", "chat")["status"]["conditions"]
-    assert [x["type"] for x in stored] == ["Ready", "Progressing", "MetricsAvailable"]
-    assert stored[2]["reason"] == "SignalsReported"
+    assert [x["type"] for x in stored] == ["Ready", "Progressing", "RouterReady",
+                                           "MetricsAvailable"]
+    assert stored[3]["reason"] == "SignalsReported"
 
 
 def test_a_conflict_is_retried_against_the_fresh_object(ctx):
@@ -112,7 +113,9 @@ def test_the_deployment_watch_keeps_the_autoscalers_conditions(ctx):
                         memo=ctx)
     stored = ctx.api.stored(c.KIND, "llm", "chat")["status"]["conditions"]
     assert types(stored) == [("Ready", "True", "AllReplicasReady"),
-                             ("Progressing", "False", "Complete"), ("ScalingActive", "True", "R")]
+                             ("Progressing", "False", "Complete"),
+                             ("RouterReady", "False", "RouterUnavailable"),  # the reconcile's
+                             ("ScalingActive", "True", "R")]
 
 
 def test_the_loop_does_not_write_a_stale_ready_from_its_snapshot():

@@ -54,3 +54,6 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "kvpilot.engineImage" -}}
 {{- printf "%s:%s" .Values.engineImage.repository (default .Chart.AppVersion .Values.engineImage.tag) -}}
 {{- end -}}
+{{- define "kvpilot.routerImage" -}}
+{{- printf "%s:%s" .Values.routerImage.repository (default .Chart.AppVersion .Values.routerImage.tag) -}}
+{{- end -}}

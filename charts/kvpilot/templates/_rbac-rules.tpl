@@ -1,7 +1,8 @@
 {{/*
 The operator's permissions, shared by the ClusterRole (all namespaces) and the per-namespace
-Roles (values.watchNamespaces). Each rule says why it is needed; nothing here deletes:
-children are removed by garbage collection through their owner references.
+Roles (values.watchNamespaces). Each rule says why it is needed. Children go with their
+InferenceDeployment by garbage collection (owner references); the only deletes are of the
+request-router objects the operator made, when a spec turns its router off or switches mode.
 */}}
 {{- define "kvpilot.rules" -}}
 # Watch InferenceDeployments and patch their metadata for Kopf's finalizer and its
@@ -21,24 +22,42 @@ children are removed by garbage collection through their owner references.
 - apiGroups: ["kvpilot.dev"]
   resources: ["inferencedeployments/finalizers"]
   verbs: ["update"]
-# Server-side apply the engine Deployment (create on the first apply), read its replica
-# count before each apply, and watch it to copy pod readiness into the owner's status.
+# Server-side apply the engine and router Deployments (create on the first apply), read the
+# engine's replica count before each apply, and watch both to copy pod readiness into the
+# owner's status (Ready, RouterReady); delete the router's when its spec no longer wants it.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch"]
-# Server-side apply the engine Service (create on the first apply); read it first, so an
-# existing Service of that name that kvpilot does not control is never taken over.
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Server-side apply the engine and router Services (create on the first apply); read them
+# first, so an existing Service of that name that kvpilot does not control is never taken
+# over; delete the router's as above. The router's ServiceAccount likewise.
 - apiGroups: [""]
-  resources: ["services"]
-  verbs: ["get", "create", "patch"]
-# The same for the engine PodDisruptionBudget.
+  resources: ["services", "serviceaccounts"]
+  verbs: ["get", "create", "patch", "delete"]
+# The same for the engine and router PodDisruptionBudgets.
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "create", "patch"]
-# The same for the engine PodMonitor, when the Prometheus operator's API exists.
+  verbs: ["get", "create", "patch", "delete"]
+# The same for the engine and router PodMonitors, when the Prometheus operator's API exists.
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
+# The RoleBinding that grants a router's ServiceAccount the kvpilot-router ClusterRole in
+# its own namespace (the same apply, read-first and delete rules).
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["rolebindings"]
+  verbs: ["get", "create", "patch", "delete"]
+# Creating that RoleBinding needs `bind` on the role it grants (Kubernetes refuses to let
+# anyone hand out permissions they lack otherwise): on kvpilot-router only, nothing else.
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["clusterroles"]
+  resourceNames: ["kvpilot-router"]
+  verbs: ["bind"]
+# Gateway mode: the InferencePool (Gateway API Inference Extension) selecting the engine
+# pods, when the cluster serves that API; read it for RouterReady (a Gateway accepted it).
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "create", "patch", "delete"]
 # Find the ready engine pods whose /metrics the autoscaler scrapes (metrics.source: pods)
 # and count pending pods as supply (one list per interval; no watch).
 - apiGroups: [""]

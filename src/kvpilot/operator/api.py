@@ -51,6 +51,13 @@ class KubeApi(Protocol):
         (use :func:`kvpilot.operator.status.writer.write_status`, which retries)."""
         ...
 
+    def delete(self, api_version: str, kind: str, namespace: str, name: str,
+               uid: str | None = None) -> bool:
+        """Delete the object (its dependents in the background); with ``uid``, only that
+        incarnation (ConflictError when the stored object has another uid). False when it
+        does not exist (404)."""
+        ...
+
     def has_api(self, group_version: str, kind: str) -> bool:
         """True when the cluster serves ``kind`` in ``group_version`` (discovery)."""
         ...

@@ -4,6 +4,7 @@ Flags (each also read from the environment variable in brackets, as the Helm cha
 
   --namespace NS            watch only NS; repeatable (default: the whole cluster)
   --engine-image IMAGE      default engine image  [KVPILOT_ENGINE_IMAGE]
+  --router-image IMAGE      default request-router image (vllm-router)  [KVPILOT_ROUTER_IMAGE]
   --pod-monitor MODE        auto | always | never  [KVPILOT_POD_MONITOR]
   --pod-monitor-label K=V   a label on every engine PodMonitor; repeatable
   --resync-seconds S        period of the drift-repair reconcile (default 300)
@@ -32,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-image", default=os.environ.get("KVPILOT_ENGINE_IMAGE",
                                                                  d.engine_image),
                         help=f"engine image when a spec sets none (default {d.engine_image})")
+    parser.add_argument("--router-image", default=os.environ.get("KVPILOT_ROUTER_IMAGE",
+                                                                 d.router_image),
+                        help="request-router image when a spec sets no router.image"
+                             f" (default {d.router_image})")
     parser.add_argument("--pod-monitor", choices=POD_MONITOR_MODES,
                         default=os.environ.get("KVPILOT_POD_MONITOR", d.pod_monitor),
                         help="create PodMonitors: auto = when the Prometheus operator's API exists")
@@ -60,6 +65,7 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
     """The frozen options; raises ValueError naming a bad flag value."""
     return OperatorOptions(
         engine_image=args.engine_image,
+        router_image=args.router_image,
         pod_monitor=args.pod_monitor,
         resync_seconds=args.resync_seconds,
         namespaces=tuple(args.namespaces),

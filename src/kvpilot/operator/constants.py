@@ -24,6 +24,8 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_OWNER = f"{GROUP}/inference-deployment"
 ENGINE_COMPONENT = "engine"
 ENGINE_NAME = "kvpilot-engine"
+ROUTER_COMPONENT = "router"
+ROUTER_NAME = "kvpilot-router"
 
 # The engine's HTTP port and endpoints (docs/architecture.md, "HTTP (engine)").
 ENGINE_PORT = 8000
@@ -32,12 +34,40 @@ HEALTH_PATH = "/health"
 READY_PATH = "/ready"
 METRICS_PATH = "/metrics"
 
+# The engine's KV-cache event publisher (ZMQ PUB, vLLM's --kv-events-config shape), on when
+# the router routes with the kv_aware policy: live events on one port, replay on the next.
+KV_EVENTS_PORT = 5557
+KV_EVENTS_PORT_NAME = "kv-events"
+KV_EVENTS_REPLAY_PORT = 5558
+KV_EVENTS_REPLAY_PORT_NAME = "kv-replay"
+KV_EVENTS_TOPIC = "kv-events"
+
+# The request router (vllm-router) in front of the engine pods: its Deployment, Service,
+# ServiceAccount, RoleBinding and PDB are named NAME + ROUTER_SUFFIX; the ClusterRole its
+# RoleBinding grants (pods get/list/watch for Kubernetes service discovery) is shipped by
+# the chart under this fixed name.
+ROUTER_SUFFIX = "-router"
+ROUTER_PORT = 8000
+ROUTER_PORT_NAME = "http"
+ROUTER_METRICS_PORT = 29000
+ROUTER_METRICS_PORT_NAME = "metrics"
+ROUTER_CLUSTER_ROLE = "kvpilot-router"
+# Gateway mode: an InferencePool (Gateway API Inference Extension) instead of the router.
+INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
+INFERENCE_POOL_KIND = "InferencePool"
+INFERENCE_POOL_CRD = "inferencepools.inference.networking.k8s.io"
+
 # Prometheus relabels the owner pod label into this series label, so engine series,
 # operator series and alerts join on (namespace, inference_deployment).
 SERIES_LABEL = "inference_deployment"
 
 # Condition types, in the order they are listed in status.
-CONDITION_TYPES = ("Ready", "Progressing", "MetricsAvailable", "ScalingActive", "ScalingLimited")
-# The ones the reconcile loop owns; the autoscaler timer owns the rest.
-RECONCILE_CONDITIONS = ("Ready", "Progressing")
+CONDITION_TYPES = ("Ready", "Progressing", "RouterReady", "MetricsAvailable", "ScalingActive",
+                   "ScalingLimited")
+# The ones the reconcile loop owns (RouterReady only while a router is wanted); the
+# autoscaler timer owns the rest.
+RECONCILE_CONDITIONS = ("Ready", "Progressing", "RouterReady")
+# The ones the engine Deployment watch and a refused reconcile write.
+WORKLOAD_CONDITIONS = ("Ready", "Progressing")
+ROUTER_CONDITION = "RouterReady"
 AUTOSCALER_CONDITIONS = ("MetricsAvailable", "ScalingActive", "ScalingLimited")

@@ -33,7 +33,9 @@ from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.metrics_source import MetricsSource, SourceConfig, build_source
 from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.reconcile import ReconcileResult, Resource, reconcile
-from kvpilot.operator.spec import SpecError
+from kvpilot.operator.spec import SpecError, parse_spec
+from kvpilot.operator.status.conditions import set_conditions
+from kvpilot.operator.status.router import router_condition
 from kvpilot.operator.status.workload import failure_status, workload_status
 from kvpilot.operator.status.writer import write_status
 
@@ -138,7 +140,8 @@ def run_reconcile(ctx: OperatorContext, body: Mapping[str, Any], requested: int 
 
 def reconcile_and_write_status(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
     """:func:`run_reconcile`, then its status (or the refusal's) written with
-    :func:`~kvpilot.operator.status.writer.write_status`, owning only Ready and Progressing.
+    :func:`~kvpilot.operator.status.writer.write_status`, owning only Ready, Progressing and
+    RouterReady (a refusal only the first two: it knows nothing new about the router).
 
     Not through Kopf's patch: that is a merge patch of a list built from ``body``, which
     may predate the autoscaler's last write and would erase its conditions.
@@ -149,17 +152,19 @@ def reconcile_and_write_status(ctx: OperatorContext, body: Mapping[str, Any]) ->
     try:
         result = run_reconcile(ctx, body)
     except ReconcileRefused as exc:
-        _write_reconcile_status(ctx, body, exc.status)
+        _write_reconcile_status(ctx, body, exc.status, c.WORKLOAD_CONDITIONS)
         raise
-    _write_reconcile_status(ctx, body, result.status)
+    _write_reconcile_status(ctx, body, result.status, c.RECONCILE_CONDITIONS,
+                            result.drop_conditions)
 
 
 def _write_reconcile_status(ctx: OperatorContext, body: Mapping[str, Any],
-                            status: Mapping[str, Any]) -> None:
+                            status: Mapping[str, Any], owned: tuple[str, ...],
+                            drop: tuple[str, ...] = ()) -> None:
     meta = body.get("metadata") or {}
     try:
         write_status(ctx.api, meta.get("namespace", ""), meta.get("name", ""), status,
-                     c.RECONCILE_CONDITIONS)
+                     owned, drop)
     except ApiError as exc:
         raise kopf.TemporaryError(f"status write failed: {exc}",
                                   delay=TRANSIENT_RETRY_SECONDS) from exc
@@ -177,8 +182,9 @@ def on_resync(body: kopf.Body, memo: OperatorContext, **_: Any) -> None:
 
 def on_deployment_event(body: kopf.Body, type: str | None, memo: OperatorContext,
                         **_: Any) -> None:
-    """An engine Deployment changed: refresh its owner's counts and conditions at once
-    (the resync timer would catch up anyway; this keeps ``kubectl get`` current)."""
+    """An engine or router Deployment changed: refresh its owner's counts and conditions
+    (engine) or its RouterReady condition (router) at once (the resync timer would catch up
+    anyway; this keeps ``kubectl get`` current)."""
     if type == "DELETED":
         return
     labels = body.get("metadata", {}).get("labels") or {}
@@ -189,16 +195,42 @@ def on_deployment_event(body: kopf.Body, type: str | None, memo: OperatorContext
         owner = memo.api.get(c.API_VERSION, c.KIND, namespace, name)
         if owner is None:
             return
+        if labels.get(c.LABEL_COMPONENT) == c.ROUTER_COMPONENT:
+            _refresh_router_condition(memo, owner, body)
+            return
         current = owner.get("status") or {}
         status = workload_status(name, body, None, current.get("conditions"), memo.clock())
         changed = {k: v for k, v in status.items() if current.get(k) != v}
         if changed and not _only_times_differ(changed, current):
-            write_status(memo.api, namespace, name, status, c.RECONCILE_CONDITIONS)
+            write_status(memo.api, namespace, name, status, c.WORKLOAD_CONDITIONS)
         memo.metrics.observe(namespace, name, status, (owner.get("spec") or {}).get("autoscaling"))
     except ApiError as exc:
         # Not worth a retry loop: the resync timer and the next event repair it.
         logging.getLogger(__name__).warning("status refresh for %s/%s failed: %s",
                                             namespace, name, exc)
+
+
+def _refresh_router_condition(memo: OperatorContext, owner: Mapping[str, Any],
+                              deployment: Mapping[str, Any]) -> None:
+    """Write RouterReady from a router Deployment event, owning only that type; nothing
+    when the owner's spec no longer runs a router (the reconcile is deleting it) or when
+    the condition is unchanged. Raises ApiError from the status write."""
+    meta = owner.get("metadata") or {}
+    try:
+        router = parse_spec(owner.get("spec") or {}).router
+    except SpecError:
+        return  # the reconcile reports InvalidSpec; nothing to say about the router
+    if not router.runs_router or (deployment.get("metadata") or {}).get("deletionTimestamp"):
+        return
+    current = owner.get("status") or {}
+    ready = current.get("readyReplicas")
+    condition = router_condition(deployment, ready if isinstance(ready, int) else None)
+    conditions = set_conditions(current.get("conditions"), [condition], memo.clock(), None)
+    before = [x for x in current.get("conditions") or () if x.get("type") == c.ROUTER_CONDITION]
+    after = [x for x in conditions if x.get("type") == c.ROUTER_CONDITION]
+    if before != after:
+        write_status(memo.api, meta.get("namespace", ""), meta.get("name", ""),
+                     {"conditions": conditions}, (c.ROUTER_CONDITION,))
 
 
 def _only_times_differ(changed: Mapping[str, Any], current: Mapping[str, Any]) -> bool:

@@ -5,6 +5,7 @@ Requests are generic (any kind, by apiVersion and kind) and bodies stay plain di
 
 * ``apply``:        PATCH ``application/apply-patch+yaml`` (JSON is YAML), fieldManager
                     ``kvpilot-operator``, force=true (we own what we apply)
+* ``delete``:       DELETE with propagationPolicy Background and an optional uid precondition
 * ``patch_status``: PATCH ``application/merge-patch+json`` on ``.../status`` (optionally with
                     a ``metadata.resourceVersion`` precondition)
 * ``has_api``:      GET ``/apis/GROUP/VERSION`` (discovery), cached for DISCOVERY_TTL_SECONDS
@@ -38,6 +39,9 @@ PLURALS = {
     "Service": "services",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "PodMonitor": "podmonitors",
+    "ServiceAccount": "serviceaccounts",
+    "RoleBinding": "rolebindings",
+    c.INFERENCE_POOL_KIND: "inferencepools",
     c.KIND: c.PLURAL,
 }
 REQUEST_TIMEOUT_SECONDS = 30
@@ -135,6 +139,20 @@ class KubernetesApi:
                                      content_type="application/apply-patch+yaml")
         raise_for_status(status, data, what, write=True)
         return _json_object(data)
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str,
+               uid: str | None = None) -> bool:
+        what = f"delete {kind} {namespace}/{name}"
+        body: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1",
+                                "propagationPolicy": "Background"}
+        if uid is not None:
+            body["preconditions"] = {"uid": uid}
+        status, data = self._request("DELETE", resource_path(api_version, kind, namespace, name),
+                                     what, body=body, content_type="application/json")
+        if status == 404:
+            return False
+        raise_for_status(status, data, what, write=True)
+        return True
 
     def patch_status(self, namespace: str, name: str, status: Mapping[str, Any],
                      resource_version: str | None = None) -> None:

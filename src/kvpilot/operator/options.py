@@ -12,6 +12,8 @@ POD_MONITOR_MODES = ("auto", "always", "never")
 class OperatorOptions:
     """Attributes:
         engine_image: image for engine pods whose spec sets no ``engine.image``.
+        router_image: image for router pods whose spec sets no ``router.image``
+            (docker/router.Dockerfile: vllm-router).
         pod_monitor: ``auto`` creates a PodMonitor when the monitoring.coreos.com/v1 API
             exists, ``always``/``never`` force it.
         resync_seconds: period of the slow reconcile timer that repairs drift.
@@ -22,6 +24,7 @@ class OperatorOptions:
     """
 
     engine_image: str = "kvpilot/engine:0.1.0"
+    router_image: str = "kvpilot/router:0.1.0"
     pod_monitor: str = "auto"
     resync_seconds: float = 300.0
     namespaces: tuple[str, ...] = ()
@@ -34,6 +37,8 @@ class OperatorOptions:
             )
         if not self.engine_image:
             raise ValueError("engine_image must be a non-empty image reference")
+        if not self.router_image:
+            raise ValueError("router_image must be a non-empty image reference")
         for key, _ in self.pod_monitor_labels:
             if not key or "=" in key:
                 raise ValueError(f"pod monitor label keys must be non-empty without '='; got {key!r}")

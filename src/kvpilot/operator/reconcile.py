@@ -4,10 +4,14 @@ report.
 ::
 
     body --Resource.from_body--> Resource --parse_spec--> InferenceSpec
+    GET every child but the Deployment (never write over one we do not control)
     GET Deployment --replica_target--> ReplicaTarget --build_children--> Children
     SSA Deployment (resourceVersion precondition; 409 -> re-read, up to CONFLICT_ATTEMPTS)
-    GET + SSA Service, PodDisruptionBudget[, PodMonitor] (never one we do not control)
-    -> ReconcileResult(status merge patch, events)
+    SSA Service, PodDisruptionBudget[, PodMonitor], spec.router's objects (router:
+        ServiceAccount, RoleBinding, Deployment, Service[, PDB][, PodMonitor], all
+        NAME-router; gateway: InferencePool NAME, where the cluster serves the kind)
+    DELETE router objects the spec no longer wants (only our own, uid precondition)
+    -> ReconcileResult(status merge patch, events, condition types to drop)
 
 Idempotent: running it twice on an unchanged object applies identical configurations and
 returns the same status. It writes only the children; the caller writes the status and
@@ -43,10 +47,16 @@ from typing import Any
 from kvpilot.operator import constants as c
 from kvpilot.operator.api import ConflictError, InvalidObjectError, KubeApi, TransientApiError
 from kvpilot.operator.builders import Children, Owner, build_children
-from kvpilot.operator.builders.children import POD_MONITOR_API_VERSION
+from kvpilot.operator.builders.children import POD_MONITOR_API_VERSION, ChildRef
 from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.spec import InferenceSpec, check_name, parse_spec
-from kvpilot.operator.status.conditions import to_rfc3339
+from kvpilot.operator.status.conditions import Condition, set_conditions, to_rfc3339
+from kvpilot.operator.status.router import (
+    endpoint_status,
+    gateway_condition,
+    missing_pool_condition,
+    router_condition,
+)
 from kvpilot.operator.status.workload import workload_status
 
 CONFLICT_ATTEMPTS = 5
@@ -96,12 +106,17 @@ class ReconcileResult:
         events: to post, in order.
         target: the replica count that was applied.
         applied: ``Kind/name`` of every object applied, in order.
+        deleted: ``Kind/name`` of every object deleted (router objects no longer wanted).
+        drop_conditions: condition types the writer removes (RouterReady when the router
+            is disabled).
     """
 
     status: dict[str, Any]
     events: tuple[Event, ...]
     target: ReplicaTarget
     applied: tuple[str, ...]
+    deleted: tuple[str, ...] = ()
+    drop_conditions: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -167,10 +182,18 @@ def scale_status(target: ReplicaTarget, now: datetime) -> dict[str, Any]:
     }
 
 
-def _check_owner(existing: Mapping[str, Any], resource: Resource, kind: str = "Deployment") -> None:
-    """Refuse to take over a child (``kind`` of the resource's name) that this
-    InferenceDeployment does not control: applying ours would re-point a user's Service or
-    PDB, and our owner reference would let garbage collection delete it with us."""
+def _owned_by(existing: Mapping[str, Any], resource: Resource) -> bool:
+    """True when ``resource`` is the controller of ``existing``."""
+    refs = (existing.get("metadata") or {}).get("ownerReferences") or ()
+    return any(ref.get("controller") and ref.get("uid") == resource.uid for ref in refs)
+
+
+def _check_owner(existing: Mapping[str, Any], resource: Resource, kind: str = "Deployment",
+                 name: str | None = None) -> None:
+    """Refuse to take over a child (``kind`` named ``name``, default the resource's) that
+    this InferenceDeployment does not control: applying ours would re-point a user's Service
+    or PDB, and our owner reference would let garbage collection delete it with us."""
+    name = name or resource.name
     for ref in (existing.get("metadata") or {}).get("ownerReferences") or ():
         if not ref.get("controller"):
             continue
@@ -178,15 +201,15 @@ def _check_owner(existing: Mapping[str, Any], resource: Resource, kind: str = "D
             return
         if ref.get("kind") == c.KIND and ref.get("name") == resource.name:
             raise TransientApiError(
-                f"{kind} {resource.name} still belongs to a deleted {c.KIND} of the same"
+                f"{kind} {name} still belongs to a deleted {c.KIND} of the same"
                 " name; waiting for garbage collection"
             )
         raise InvalidObjectError(
-            f"{kind} {resource.namespace}/{resource.name} is controlled by"
+            f"{kind} {resource.namespace}/{name} is controlled by"
             f" {ref.get('kind')}/{ref.get('name')}; rename the {c.KIND} or delete that {kind}"
         )
     raise InvalidObjectError(
-        f"{kind} {resource.namespace}/{resource.name} exists and is not managed by"
+        f"{kind} {resource.namespace}/{name} exists and is not managed by"
         f" kvpilot; rename the {c.KIND} or delete that {kind}"
     )
 
@@ -205,6 +228,27 @@ def want_pod_monitor(api: KubeApi, options: OperatorOptions) -> bool:
     return options.pod_monitor == "always"
 
 
+def serves_inference_pool(api: KubeApi) -> bool:
+    """Whether the cluster serves InferencePool (the Gateway API Inference Extension CRD)."""
+    return api.has_api(c.INFERENCE_POOL_API_VERSION, c.INFERENCE_POOL_KIND)
+
+
+@dataclass(frozen=True)
+class _Wants:
+    """What this reconcile builds besides the engine Deployment, decided once."""
+
+    pod_monitor: bool
+    inference_pool: bool
+
+
+def _build(resource: Resource, spec: InferenceSpec, options: OperatorOptions, replicas: int,
+           wants: _Wants) -> Children:
+    return build_children(resource.owner, spec, replicas, options.engine_image,
+                          wants.pod_monitor, options.pod_monitor_labels,
+                          router_image=options.router_image,
+                          inference_pool=wants.inference_pool)
+
+
 @dataclass(frozen=True)
 class _Applied:
     deployment: dict[str, Any]  # as stored after the apply
@@ -213,18 +257,16 @@ class _Applied:
     created: bool
 
 
-def _apply_deployment(api: KubeApi, resource: Resource, options: OperatorOptions,
-                      pod_monitor: bool, requested: int | None,
+def _apply_deployment(api: KubeApi, resource: Resource, spec: InferenceSpec,
+                      options: OperatorOptions, wants: _Wants, requested: int | None,
                       requested_reason: str) -> _Applied:
     """Read, choose the count and apply the Deployment, retrying 409s against fresh state."""
-    spec = parse_spec(resource.spec)
     for attempt in range(1, CONFLICT_ATTEMPTS + 1):
         current = api.get("apps/v1", "Deployment", resource.namespace, resource.name)
         if current is not None:
             _check_owner(current, resource)
         target = replica_target(spec, _current_replicas(current), requested, requested_reason)
-        children = build_children(resource.owner, spec, target.replicas, options.engine_image,
-                                  pod_monitor, options.pod_monitor_labels)
+        children = _build(resource, spec, options, target.replicas, wants)
         config = children.deployment
         if current is not None:
             # A precondition: if anyone resized or changed it since the read, 409.
@@ -238,6 +280,33 @@ def _apply_deployment(api: KubeApi, resource: Resource, options: OperatorOptions
             if attempt == CONFLICT_ATTEMPTS:
                 raise
     raise AssertionError("unreachable")
+
+
+def _delete_unwanted(api: KubeApi, resource: Resource,
+                     unwanted: tuple[ChildRef, ...]) -> list[str]:
+    """Delete the router objects the spec no longer wants, when they are this resource's
+    (anything else of that name is left alone). Returns ``Kind/name`` of each deleted."""
+    deleted = []
+    for ref in unwanted:
+        existing = api.get(ref.api_version, ref.kind, resource.namespace, ref.name)
+        if existing is None or not _owned_by(existing, resource):
+            continue
+        uid = (existing.get("metadata") or {}).get("uid")
+        if api.delete(ref.api_version, ref.kind, resource.namespace, ref.name, uid=uid):
+            deleted.append(f"{ref.kind}/{ref.name}")
+    return deleted
+
+
+def _router_condition(spec: InferenceSpec, stored: Mapping[str, dict[str, Any]],
+                      engines_ready: int, wants: _Wants) -> Condition | None:
+    """RouterReady from the router objects as applied (None = the router is disabled)."""
+    if spec.router.runs_router:
+        return router_condition(stored.get("Deployment"), engines_ready)
+    if spec.router.uses_gateway:
+        if not wants.inference_pool:
+            return missing_pool_condition()
+        return gateway_condition(stored.get(c.INFERENCE_POOL_KIND))
+    return None
 
 
 def reconcile(api: KubeApi, resource: Resource, options: OperatorOptions, now: datetime,
@@ -260,24 +329,44 @@ def reconcile(api: KubeApi, resource: Resource, options: OperatorOptions, now: d
         TransientApiError: the API is unreachable or overloaded.
     """
     check_name(resource.name)
-    pod_monitor = want_pod_monitor(api, options)
-    # Every child's name is the resource's: refuse before writing anything if one of them
-    # exists and is someone else's (the Deployment is checked inside its apply loop).
-    others = [("v1", "Service"), ("policy/v1", "PodDisruptionBudget")]
-    for api_version, kind in others + ([(POD_MONITOR_API_VERSION, "PodMonitor")] if pod_monitor else []):
-        existing = api.get(api_version, kind, resource.namespace, resource.name)
+    spec = parse_spec(resource.spec)
+    check_name(resource.name, spec.router)
+    wants = _Wants(
+        pod_monitor=want_pod_monitor(api, options),
+        # Asked in every mode: a pool left from gateway mode is deleted in the others.
+        inference_pool=serves_inference_pool(api),
+    )
+    # Refuse before writing anything if a child (other than the Deployment, checked inside
+    # its apply loop) exists under its name and is someone else's.
+    for obj in _build(resource, spec, options, 0, wants).all()[1:]:
+        meta = obj["metadata"]
+        existing = api.get(obj["apiVersion"], obj["kind"], resource.namespace, meta["name"])
         if existing is not None:
-            _check_owner(existing, resource, kind)
-    done = _apply_deployment(api, resource, options, pod_monitor, requested, requested_reason)
+            _check_owner(existing, resource, obj["kind"], meta["name"])
+    done = _apply_deployment(api, resource, spec, options, wants, requested, requested_reason)
     target = done.target
     applied = [f"Deployment/{resource.name}"]
+    stored_router: dict[str, dict[str, Any]] = {}
     for obj in done.children.all()[1:]:
-        api.apply(obj)
-        applied.append(f"{obj['kind']}/{resource.name}")
+        stored = api.apply(obj)
+        applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
+        if any(obj is r for r in done.children.router):
+            stored_router[obj["kind"]] = stored
+    deleted = _delete_unwanted(api, resource, done.children.unwanted)
 
     status = workload_status(resource.name, done.deployment, resource.generation,
                              resource.status.get("conditions"), now)
     status.update(scale_status(target, now))
+    status.update(endpoint_status(resource.name, resource.namespace, spec.router))
+    router = _router_condition(spec, stored_router, status["readyReplicas"], wants)
+    drop: tuple[str, ...] = ()
+    if router is not None:
+        status["conditions"] = set_conditions(status["conditions"], [router], now,
+                                              resource.generation)
+    else:
+        drop = (c.ROUTER_CONDITION,)
+        status["conditions"] = [cond for cond in status["conditions"]
+                                if cond.get("type") != c.ROUTER_CONDITION]
     events: list[Event] = []
     if done.created:
         events.append(Event("Normal", "Created",
@@ -285,4 +374,7 @@ def reconcile(api: KubeApi, resource: Resource, options: OperatorOptions, now: d
     if target.is_scale:
         direction = "ScaledUp" if target.replicas > (target.current or 0) else "ScaledDown"
         events.append(Event("Normal", direction, status["lastScaleReason"]))
-    return ReconcileResult(status, tuple(events), target, tuple(applied))
+    if deleted:
+        events.append(Event("Normal", "RouterObjectsDeleted",
+                            f"deleted what spec.router no longer asks for: {', '.join(deleted)}"))
+    return ReconcileResult(status, tuple(events), target, tuple(applied), tuple(deleted), drop)

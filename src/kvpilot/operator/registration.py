@@ -7,7 +7,7 @@ trigger                                handler
 InferenceDeployment create/update/     :func:`~kvpilot.operator.handlers.on_spec`
 resume
 every ``--resync-seconds``             :func:`~kvpilot.operator.handlers.on_resync`
-engine Deployment event                :func:`~kvpilot.operator.handlers.on_deployment_event`
+engine or router Deployment event      :func:`~kvpilot.operator.handlers.on_deployment_event`
 InferenceDeployment delete             :func:`~kvpilot.operator.handlers.on_delete`
 ``spec.autoscaling`` set               :func:`~kvpilot.operator.autoscale_loop.autoscaler_daemon`
                                        (one loop per resource, every ``intervalSeconds``)
@@ -61,7 +61,7 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
         decorator(*resource, registry=registry, id=f"reconcile-{cause}")(on_spec)
     kopf.timer(*resource, registry=registry, id="resync", interval=options.resync_seconds,
                initial_delay=options.resync_seconds)(on_resync)
-    kopf.on.event("apps", "v1", "deployments", registry=registry, id="engine-deployment",
+    kopf.on.event("apps", "v1", "deployments", registry=registry, id="child-deployment",
                   labels={c.LABEL_MANAGED_BY: c.FIELD_MANAGER})(on_deployment_event)
     kopf.on.delete(*resource, registry=registry, id="forget", optional=True)(on_delete)
     kopf.daemon(*resource, registry=registry, id="autoscaler", when=has_autoscaling,

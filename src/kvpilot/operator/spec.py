@@ -15,9 +15,10 @@ policy share one spec.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from kvpilot.autoscaler.spec import DEFAULTS as AUTOSCALING_DEFAULTS
@@ -42,6 +43,21 @@ MANAGED_FLAGS = (
     "--drain-timeout",
 )
 MAX_REPLICAS = 1000
+ROUTER_MODES = ("router", "gateway")
+# vllm-router's --policy values this operator offers (it has more: random, round_robin...).
+ROUTER_POLICIES = ("kv_aware", "cache_aware", "power_of_two", "consistent_hash")
+# The request headers vllm-router 0.1.17's consistent_hash policy hashes on, in the order
+# it checks them (src/policies/hash_key.rs); it has no flag to name another header, so a
+# header outside this list would be ignored and every request hashed on its body instead.
+SESSION_HEADERS = ("x-session-id", "x-user-id", "x-tenant-id", "x-correlation-id",
+                   "x-request-id", "x-trace-id")
+FAILURE_MODES = ("FailClose", "FailOpen")
+MAX_ROUTER_REPLICAS = 100
+# The router's Deployment and Service are named NAME-router: a Service name is a DNS-1035
+# label of at most 63 characters, so the InferenceDeployment's name gets 56.
+MAX_NAME_WITH_ROUTER = 56
+# Set by the operator when the router's kv_aware policy needs the engines' KV events.
+KV_EVENTS_FLAG = "--kv-events-config"
 # The CRD's pattern for model.servedModelName (also checked here for unvalidated specs).
 _SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}$")
 # The autoscaler fits its KV forecast over two minutes: it needs a decision at least a minute.
@@ -56,12 +72,21 @@ DEFAULTS: dict[str, Any] = {
     "engine.enablePrefixCaching": True,
     **{f"autoscaling.{key}": value for key, value in AUTOSCALING_DEFAULTS.items()},
     "terminationGracePeriodSeconds": 300,
+    "router.enabled": True,
+    "router.mode": "router",
+    "router.policy": "kv_aware",
+    "router.replicas": 1,
+    "router.resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
+                         "limits": {"memory": "512Mi"}},
+    "router.gateway.endpointPickerRef.port": 9002,
+    "router.gateway.endpointPickerRef.failureMode": "FailClose",
 }
 _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _T = TypeVar("_T")
 
-__all__ = ["METRIC_SOURCES", "AutoscalingSpec", "FieldReader", "InferenceSpec",
-           "MetricsSourceSpec", "SpecError", "check_name", "parse_spec"]
+__all__ = ["METRIC_SOURCES", "AutoscalingSpec", "EndpointPickerRef", "FieldReader",
+           "InferenceSpec", "MetricsSourceSpec", "RouterSpec", "SpecError", "check_name",
+           "parse_spec"]
 
 
 class SpecError(ValueError):
@@ -195,6 +220,58 @@ class PodSettings:
 
 
 @dataclass(frozen=True)
+class EndpointPickerRef:
+    """``spec.router.gateway.endpointPickerRef``: the user's endpoint picker (EPP) Service
+    the InferencePool hands routing decisions to. ``port`` is its Service port (gRPC ext-proc)."""
+
+    name: str
+    port: int
+    failure_mode: str
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """``spec.router``: what sits in front of the engine pods.
+
+    Attributes:
+        enabled: False = no router; clients use the engine Service.
+        mode: ``router`` (a vllm-router Deployment) or ``gateway`` (an InferencePool for the
+            cluster's Gateway API implementation).
+        policy: vllm-router's ``--policy`` (router mode).
+        session_header: the header consistent_hash routes on (only with that policy).
+        replicas: router pods (router mode).
+        resources: the router container's requests/limits (a copy; never mutated).
+        image: image override; None = the operator's ``--router-image``.
+        endpoint_picker: the gateway mode's endpoint picker (None in router mode).
+    """
+
+    enabled: bool = True
+    mode: str = "router"
+    policy: str = "kv_aware"
+    session_header: str | None = None
+    replicas: int = 1
+    resources: Mapping[str, Any] = field(default_factory=lambda: copy.deepcopy(
+        DEFAULTS["router.resources"]))
+    image: str | None = None
+    endpoint_picker: EndpointPickerRef | None = None
+
+    @property
+    def runs_router(self) -> bool:
+        """True when the operator runs the vllm-router Deployment."""
+        return self.enabled and self.mode == "router"
+
+    @property
+    def uses_gateway(self) -> bool:
+        """True when the operator applies an InferencePool instead."""
+        return self.enabled and self.mode == "gateway"
+
+    @property
+    def wants_kv_events(self) -> bool:
+        """True when the engines must publish KV-cache events (router mode, kv_aware)."""
+        return self.runs_router and self.policy == "kv_aware"
+
+
+@dataclass(frozen=True)
 class InferenceSpec:
     """A whole validated spec. Exactly one of ``replicas``/``autoscaling`` is the source of
     the replica count; with neither the fleet is one static replica."""
@@ -205,6 +282,7 @@ class InferenceSpec:
     autoscaling: AutoscalingSpec | None
     pod: PodSettings
     cost_per_replica_hour: float | None
+    router: RouterSpec = field(default_factory=RouterSpec)
 
     @property
     def static_replicas(self) -> int | None:
@@ -306,6 +384,65 @@ def _parse_pod(r: FieldReader) -> PodSettings:
     )
 
 
+_SERVICE_NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _resources(r: FieldReader) -> dict[str, Any]:
+    """``router.resources``: the CRD's default when absent; requests/limits maps only."""
+    raw = r.raw.get("resources")
+    if raw is None:
+        return copy.deepcopy(dict(r.defaults["router.resources"]))
+    value = r.mapping("resources")
+    for key, quantities in value.items():
+        if key not in ("requests", "limits") or not isinstance(quantities, Mapping):
+            raise SpecError("router.resources", value,
+                            "an object with requests and/or limits maps (core/v1 quantities)")
+    return copy.deepcopy(value)
+
+
+def _parse_router(raw: Any) -> RouterSpec:
+    """``spec.router`` with the CRD's defaults; the same rules as the CRD's CEL."""
+    r = FieldReader(raw, "router", DEFAULTS)
+    mode, policy = r.choice("mode", ROUTER_MODES), r.choice("policy", ROUTER_POLICIES)
+    header = r.string("sessionHeader")
+    if policy == "consistent_hash" and header is None:
+        raise SpecError("router.sessionHeader", None,
+                        "required when router.policy is consistent_hash: the header clients"
+                        f" put the session id in, one of {', '.join(SESSION_HEADERS)}")
+    if header is not None and policy != "consistent_hash":
+        raise SpecError("router.sessionHeader", header,
+                        f"only with router.policy consistent_hash (policy is {policy})")
+    if header is not None and header not in SESSION_HEADERS:
+        raise SpecError("router.sessionHeader", header,
+                        f"one of {', '.join(SESSION_HEADERS)} (the headers vllm-router's"
+                        " consistent_hash reads; it cannot be given another)")
+    picker = None
+    gateway = FieldReader(r.raw.get("gateway"), "router.gateway", DEFAULTS)
+    if mode == "gateway":
+        if gateway.raw.get("endpointPickerRef") is None:
+            raise SpecError("router.gateway.endpointPickerRef", None,
+                            "required when router.mode is gateway: the endpoint picker"
+                            " Service ({name, port}) the InferencePool hands requests to")
+        ref = FieldReader(gateway.raw["endpointPickerRef"], "router.gateway.endpointPickerRef",
+                          DEFAULTS)
+        name = ref.required_string("name")
+        if len(name) > 63 or not _SERVICE_NAME_RE.match(name):
+            raise SpecError("router.gateway.endpointPickerRef.name", name,
+                            "a Service name (a DNS-1035 label of at most 63 characters)")
+        picker = EndpointPickerRef(name, ref.integer("port", 1, 65535),
+                                   ref.choice("failureMode", FAILURE_MODES))
+    return RouterSpec(
+        enabled=r.boolean("enabled"),
+        mode=mode,
+        policy=policy,
+        session_header=header,
+        replicas=r.integer("replicas", 1, MAX_ROUTER_REPLICAS),
+        resources=_resources(r),
+        image=r.string("image"),
+        endpoint_picker=picker,
+    )
+
+
 def parse_spec(raw: Any) -> InferenceSpec:
     """Validate a raw ``spec`` mapping (as stored, camelCase) into an :class:`InferenceSpec`.
 
@@ -329,18 +466,31 @@ def parse_spec(raw: Any) -> InferenceSpec:
                         "spec.replicas and spec.autoscaling are mutually exclusive")
     autoscaling = r.raw.get("autoscaling")
     finops = FieldReader(r.raw.get("finops"), "finops", DEFAULTS)
+    engine, router = _parse_engine(r.raw.get("engine")), _parse_router(r.raw.get("router"))
+    if router.wants_kv_events:
+        for arg in engine.extra_args:
+            if arg.split("=", 1)[0] == KV_EVENTS_FLAG:
+                raise SpecError("engine.extraArgs", arg,
+                                f"{KV_EVENTS_FLAG} is set by the operator while router.policy"
+                                " is kv_aware (the router subscribes to those events)")
     return InferenceSpec(
         model=source,
-        engine=_parse_engine(r.raw.get("engine")),
+        engine=engine,
         replicas=r.optional_integer("replicas", 0, MAX_REPLICAS),
         autoscaling=None if autoscaling is None else _parse_autoscaling(autoscaling),
         pod=_parse_pod(r),
         cost_per_replica_hour=finops.optional_number("costPerReplicaHour", 0.0, 1e9),
+        router=router,
     )
 
 
-def check_name(name: str) -> None:
-    """Refuse names that cannot name the child objects and label values (DNS-1035, <= 63)."""
+def check_name(name: str, router: RouterSpec | None = None) -> None:
+    """Refuse names that cannot name the child objects and label values (DNS-1035, <= 63;
+    <= 56 while the router runs, whose Service is NAME-router). Raises SpecError."""
     if not (isinstance(name, str) and len(name) <= 63 and _NAME_RE.match(name)):
         raise SpecError("metadata.name", name,
                         "a DNS-1035 label of at most 63 characters is required")
+    if router is not None and router.runs_router and len(name) > MAX_NAME_WITH_ROUTER:
+        raise SpecError("metadata.name", name,
+                        f"at most {MAX_NAME_WITH_ROUTER} characters while spec.router runs in"
+                        " router mode (its Deployment and Service are named NAME-router)")

@@ -1,10 +1,15 @@
 """The objects one InferenceDeployment owns: a Deployment, a Service, a
-PodDisruptionBudget and, where the Prometheus operator is installed, a PodMonitor.
+PodDisruptionBudget and, where the Prometheus operator is installed, a PodMonitor; plus
+what ``spec.router`` asks for in front of them (:mod:`kvpilot.operator.builders.router`):
+the router's ServiceAccount, RoleBinding, Deployment, Service, PDB (two or more replicas)
+and PodMonitor, all named NAME-router, or in gateway mode an InferencePool named NAME.
 
-All share the InferenceDeployment's name (names are unique per kind), carry an owner
-reference with ``controller: true`` so deletion cascades, and are complete apply
+Engine objects share the InferenceDeployment's name (names are unique per kind); all carry
+an owner reference with ``controller: true`` so deletion cascades, and are complete apply
 configurations: server-side apply with the ``kvpilot-operator`` field manager removes any
 field the operator applied before and no longer sends, so nothing is ever sent partially.
+Router objects the spec no longer wants are listed in ``Children.unwanted`` for the
+reconcile to delete (server-side apply never removes an object).
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.operator import constants as c
-from kvpilot.operator.builders.labels import object_labels, selector_labels
+from kvpilot.operator.builders import router as r
+from kvpilot.operator.builders.labels import object_labels, router_name, selector_labels
 from kvpilot.operator.builders.pod import build_pod_template, startup_budget_seconds
 from kvpilot.operator.spec import InferenceSpec
 
@@ -42,17 +48,39 @@ class Owner:
 
 
 @dataclass(frozen=True)
+class ChildRef:
+    """A child object by apiVersion, kind and name (in the owner's namespace)."""
+
+    api_version: str
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True)
 class Children:
-    """Apply configurations, in apply order. ``pod_monitor`` None = not wanted."""
+    """Apply configurations, in apply order. ``pod_monitor`` None = not wanted.
+
+    Attributes:
+        router: the router's objects in apply order (ServiceAccount and RoleBinding before
+            the Deployment whose pods use them), or the InferencePool; () when disabled.
+        unwanted: router objects this spec does not want (mode switched, router disabled,
+            PDB below two replicas): the reconcile deletes them if they are its own.
+    """
 
     deployment: dict[str, Any]
     service: dict[str, Any]
     pod_disruption_budget: dict[str, Any]
     pod_monitor: dict[str, Any] | None
+    router: tuple[dict[str, Any], ...] = ()
+    unwanted: tuple[ChildRef, ...] = ()
 
     def all(self) -> list[dict[str, Any]]:
         objs = [self.deployment, self.service, self.pod_disruption_budget]
-        return objs + ([self.pod_monitor] if self.pod_monitor else [])
+        return objs + ([self.pod_monitor] if self.pod_monitor else []) + list(self.router)
+
+    def router_deployment(self) -> dict[str, Any] | None:
+        """The router Deployment among ``router`` (None unless router mode)."""
+        return next((o for o in self.router if o["kind"] == "Deployment"), None)
 
 
 def _metadata(owner: Owner) -> dict[str, Any]:
@@ -154,15 +182,65 @@ def build_pod_monitor(owner: Owner,
     }
 
 
+def _router_children(owner: Owner, spec: InferenceSpec, router_image: str, pod_monitor: bool,
+                     pod_monitor_labels: tuple[tuple[str, str], ...],
+                     inference_pool: bool) -> tuple[list[dict[str, Any]], list[ChildRef]]:
+    """(router objects to apply, router objects not wanted), from ``spec.router``."""
+    name, ns, ref = owner.name, owner.namespace, owner.reference()
+    wanted: list[dict[str, Any]] = []
+    if spec.router.runs_router:
+        wanted += [
+            r.build_router_service_account(name, ns, ref),
+            r.build_router_role_binding(name, ns, ref),
+            r.build_router_deployment(name, ns, ref, spec, router_image),
+            r.build_router_service(name, ns, ref),
+        ]
+        if spec.router.replicas >= 2:
+            wanted.append(r.build_router_pod_disruption_budget(name, ns, ref))
+        if pod_monitor:
+            wanted.append(r.build_router_pod_monitor(name, ns, ref, pod_monitor_labels))
+    elif spec.router.uses_gateway and inference_pool:
+        wanted.append(r.build_inference_pool(name, ns, ref, spec, object_labels(name)))
+    rname = router_name(name)
+    candidates = [
+        ChildRef("v1", "ServiceAccount", rname),
+        ChildRef("rbac.authorization.k8s.io/v1", "RoleBinding", rname),
+        ChildRef("apps/v1", "Deployment", rname),
+        ChildRef("v1", "Service", rname),
+        ChildRef("policy/v1", "PodDisruptionBudget", rname),
+    ]
+    if pod_monitor:  # only where the kind is served
+        candidates.append(ChildRef(r.POD_MONITOR_API_VERSION, "PodMonitor", rname))
+    if inference_pool:
+        candidates.append(ChildRef(c.INFERENCE_POOL_API_VERSION, c.INFERENCE_POOL_KIND, name))
+    kept = {(o["kind"], o["metadata"]["name"]) for o in wanted}
+    return wanted, [ref_ for ref_ in candidates if (ref_.kind, ref_.name) not in kept]
+
+
 def build_children(owner: Owner, spec: InferenceSpec, replicas: int, default_image: str,
                    pod_monitor: bool,
-                   pod_monitor_labels: tuple[tuple[str, str], ...] = ()) -> Children:
-    """Everything one InferenceDeployment owns, for ``replicas`` engine pods."""
+                   pod_monitor_labels: tuple[tuple[str, str], ...] = (),
+                   router_image: str = "kvpilot/router:0.1.0",
+                   inference_pool: bool = False) -> Children:
+    """Everything one InferenceDeployment owns, for ``replicas`` engine pods.
+
+    Args:
+        pod_monitor: the monitoring.coreos.com PodMonitor kind is wanted (and served).
+        router_image: the router image when ``spec.router.image`` is unset.
+        inference_pool: the InferencePool kind is served (gateway mode applies one only
+            then; where it is not, the reconcile reports RouterReady False instead).
+
+    Raises ValueError on a negative replica count.
+    """
     if replicas < 0:
         raise ValueError(f"replicas must be >= 0; got {replicas}")
+    router, unwanted = _router_children(owner, spec, router_image, pod_monitor,
+                                        pod_monitor_labels, inference_pool)
     return Children(
         deployment=build_deployment(owner, spec, replicas, default_image),
         service=build_service(owner),
         pod_disruption_budget=build_pod_disruption_budget(owner),
         pod_monitor=build_pod_monitor(owner, pod_monitor_labels) if pod_monitor else None,
+        router=tuple(router),
+        unwanted=tuple(unwanted),
     )

@@ -7,8 +7,10 @@ exactly how it runs and a change of engine default never changes a running fleet
 
 from __future__ import annotations
 
+import json
+
 from kvpilot.operator import constants as c
-from kvpilot.operator.spec import InferenceSpec
+from kvpilot.operator.spec import KV_EVENTS_FLAG, InferenceSpec
 
 ENGINE_COMMAND = ("kvpilot", "serve")
 # On deletion the kubelet runs the preStop sleep (so the Service drops the pod first), then
@@ -52,6 +54,19 @@ def uses_gpu(spec: InferenceSpec) -> bool:
     return bool(gpu_resource_names(spec))
 
 
+def kv_events_config() -> str:
+    """``--kv-events-config``: vLLM's KVEventsConfig as JSON. The engine publishes its KV
+    block stored/removed events on a ZMQ PUB socket on every interface (the router connects
+    to the pod IP) and keeps a replay socket for a subscriber that missed some."""
+    return json.dumps({
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{c.KV_EVENTS_PORT}",
+        "replay_endpoint": f"tcp://*:{c.KV_EVENTS_REPLAY_PORT}",
+        "topic": c.KV_EVENTS_TOPIC,
+    }, separators=(", ", ": "))
+
+
 def engine_args(spec: InferenceSpec) -> list[str]:
     """Arguments after ``kvpilot serve``; ``engine.extraArgs`` come last, unchanged."""
     e = spec.engine
@@ -71,4 +86,6 @@ def engine_args(spec: InferenceSpec) -> list[str]:
         args += ["--gpu-memory-utilization", repr(e.gpu_memory_utilization)]
     if e.max_model_len is not None:
         args += ["--max-model-len", str(e.max_model_len)]
+    if spec.router.wants_kv_events:
+        args += [KV_EVENTS_FLAG, kv_events_config()]
     return args + list(e.extra_args)

@@ -24,3 +24,25 @@ def object_labels(name: str) -> dict[str, str]:
 def selector_string(name: str) -> str:
     """``selector_labels`` as the label-selector string the scale subresource reports."""
     return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def router_name(name: str) -> str:
+    """The name of the router's Deployment, Service, ServiceAccount, RoleBinding and PDB."""
+    return name + c.ROUTER_SUFFIX
+
+
+def router_selector_labels(name: str) -> dict[str, str]:
+    """The router Deployment/Service/PDB selector (stable, like :func:`selector_labels`);
+    never matches engine pods, so the engine Service and the router's discovery stay apart."""
+    return {c.LABEL_COMPONENT: c.ROUTER_COMPONENT, c.LABEL_OWNER: name}
+
+
+def router_object_labels(name: str) -> dict[str, str]:
+    """Labels on every router object and pod (the owner label too: Prometheus copies it into
+    the ``inference_deployment`` series label, as for engine pods)."""
+    return {
+        c.LABEL_NAME: c.ROUTER_NAME,
+        c.LABEL_INSTANCE: name,
+        c.LABEL_MANAGED_BY: c.FIELD_MANAGER,
+        **router_selector_labels(name),
+    }

@@ -3,7 +3,8 @@
 Layout of one engine pod::
 
     [init: model-download]  hf:// only: snapshot of ORG/NAME -> emptyDir /models
-    [engine]                kvpilot serve ... on :8000 (/health, /ready, /metrics)
+    [engine]                kvpilot serve ... on :8000 (/health, /ready, /metrics);
+                            with the kv_aware router, KV events on ZMQ :5557 (replay :5558)
         /tmp    emptyDir   (root filesystem is read-only)
         /cache  emptyDir   (HF, Triton and torch caches)
         /models emptyDir (hf) | PVC read-only (pvc)
@@ -117,6 +118,19 @@ def _probe(path: str, period: int, timeout: int, failures: int) -> dict[str, Any
     }
 
 
+def _engine_ports(spec: InferenceSpec) -> list[dict[str, Any]]:
+    """The HTTP port, plus the KV-event publisher's two ZMQ ports when the router
+    subscribes to them (declared so that they are named and visible, like any served port)."""
+    ports = [{"name": c.ENGINE_PORT_NAME, "containerPort": c.ENGINE_PORT, "protocol": "TCP"}]
+    if spec.router.wants_kv_events:
+        ports += [
+            {"name": c.KV_EVENTS_PORT_NAME, "containerPort": c.KV_EVENTS_PORT, "protocol": "TCP"},
+            {"name": c.KV_EVENTS_REPLAY_PORT_NAME, "containerPort": c.KV_EVENTS_REPLAY_PORT,
+             "protocol": "TCP"},
+        ]
+    return ports
+
+
 def _engine_container(spec: InferenceSpec, image: str,
                       mounts: list[dict[str, Any]]) -> dict[str, Any]:
     startup_failures = math.ceil(startup_budget_seconds(spec) / STARTUP_PERIOD_SECONDS)
@@ -126,7 +140,7 @@ def _engine_container(spec: InferenceSpec, image: str,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": list(ENGINE_COMMAND),
         "args": engine_args(spec),
-        "ports": [{"name": c.ENGINE_PORT_NAME, "containerPort": c.ENGINE_PORT, "protocol": "TCP"}],
+        "ports": _engine_ports(spec),
         "env": _env(spec),
         "resources": copy.deepcopy(dict(spec.pod.resources)),
         "startupProbe": _probe(c.HEALTH_PATH, STARTUP_PERIOD_SECONDS, 5, startup_failures),

@@ -66,9 +66,10 @@ def set_conditions(existing: Iterable[Mapping[str, Any]] | None, updates: Iterab
 
 def merge_conditions(stored: Iterable[Mapping[str, Any]] | None,
                      written: Iterable[Mapping[str, Any]],
-                     owned: Collection[str]) -> list[dict[str, Any]]:
+                     owned: Collection[str], drop: Collection[str] = ()) -> list[dict[str, Any]]:
     """``stored`` with each condition of ``written`` whose type is in ``owned`` replacing
-    the stored one of its type.
+    the stored one of its type, and the types in ``drop`` (owned ones the writer says no
+    longer apply, e.g. RouterReady once the router is disabled) removed.
 
     Other types keep their stored entry (``written``'s copies of them are ignored); the
     result is in CONDITION_TYPES order, like
@@ -76,6 +77,8 @@ def merge_conditions(stored: Iterable[Mapping[str, Any]] | None,
     """
     by_type = {cond["type"]: dict(cond) for cond in stored or () if cond.get("type")}
     by_type.update({cond["type"]: dict(cond) for cond in written if cond.get("type") in owned})
+    for type_ in drop:
+        by_type.pop(type_, None)
     known = [by_type.pop(t) for t in CONDITION_TYPES if t in by_type]
     return known + [by_type[t] for t in sorted(by_type)]
 

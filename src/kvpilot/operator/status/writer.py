@@ -28,11 +28,13 @@ STATUS_CONFLICT_ATTEMPTS = 5
 
 
 def write_status(api: KubeApi, namespace: str, name: str, status: Mapping[str, Any],
-                 owned: Collection[str]) -> bool:
+                 owned: Collection[str], drop: Collection[str] = ()) -> bool:
     """Merge-patch ``status`` onto the stored object without erasing others' conditions.
 
     ``status`` is a status merge patch; of its ``conditions`` only the types in ``owned``
-    (those this writer decides) are written. Returns False when the object is gone.
+    (those this writer decides) are written, and the types in ``drop`` are removed (a
+    patch with ``drop`` and no ``conditions`` key still removes them). Returns False when
+    the object is gone.
 
     Raises:
         ConflictError: still conflicting after STATUS_CONFLICT_ATTEMPTS rounds.
@@ -43,9 +45,11 @@ def write_status(api: KubeApi, namespace: str, name: str, status: Mapping[str, A
         if current is None:
             return False
         patch = dict(status)
+        stored = (current.get("status") or {}).get("conditions")
         if "conditions" in patch:
-            stored = (current.get("status") or {}).get("conditions")
-            patch["conditions"] = merge_conditions(stored, patch["conditions"], owned)
+            patch["conditions"] = merge_conditions(stored, patch["conditions"], owned, drop)
+        elif any(cond.get("type") in drop for cond in stored or ()):
+            patch["conditions"] = merge_conditions(stored, (), (), drop)
         version = (current.get("metadata") or {}).get("resourceVersion")
         try:
             api.patch_status(namespace, name, patch, resource_version=version)
