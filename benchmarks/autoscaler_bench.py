@@ -5,10 +5,13 @@ and the simulator's own speed at 1,000 replicas.
     .venv/bin/python benchmarks/autoscaler_bench.py --quick    # smaller fleet, one seed
     .venv/bin/python benchmarks/autoscaler_bench.py --replica-model cpu-smollm2-135m
     .venv/bin/python benchmarks/autoscaler_bench.py --calibration my-gpu.json
+    .venv/bin/python benchmarks/autoscaler_bench.py --traces agentic --routing random
 
 The goal is stated for the default GPU-class replica (``h100-llama3-8b``: pods that take
 minutes to start and hold hundreds of thousands of KV tokens); ``cpu-smollm2-135m`` is our
-engine as measured on CPU (see docs/autoscaling.md, "Replica models").
+engine as measured on CPU (see docs/autoscaling.md, "Replica models"). ``--routing`` is
+the simulated router (default ``kv_aware``, the one the operator deploys; ``p2c_kv`` is the
+simulator's routing before prefix caches were modelled per replica).
 
 Goal: on the burst and ramp traces with a 120 s start-up, our starvation seconds at
 most 0.5x the HPA-style policy's, at no more than 1.1x its replica-hours. Every policy sees
@@ -37,6 +40,7 @@ from kvpilot.autoscaler.sim import (
 )
 from kvpilot.autoscaler.sim.calibration import DEFAULT_PRESET, PRESETS, load_calibration
 from kvpilot.autoscaler.sim.report import comparison_table
+from kvpilot.autoscaler.sim.routing import DEFAULT_ROUTING, ROUTINGS
 
 GOAL_STARVATION = 0.5
 GOAL_REPLICA_HOURS = 1.1
@@ -65,13 +69,15 @@ def machine() -> str:
 def policy_comparison(args: argparse.Namespace, model: ReplicaModel) -> dict:
     print(
         f"\n== Policies: peak {args.peak:g} replicas, start-up {model.startup_seconds:g} s,"
-        f" {args.duration:g} s per trace, seeds {args.seeds}\n"
+        f" {args.duration:g} s per trace, seeds {args.seeds}, routing {args.routing}\n"
     )
-    totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0.0])
+    totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0.0, 0.0,
+                                                                      0.0, 0.0])
     per_seed = []
     for seed in args.seeds:
         scenario = Scenario(peak_replicas=args.peak, duration_seconds=args.duration, seed=seed)
-        results = compare(args.traces, ["kvpilot", "hpa", "kpa"], scenario, model)
+        results = compare(args.traces, ["kvpilot", "hpa", "kpa"], scenario, model,
+                          routings=[args.routing])
         print(f"seed {seed}")
         print(comparison_table(results))
         print()
@@ -81,21 +87,26 @@ def policy_comparison(args: argparse.Namespace, model: ReplicaModel) -> dict:
             t[1] += r.replica_hours
             t[2] += r.preemptions
             t[3] = max(t[3], r.p99_queue_seconds)
+            t[4] += r.hit_tokens
+            t[5] += r.prompt_tokens
+            t[6] = max(t[6], r.max_replica_share)
         per_seed.append([r.to_dict() for r in results])
     print("Summed over seeds (ratios against hpa):")
     print(
         f"{'trace':8} {'policy':8} {'starvation s':>14} {'x hpa':>7} {'replica-h':>10}"
-        f" {'x hpa':>7} {'worst p99 wait s':>17}"
+        f" {'x hpa':>7} {'worst p99 wait s':>17} {'hit %':>6} {'max share':>9}"
     )
     verdicts = {}
     for trace in args.traces:
         base = totals[(trace, "hpa")]
         for policy in ("kvpilot", "hpa", "kpa"):
-            s, rh, _, p99 = totals[(trace, policy)]
+            s, rh, _, p99, hits, prompts, share = totals[(trace, policy)]
             sr = s / base[0] if base[0] else float("inf")
             rr = rh / base[1]
+            hit = 100 * hits / prompts if prompts else 0.0
             print(
                 f"{trace:8} {policy:8} {s:>14,.0f} {sr:>7.3f} {rh:>10.2f} {rr:>7.3f} {p99:>17.1f}"
+                f" {hit:>6.1f} {share:>9.3f}"
             )
             if policy == "kvpilot":
                 verdicts[trace] = {
@@ -134,7 +145,8 @@ def speed(args: argparse.Namespace, model: ReplicaModel) -> dict:
     for policy in args.speed_policies:
         start = time.perf_counter()
         r = simulate(
-            trace, make_policy(policy, scenario.spec(trace, model)), model, scenario.config(trace)
+            trace, make_policy(policy, scenario.spec(trace, model)), model,
+            scenario.config(trace, args.routing),
         )
         wall = time.perf_counter() - start
         arrived = sum(1 for _ in trace.requests())
@@ -163,6 +175,8 @@ def main() -> int:
     parser.add_argument("--speed-duration", type=float, default=330.0)
     parser.add_argument("--speed-policies", nargs="+", default=["kvpilot", "hpa"])
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--routing", default=DEFAULT_ROUTING, choices=list(ROUTINGS),
+                        help=f"the simulated router (default {DEFAULT_ROUTING})")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument("--replica-model", default=DEFAULT_PRESET, choices=list(PRESETS),
                         help=f"replica model preset (default {DEFAULT_PRESET})")
@@ -176,6 +190,7 @@ def main() -> int:
         model = load_calibration(args.calibration, model)
     print(machine())
     print(f"replica model: {model}")
+    print(f"routing: {args.routing}")
     report = {"machine": machine(), "policies": policy_comparison(args, model)}
     if not args.skip_speed:
         report["speed"] = speed(args, model)

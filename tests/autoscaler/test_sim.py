@@ -1,6 +1,7 @@
 """The fleet simulator: determinism, traces, the replica model and the baseline policies."""
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -18,7 +19,7 @@ from kvpilot.autoscaler.sim import (
 )
 from kvpilot.autoscaler.sim.replica import Replica
 from kvpilot.autoscaler.sim.report import comparison_table, percentile
-from kvpilot.autoscaler.sim.traces import Trace
+from kvpilot.autoscaler.sim.traces import Request, Trace
 
 SMALL = Scenario(peak_replicas=3, duration_seconds=1200, warmup_seconds=120, seed=7)
 
@@ -37,7 +38,9 @@ class Fixed:
 
 
 def one_request_trace(*requests, duration=600.0):
-    return Trace("manual", "", duration, 1.0, 1, 1, lambda: iter(requests))
+    """A trace of ``(arrival, prompt, output)`` tuples (one-off requests, nothing shared)."""
+    return Trace("manual", "", duration, 1.0, 1, 1,
+                 lambda: iter(Request(*r) for r in requests))
 
 
 def without_wall(result):
@@ -57,9 +60,12 @@ def test_traces_are_seeded_sorted_and_bounded(name):
     trace = make_trace(name, peak_replicas=2, duration_seconds=900, seed=3)
     a, b = list(trace.requests()), list(trace.requests())
     assert a == b and len(a) > 100
-    times = [r[0] for r in a]
+    times = [r.arrival for r in a]
     assert times == sorted(times) and times[0] >= 0 and times[-1] < 900
-    assert all(p > 0 and o > 0 and 0 <= c < p for _, p, o, c in a)
+    # The trace says which session a request continues and what every session shares,
+    # not what is cached: that depends on where it is routed.
+    assert all(r.prompt > 0 and r.output > 0 and 0 <= r.shared < r.prompt for r in a)
+    assert all(r.session == -1 and r.shared == 0 for r in a) == (name != "agentic")
 
 
 def test_burst_is_four_times_the_base_rate():
@@ -80,10 +86,17 @@ def test_ramp_rises_from_trough_to_peak():
 
 def test_agentic_contexts_grow_and_reuse_their_prefix():
     trace = make_trace("agentic", peak_replicas=2, duration_seconds=900, seed=2)
-    turns = [r for r in trace.requests() if r[3] > 0]
-    assert len(turns) > 50
-    # a later turn's cached prefix is an earlier turn's prompt plus its output
-    assert max(c for *_, c in turns) > 4 * min(c for *_, c in turns)
+    sessions = {}
+    for r in trace.requests():
+        sessions.setdefault(r.session, []).append(r)
+    assert len(sessions) > 50 and all(r.shared == 1024 for s in sessions.values() for r in s)
+    multi = [turns for turns in sessions.values() if len(turns) > 1]
+    assert len(multi) > 20
+    # a later turn's prompt is the previous prompt plus its output plus new tokens
+    for turns in multi:
+        for before, after in itertools.pairwise(turns):
+            assert after.prompt > before.prompt + before.output
+    assert max(t[-1].prompt for t in multi) > 4 * min(t[0].prompt for t in multi)
 
 
 def test_unknown_trace_and_bad_sizes_are_refused():
@@ -102,7 +115,7 @@ def test_a_lone_request_is_served_in_prefill_plus_decode_time():
         decode_step_base_seconds=0.01,
         decode_step_per_seq_seconds=0.0,
     )
-    trace = one_request_trace((10.0, 2000, 100, 500))
+    trace = one_request_trace((10.0, 2000, 100))
     r = simulate(
         trace, Fixed(1), model, SimConfig(duration_seconds=600, max_replicas=2, warmup_seconds=0)
     )
@@ -120,7 +133,7 @@ def test_a_full_kv_preempts_the_newest_and_counts_the_lost_time():
         decode_step_per_seq_seconds=0.0,
         admission_watermark=0.0,
     )
-    trace = one_request_trace((1.0, 400, 400, 0), (1.1, 400, 400, 0))
+    trace = one_request_trace((1.0, 400, 400), (1.1, 400, 400))
     r = simulate(
         trace,
         Fixed(1),
@@ -134,7 +147,7 @@ def test_a_full_kv_preempts_the_newest_and_counts_the_lost_time():
 def test_requests_that_can_never_fit_are_rejected_not_queued_forever():
     model = ReplicaModel(kv_capacity_tokens=1000)
     r = simulate(
-        one_request_trace((1.0, 5000, 10, 0)),
+        one_request_trace((1.0, 5000, 10)),
         Fixed(1),
         model,
         SimConfig(duration_seconds=60, max_replicas=2, warmup_seconds=0),
@@ -154,7 +167,7 @@ def test_too_few_replicas_starve_and_more_replicas_do_not():
 def test_unfinished_waits_are_charged_at_the_end():
     model = ReplicaModel(kv_capacity_tokens=1000, prefill_tokens_per_second=100)
     # the second request waits behind a 9 s prefill and is still queued at t=5
-    trace = one_request_trace((0.0, 900, 50, 0), (0.5, 900, 50, 0), duration=5.0)
+    trace = one_request_trace((0.0, 900, 50), (0.5, 900, 50), duration=5.0)
     r = simulate(
         trace,
         Fixed(1),

@@ -45,10 +45,13 @@ class FakeSource:
     def __init__(self, load: Callable[..., MetricsReading] = unreachable) -> None:
         self.load = load
         self.reads: list[tuple[tuple[str, ...], float]] = []
+        self.routers: list[tuple[str, ...]] = []  # the router pods handed to each read
         self.closed = False
 
-    def read(self, pods: Sequence[EnginePod], now: float) -> MetricsReading:
+    def read(self, pods: Sequence[EnginePod], now: float,
+             routers: Sequence[EnginePod] = ()) -> MetricsReading:
         self.reads.append((tuple(p.name for p in pods), now))
+        self.routers.append(tuple(p.name for p in routers))
         return self.load(pods, now)
 
     def close(self) -> None:

@@ -335,3 +335,35 @@ def test_a_refused_deployment_is_reported_once_not_retried_every_few_seconds():
     ready = next(x for x in status["conditions"] if x["type"] == "Ready")
     assert ready["reason"] == "ApplyFailed" and "HTTP 422" in ready["message"]
     assert max(delays) == AUTO["autoscaling"]["intervalSeconds"]
+
+
+def test_requests_held_at_the_router_scale_the_fleet_before_any_engine_queues():
+    """The engines run at the target usage with nothing waiting; the router pods hold a
+    burst. The loop hands the ready router pods to the source and the held requests join
+    the waiting count: one more replica now. Without them the same fleet holds."""
+    held = {"n": 0.0}
+
+    def read(pods, now):
+        reading = loaded(0.75, waiting=0)(pods, now)
+        return dataclasses.replace(reading, router_queued=held["n"] or None)
+
+    fleet = Fleet(load=read, replicas=2)
+    fleet.pods(ready=2)
+    for i, ready in enumerate((True, False)):
+        fleet.api.put({"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": f"chat-router-{i}", "namespace": "llm",
+            "labels": {c.LABEL_COMPONENT: "router", c.LABEL_OWNER: "chat"}},
+            "spec": {"containers": [{"name": "router", "ports": [
+                {"name": "metrics", "containerPort": 29000}]}]},
+            "status": {"podIP": f"10.0.1.{i + 1}", "conditions": [
+                {"type": "Ready", "status": "True" if ready else "False"}]}})
+    fleet.tick(0)
+    assert fleet.replicas == 2
+    assert fleet.source.routers == [("chat-router-0",)]  # ready routers only; not engines
+    assert fleet.source.reads[-1][0] == ("chat-0", "chat-1")
+    held["n"] = 20.0
+    fleet.tick()
+    assert fleet.replicas == 3
+    decision = fleet.status["autoscaler"]["lastDecision"]
+    assert (decision["direction"], decision["rule"]) == ("up", "queue_drain")
+    assert "20 held at the router" in fleet.status["lastScaleReason"]

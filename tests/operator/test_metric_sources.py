@@ -175,7 +175,7 @@ def test_prometheus_matches_answers_to_pods_and_reports_what_is_empty(prom):
     assert a.num_running is None and a.preemption_rate is None  # empty vectors: missing
     assert reading.reachable
     assert "returned no series for waiting_tokens" in reading.problem
-    assert server.queries == list(source.queries.values())
+    assert server.queries == [*source.queries.values(), source.router_query]
     source.close()
 
 
@@ -231,3 +231,127 @@ def test_fleet_counts_ready_pods_and_pending_supply():
     surge = fleet_from({"spec": {"replicas": 1}}, [pod_obj("a"), pod_obj("b")])
     assert surge.pending_replicas == 0
     assert fleet_from(None, pods).deployment_replicas is None
+
+
+# ---------------------------------------------------------------- demand held at the router
+def router_page(**in_flight):
+    """A vllm-router 0.1.17 /metrics page as it was observed (no TYPE lines, blank lines)
+    with ``vllm_router_running_requests`` for each ``{worker URL: requests}``."""
+    lines = ['vllm_router_active_workers 2', '']
+    for url, value in in_flight.items():
+        lines.append(f'vllm_router_running_requests{{worker="{url}"}} {value}')
+    lines += ['', 'vllm_router_requests_total{route="/v1/completions"} 6']
+    return "\n".join(lines) + "\n"
+
+
+def signals(name, running, waiting):
+    from kvpilot.autoscaler import PodSignals
+
+    return PodSignals(name, 0.5, waiting, 0.0, running, 0.0, 20000.0)
+
+
+def test_router_queued_matches_worker_urls_to_ready_pods():
+    from kvpilot.operator.metrics_source import router_queued
+
+    pods = [EnginePod("chat-a", "10.0.0.1"), EnginePod("chat-b", "10.0.0.2")]
+    sigs = [signals("chat-a", running=4, waiting=1), signals("chat-b", running=2, waiting=0)]
+    in_flight = {"http://10.0.0.1:8000": 9.0, "http://10.0.0.2:8000": 2.0}
+    assert router_queued(in_flight, pods, sigs) == 4.0  # 11 routed - 7 counted
+    # A worker that is no ready pod (draining, not ready yet, another port) is left out.
+    assert router_queued({**in_flight, "http://10.0.0.9:8000": 30.0,
+                          "http://10.0.0.1:9999": 5.0}, pods, sigs) == 4.0
+    # Scrape skew: one engine counts more than its router has; the sum is clamped once.
+    assert router_queued({"http://10.0.0.1:8000": 3.0, "http://10.0.0.2:8000": 4.0},
+                         pods, sigs) == 0.0
+    # An engine whose running or waiting count is missing cannot be compared: left out.
+    partial = [signals("chat-a", running=None, waiting=1), sigs[1]]
+    assert router_queued(in_flight, pods, partial) == 0.0
+    # No router series at all (no router, or a policy that tracks no load): unknown.
+    assert router_queued({}, pods, sigs) is None
+    # IPv6 pod IPs and bad URLs.
+    v6 = [EnginePod("chat-6", "fd00::7")]
+    assert router_queued({"http://[FD00::7]:8000": 3.0, "not a url": 5.0, "http://:80": 1.0},
+                         v6, [signals("chat-6", 1, 0)]) == 2.0
+
+
+def test_pods_source_reads_the_router_pods_and_subtracts_what_engines_count(scraped):
+    pages, source = scraped
+    routers = [EnginePod("chat-router-0", "10.0.1.1", 29000),
+               EnginePod("chat-router-1", "10.0.1.2", 29000)]
+    pages.pages = {"10.0.0.1": page(waiting=0), "10.0.0.2": page(waiting=0),
+                   "10.0.1.1": router_page(**{"http://10.0.0.1:8000": 9,
+                                              "http://10.0.0.2:8000": 5}),
+                   "10.0.1.2": router_page(**{"http://10.0.0.1:8000": 2})}
+    reading = source.read(PODS, now=100.0, routers=routers)
+    # 16 routed; the engines count running 5 + waiting 0 each.
+    assert reading.router_queued == 6.0
+    assert reading.problem is None and reading.reachable
+    assert "http://10.0.1.1:29000/metrics" in pages.requests
+    # Without router pods nothing is asked of them and the held demand is unknown.
+    assert source.read(PODS, now=115.0).router_queued is None
+
+
+def test_router_scrape_failures_count_zero_and_are_logged_once(scraped, caplog):
+    pages, source = scraped
+    routers = [EnginePod("chat-router-0", "10.0.1.1", 29000)]
+    pages.pages = {"10.0.0.1": page(), "10.0.0.2": page(),
+                   "10.0.1.1": httpx.ConnectError("refused")}
+    for t in range(3):
+        reading = source.read(PODS, now=100.0 + 15 * t, routers=routers)
+        assert reading.router_queued is None  # counted as 0 by the autoscaler
+        assert reading.problem is None  # the engines were read: no missing engine data
+        assert reading.pods[0].kv_usage == 0.25
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "1 of 1 router pods" in warnings[0]
+    # A router page without the series (a policy that tracks no load) is no failure.
+    pages.pages["10.0.1.1"] = router_page()
+    assert source.read(PODS, now=200.0, routers=routers).router_queued is None
+
+
+def test_prometheus_reads_the_routers_in_flight_per_engine(prom):
+    server, url = prom
+    server.answers = {
+        "gpu_cache_usage_factor": [sample("chat-a", 0.5), sample("chat-b", 0.5)],
+        "num_requests_running": [sample("chat-a", 4), sample("chat-b", 4)],
+        "num_requests_waiting": [sample("chat-a", 0), sample("chat-b", 1)],
+        "vllm_router_running_requests": [
+            {"metric": {"worker": "http://10.0.0.1:8000"}, "value": [1.0, "12"]},
+            {"metric": {"worker": "http://10.0.0.2:8000"}, "value": [1.0, "5"]},
+            {"metric": {"worker": "http://10.0.0.3:8000"}, "value": [1.0, "40"]},  # stale pod
+        ],
+    }
+    source = PrometheusSource(url, SeriesSelector("llm", "chat"))
+    assert source.router_query == (
+        'sum by (worker) (max by (pod, worker) (vllm_router_running_requests'
+        '{namespace="llm",inference_deployment="chat"}))')
+    pods = [EnginePod("chat-a", "10.0.0.1"), EnginePod("chat-b", "10.0.0.2")]
+    reading = source.read(pods, now=1.0)
+    assert reading.router_queued == 8.0  # 17 routed to ready pods - 9 counted
+    assert server.queries[-1] == source.router_query
+    # No router series: unknown, and not reported as missing engine data.
+    del server.answers["vllm_router_running_requests"]
+    empty = source.read(pods, now=2.0)
+    assert empty.router_queued is None
+    assert "router" not in (empty.problem or "")
+    # The router query failing leaves the engine signals intact.
+    server.answers["vllm_router_running_requests"] = (400, {"status": "error", "error": "x"})
+    failed = source.read(pods, now=3.0)
+    assert failed.router_queued is None and failed.pods[0].kv_usage == 0.5
+    source.close()
+
+
+def test_fleet_lists_ready_router_pods_on_their_metrics_port():
+    def router_obj(name, ready=True, ports=None):
+        obj = pod_obj(name, ready=ready, ip="10.0.1.5")
+        obj["spec"] = {"containers": [{"name": "router", "ports": ports or []}]}
+        return obj
+
+    fleet = fleet_from({"spec": {"replicas": 2}}, [pod_obj("c-1")], [
+        router_obj("r-2", ports=[{"name": "http", "containerPort": 8000},
+                                 {"name": "metrics", "containerPort": 9100}]),
+        router_obj("r-1"),
+        router_obj("r-3", ready=False),
+    ])
+    assert [(p.name, p.port) for p in fleet.routers] == [("r-1", 29000), ("r-2", 9100)]
+    assert fleet.routers[1].metrics_url == "http://10.0.1.5:9100/metrics"
+    assert fleet.pending_replicas == 1  # routers are neither supply nor engines

@@ -51,3 +51,29 @@ def test_simulate_refuses_bad_numbers_with_the_flag_and_value(capsys):
     ):
         assert main(["simulate", "--duration", "600", *argv]) == 2, argv
         assert message in capsys.readouterr().err
+
+
+def test_simulate_compares_routings_with_their_hit_rates(tmp_path, capsys):
+    out_json = tmp_path / "sim.json"
+    argv = ["simulate", "--trace", "agentic", "--replicas", "10", "--duration", "600",
+            "--warmup", "120", "--policies", "kvpilot", "--routing",
+            "kv_aware,session_affine,random", "--json", str(out_json)]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "hit %" in table and "max share" in table
+    rows = {line.split()[1]: line.split() for line in table.splitlines()
+            if line.startswith("agentic") and "decisions" not in line}
+    assert set(rows) == {"kv_aware", "session_affine", "random"}
+    data = json.loads(out_json.read_text())
+    assert data["routings"] == ["kv_aware", "session_affine", "random"]
+    rate = {r["routing"]: r["prefix_hit_rate"] for r in data["results"]}
+    assert rate["random"] < min(rate["kv_aware"], rate["session_affine"])
+    assert float(rows["kv_aware"][3]) == round(100 * rate["kv_aware"], 1)
+    assert all(r["requests_per_replica"] and 0 < r["max_replica_share"] <= 1
+               for r in data["results"])
+
+
+def test_simulate_refuses_an_unknown_routing(capsys):
+    assert main(["simulate", "--routing", "kv_aware,sticky", "--duration", "600"]) == 2
+    assert "--routing must name kv_aware, session_affine, random, p2c_kv or all;" \
+           " got 'sticky'" in capsys.readouterr().err

@@ -99,7 +99,10 @@ def queue_drain(load: FleetLoad, ready: int, current: int, spec: AutoscalingSpec
     (a) the replicas that run every queued request at today's per-pod concurrency and (b) the
     replicas whose KV holds today's usage plus the queued prompt tokens at the target usage.
     A raw count of waiting requests divided by a per-pod target over-scales badly when each
-    pod runs a hundred requests, so the count is never used alone.
+    pod runs a hundred requests, so the count is never used alone. The waiting count
+    includes the requests held at the router (``router_queued``): a burst the router holds
+    triggers this rule before any engine queues it; their prompt tokens are unknown, so
+    (b) does not see them and the answer is at least one more replica.
     """
     if ready == 0:
         return Candidate("queue_drain", None, "num_waiting", None, "no ready pod")
@@ -116,13 +119,15 @@ def queue_drain(load: FleetLoad, ready: int, current: int, spec: AutoscalingSpec
     if load.capacity_known:
         by_tokens = ceil_replicas(load.demand_tokens / load.capacity_per_replica)
     replicas = max(by_tokens, ready + 1)
+    held = f", {load.router_queued:.0f} held at the router" if load.router_queued else ""
     return Candidate(
         "queue_drain",
         replicas,
         "num_waiting",
         per_pod,
         f"{per_pod:.1f} waiting per ready pod > target {spec.target_queue_depth:g}"
-        f" ({load.waiting_tokens:.0f} queued prompt tokens): {replicas} replicas run them",
+        f" ({load.waiting_tokens:.0f} queued prompt tokens{held}): {replicas} replicas"
+        " run them",
     )
 
 

@@ -19,7 +19,16 @@ field                             engine metric
                                   ``rate(...[1m])`` or :func:`counter_rate` on two scrapes
 ``kv_capacity_tokens``            ``kvpilot:kv_cache_capacity_tokens`` (= ``num_gpu_blocks`` x
                                   ``block_size`` of ``kvpilot:cache_config_info``)
+``FleetSignals.router_queued``    requests the router pods hold that no engine counts yet:
+                                  ``max(0, sum of vllm_router_running_requests - sum of
+                                  engine running + waiting)`` over the ready engines (the
+                                  router exports no queue gauge; see the metric sources)
 ================================  ===========================================================
+
+The router's held requests join the engines' waiting count (:attr:`FleetLoad.num_waiting`),
+so the queue-drain rule and the scale-down consolidation check see a burst the router is
+holding before any engine queues it. Their prompt lengths are unknown (the router exports
+none), so they add requests, not tokens.
 """
 
 from __future__ import annotations
@@ -90,10 +99,13 @@ class FleetSignals:
         pods: one entry per ready pod (serving, counted as supply and as load).
         pending_replicas: pods asked for but not ready yet (created, scheduling, loading);
             counted as supply so the same pressure is not answered twice.
+        router_queued: requests held at the request router that no ready engine counts yet
+            (requests, >= 0); 0 without a router or when its metric is missing.
     """
 
     pods: tuple[PodSignals, ...]
     pending_replicas: int = 0
+    router_queued: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pods", tuple(self.pods))
@@ -101,6 +113,9 @@ class FleetSignals:
             raise ValueError(f"pending_replicas must be an int; got {self.pending_replicas!r}")
         if self.pending_replicas < 0:
             raise ValueError(f"pending_replicas must be >= 0; got {self.pending_replicas}")
+        _check_optional("router_queued", "router", self.router_queued)
+        if self.router_queued is None:
+            raise ValueError("router_queued must be a number (0 when unknown); got None")
         names = [p.name for p in self.pods]
         if len(set(names)) != len(names):
             raise ValueError(f"pod names must be unique; got {names}")
@@ -127,7 +142,9 @@ class FleetLoad:
         capacity_per_replica: KV tokens per replica (median of the reporting pods).
         used_tokens: sum over pods of kv_usage x capacity (missing usage adds 0).
         waiting_tokens: queued prompt tokens (missing adds 0).
-        num_waiting / num_running: request counts (missing adds 0).
+        num_waiting / num_running: request counts (missing adds 0); ``num_waiting``
+            includes ``router_queued``.
+        router_queued: requests held at the router (part of ``num_waiting``).
         max_usage: highest per-pod kv_usage reported (0 if none).
         preempting_pods: pods whose preemption rate is > 0.
         missing_pods: names of ready pods with any missing load signal.
@@ -144,6 +161,7 @@ class FleetLoad:
     preempting_pods: tuple[str, ...]
     missing_pods: tuple[str, ...]
     usage_reported: int
+    router_queued: float = 0.0
 
     @property
     def demand_tokens(self) -> float:
@@ -156,7 +174,8 @@ class FleetLoad:
 
 
 def aggregate(signals: FleetSignals) -> FleetLoad:
-    """Add up the ready pods' signals (pure). Missing values add nothing and are listed."""
+    """Add up the ready pods' signals (pure). Missing values add nothing and are listed;
+    the router's held requests are added to the waiting count."""
     caps = [p.kv_capacity_tokens for p in signals.pods if p.kv_capacity_tokens is not None]
     capacity_known = bool(caps)
     capacity = float(statistics.median(caps)) if caps else 1.0
@@ -183,12 +202,13 @@ def aggregate(signals: FleetSignals) -> FleetLoad:
         capacity_known=capacity_known,
         used_tokens=used,
         waiting_tokens=waiting_tokens,
-        num_waiting=waiting,
+        num_waiting=waiting + signals.router_queued,
         num_running=running,
         max_usage=max_usage,
         preempting_pods=tuple(preempting),
         missing_pods=tuple(missing),
         usage_reported=reported,
+        router_queued=float(signals.router_queued),
     )
 
 

@@ -3,7 +3,7 @@
 ::
 
     FleetObservation  (Deployment count, ready pods, pending)
-    MetricsReading    (PodSignals per ready pod, FinOps inputs)
+    MetricsReading    (PodSignals per ready pod, FinOps inputs, requests held at the router)
     PolicyState       (from the last decision, or from status)
     InferenceSpec, previous conditions, now
         --plan_autoscale-->  AutoscalePlan
@@ -147,8 +147,10 @@ def plan_autoscale(observation: FleetObservation, reading: MetricsReading, state
     auto = spec.autoscaling
     if auto is None:
         raise ValueError("spec.autoscaling is not set: nothing to autoscale")
-    decision = decide(FleetSignals(reading.pods, observation.pending_replicas), state, auto,
-                      now.timestamp())
+    # Requests held at the router join the waiting count; unknown (no router) counts as 0.
+    held = reading.router_queued if reading.router_queued is not None else 0.0
+    decision = decide(FleetSignals(reading.pods, observation.pending_replicas, held), state,
+                      auto, now.timestamp())
     requested = None
     if (decision.direction != "hold"
             and decision.desired_replicas != observation.deployment_replicas):

@@ -4,7 +4,8 @@ One :class:`AutoscalerLoop` per InferenceDeployment with ``spec.autoscaling``, d
 the Kopf daemon :func:`autoscaler_daemon` (Kopf starts it when ``autoscaling`` is set and
 stops it when it is removed or the object goes). Every ``intervalSeconds``::
 
-    observe_fleet (GET Deployment, LIST pods)  ->  source.read(ready pods)
+    observe_fleet (GET Deployment, LIST pods, LIST router pods)
+    -> source.read(ready pods, ready routers)
     -> plan_autoscale (pure; the policy's decide())  ->  run_reconcile(requested=N) if the
        policy moved the count  ->  write_status (signals, capacity, cost, autoscaler, its
        conditions)  ->  Events
@@ -159,16 +160,19 @@ class AutoscalerLoop:
         if observation.deployment_replicas is None:
             return None
         source = self._source_for(SourceConfig(auto.metrics.source, auto.metrics.url, ns, name))
-        reading = source.read(observation.ready, now.timestamp())
+        reading = source.read(observation.ready, now.timestamp(), observation.routers)
         previous = self._written_conditions
         if previous is None:
             previous = resource.status.get("conditions")
         plan = plan_autoscale(observation, reading, self.state, spec, previous, now)
         status: dict[str, Any] = {}
+        drop: tuple[str, ...] = ()
+        owned_by_reconcile: tuple[str, ...] = c.RECONCILE_CONDITIONS
         if plan.requested is not None and self._refused != (resource.generation, plan.requested):
             try:
-                status = dict(run_reconcile(self.ctx, body, requested=plan.requested,
-                                            requested_reason=plan.requested_reason).status)
+                result = run_reconcile(self.ctx, body, requested=plan.requested,
+                                       requested_reason=plan.requested_reason)
+                status, drop = dict(result.status), result.drop_conditions
             except ReconcileRefused as exc:
                 # The API refused the Deployment itself (run_reconcile posted one Warning):
                 # retrying the same count every few seconds cannot help and would only
@@ -176,15 +180,16 @@ class AutoscalerLoop:
                 # try again after a spec change or when the policy asks for another count.
                 self._refused = (resource.generation, plan.requested)
                 status = dict(exc.status)
+                owned_by_reconcile = c.WORKLOAD_CONDITIONS
         # The count is applied (or needed no change, or was refused): the decision happened.
         self.state, self.decided_at = plan.decision.state, now.timestamp()
         # Ready/Progressing only when the reconcile just computed them from the Deployment
         # it applied; otherwise the snapshot's copies may be stale and are not written.
-        owned = c.AUTOSCALER_CONDITIONS + (c.RECONCILE_CONDITIONS if status else ())
+        owned = c.AUTOSCALER_CONDITIONS + (owned_by_reconcile if status else ())
         base = status.get("conditions") or resource.status.get("conditions")
         status.update(plan.status)
         status["conditions"] = set_conditions(base, plan.conditions, now, None)
-        write_status(api, ns, name, status, owned)
+        write_status(api, ns, name, status, owned, drop)
         self._written_conditions = status["conditions"]
         for event in plan.events:
             self.ctx.post_event(body, event.type, event.reason, event.message)

@@ -4,13 +4,18 @@
     kvpilot simulate --trace burst --replicas 50 --json out.json --plot out.png
     kvpilot simulate --replica-model cpu-smollm2-135m   # our engine as measured on CPU
     kvpilot simulate --calibration my-gpu.json          # ReplicaModel fields from a file
+    kvpilot simulate --trace agentic --routing kv_aware,session_affine,random
 
 The replica model is a preset (``--replica-model``, default the GPU-class
 ``h100-llama3-8b``), then a ``--calibration`` file, then any single-parameter flag, each
 overriding the one before.
 
-Each trace is generated once per seed and replayed for every policy, so the rows of the
-table differ only by the policy. See docs/autoscaling.md for how to read it.
+Each trace is generated once per seed and replayed for every routing and policy, so the
+rows of the table differ only by those. ``--routing`` says where requests land (default
+``kv_aware``, the router the operator deploys); with several, every policy runs behind
+each, and the table's ``hit %`` (the fleet's prefix hit rate) and ``max share`` (the
+busiest replica's share of the requests) compare them. See docs/autoscaling.md for how to
+read it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from kvpilot.autoscaler.sim import ReplicaModel, Scenario, compare
 from kvpilot.autoscaler.sim.calibration import DEFAULT_PRESET, PRESETS, load_calibration, preset
 from kvpilot.autoscaler.sim.controllers import POLICIES
 from kvpilot.autoscaler.sim.report import SimResult, comparison_table
+from kvpilot.autoscaler.sim.routing import DEFAULT_ROUTING, ROUTINGS
 from kvpilot.autoscaler.sim.traces import TRACES
 
 _MODEL = ReplicaModel()
@@ -40,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policies",
         default=",".join(POLICIES),
         help=f"comma-separated, from {', '.join(POLICIES)} (default: all)",
+    )
+    parser.add_argument(
+        "--routing",
+        default=DEFAULT_ROUTING,
+        help=f"where requests land, comma-separated, from {', '.join(ROUTINGS)}, or all"
+        f" (default {DEFAULT_ROUTING}: the deployed router)",
     )
     parser.add_argument(
         "--replicas",
@@ -132,10 +144,23 @@ def _model(args: argparse.Namespace) -> ReplicaModel:
 
 def _progress(result: SimResult) -> None:
     print(
-        f"  {result.trace:8} {result.policy:8} {result.requests:>9,} requests"
-        f"  {result.events:>10,} events in {result.wall_seconds:6.1f} s",
+        f"  {result.trace:8} {result.routing:14} {result.policy:8} {result.requests:>9,}"
+        f" requests  {result.events:>10,} events in {result.wall_seconds:6.1f} s",
         file=sys.stderr,
     )
+
+
+def _routings(value: str) -> list[str]:
+    """``--routing``: names from ROUTINGS, comma-separated, or ``all``."""
+    if value.strip() == "all":
+        return list(ROUTINGS)
+    names = [r.strip() for r in value.split(",") if r.strip()]
+    if not names:
+        raise ValueError(f"--routing must name at least one of {', '.join(ROUTINGS)}")
+    for name in names:
+        if name not in ROUTINGS:
+            raise ValueError(f"--routing must name {', '.join(ROUTINGS)} or all; got {name!r}")
+    return names
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,9 +172,11 @@ def run(args: argparse.Namespace) -> int:
         for p in policies:
             if p not in POLICIES:
                 raise ValueError(f"--policies must name {', '.join(POLICIES)}; got {p!r}")
+        routings = _routings(args.routing)
         model = _model(args)
         scenario = scenario_from_args(args)
-        results = compare(traces, policies, scenario, model, progress=_progress)
+        results = compare(traces, policies, scenario, model, progress=_progress,
+                          routings=routings)
     except ValueError as exc:
         print(f"kvpilot simulate: error: {exc}", file=sys.stderr)
         return 2
@@ -157,10 +184,11 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         if r.rules:
             moves = ", ".join(f"{k} {v}" for k, v in sorted(r.rules.items()))
-            print(f"{r.trace} {r.policy} decisions that moved the count: {moves}")
+            print(f"{r.trace} {r.routing} {r.policy} decisions that moved the count: {moves}")
     if args.json:
         payload = {
             "scenario": vars(scenario),
+            "routings": routings,
             "model": vars(model),
             "results": [r.to_dict(timeline=True) for r in results],
         }

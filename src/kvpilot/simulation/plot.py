@@ -1,7 +1,8 @@
 """Timeline plot of simulator runs (matplotlib, imported lazily; a ``dev`` extra).
 
 One column per trace, three rows: mean KV usage of the ready replicas, requests waiting,
-and replicas paid for (starting + ready + draining), one line per policy. The grey band
+and replicas paid for (starting + ready + draining), one line per policy (and routing,
+when the runs compare several). The grey band
 is the warm-up, which is not counted. Kept out of ``kvpilot.autoscaler`` so that package
 stays standard library only.
 """
@@ -30,6 +31,11 @@ def plot_timelines(results: Sequence[SimResult], path: str) -> None:
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError("--plot needs matplotlib: pip install 'kvpilot[dev]'") from exc
     traces = list(dict.fromkeys(r.trace for r in results))
+    several = len({r.routing for r in results}) > 1
+
+    def name(r: SimResult) -> str:
+        return f"{r.policy}/{r.routing}" if several else r.policy
+
     fig, axes = plt.subplots(
         len(_ROWS), len(traces), figsize=(6 * len(traces), 8), sharex="col", squeeze=False
     )
@@ -39,7 +45,7 @@ def plot_timelines(results: Sequence[SimResult], path: str) -> None:
             ax = axes[row][col]
             for r in runs:
                 minutes = [t / 60.0 for t in r.timeline.time]
-                ax.plot(minutes, getattr(r.timeline, field), label=r.policy, linewidth=1.0)
+                ax.plot(minutes, getattr(r.timeline, field), label=name(r), linewidth=1.0)
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
             if runs and runs[0].warmup_seconds:
@@ -47,7 +53,7 @@ def plot_timelines(results: Sequence[SimResult], path: str) -> None:
             if row == 0:
                 ax.set_title(
                     f"{trace}: starvation s "
-                    + ", ".join(f"{r.policy} {r.starvation_seconds:,.0f}" for r in runs),
+                    + ", ".join(f"{name(r)} {r.starvation_seconds:,.0f}" for r in runs),
                     fontsize=9,
                 )
                 ax.set_ylim(0, 1.05)

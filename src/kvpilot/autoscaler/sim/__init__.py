@@ -1,9 +1,11 @@
 """Discrete-event fleet simulator (standard library only).
 
 A fleet of engine replicas (KV capacity, prefill and decode rates, start-up delay,
-preemption when the KV is full) serves a seedable trace while a scaling policy (ours, an
-HPA-style one, a KPA-style one) resizes it; :func:`simulate` reports starvation, queueing
-delay and replica-hours for each. See docs/autoscaling.md for the model and its assumptions.
+preemption when the KV is full, a prefix cache each) behind a router (``kv_aware``,
+``session_affine``, ``random``, ``p2c_kv``) serves a seedable trace while a scaling policy
+(ours, an HPA-style one, a KPA-style one) resizes it; :func:`simulate` reports starvation,
+queueing delay, replica-hours, the fleet's prefix hit rate and the requests per replica.
+See docs/autoscaling.md for the model and its assumptions.
 """
 
 from kvpilot.autoscaler.sim.compare import Scenario, compare
@@ -16,14 +18,18 @@ from kvpilot.autoscaler.sim.controllers import (
 from kvpilot.autoscaler.sim.fleet import simulate
 from kvpilot.autoscaler.sim.model import ReplicaModel, SimConfig
 from kvpilot.autoscaler.sim.report import SimResult
-from kvpilot.autoscaler.sim.traces import TRACES, Trace, make_trace
+from kvpilot.autoscaler.sim.routing import DEFAULT_ROUTING, ROUTINGS
+from kvpilot.autoscaler.sim.traces import TRACES, Request, Trace, make_trace
 
 __all__ = [
+    "DEFAULT_ROUTING",
+    "ROUTINGS",
     "TRACES",
     "HpaStylePolicy",
     "KpaStylePolicy",
     "KvPilotPolicy",
     "ReplicaModel",
+    "Request",
     "Scenario",
     "SimConfig",
     "SimResult",

@@ -1,5 +1,5 @@
-"""Run several policies on the same traces, under the same bounds: what ``kvpilot simulate``
-and ``benchmarks/autoscaler_bench.py`` call."""
+"""Run several policies on the same traces, under the same bounds, behind one or several
+routings: what ``kvpilot simulate`` and ``benchmarks/autoscaler_bench.py`` call."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from kvpilot.autoscaler.sim.controllers import POLICIES, make_policy
 from kvpilot.autoscaler.sim.fleet import simulate
 from kvpilot.autoscaler.sim.model import ReplicaModel, SimConfig
 from kvpilot.autoscaler.sim.report import SimResult
+from kvpilot.autoscaler.sim.routing import DEFAULT_ROUTING
 from kvpilot.autoscaler.sim.traces import TRACES, Trace, make_trace
 from kvpilot.autoscaler.spec import DEFAULTS, AutoscalingSpec
 
@@ -66,7 +67,7 @@ class Scenario:
             startup_seconds=model.startup_seconds,
         )
 
-    def config(self, trace: Trace) -> SimConfig:
+    def config(self, trace: Trace, routing: str = DEFAULT_ROUTING) -> SimConfig:
         low, high = self.bounds(trace)
         start = min(high, max(low, round(trace.base_replicas)))
         return SimConfig(
@@ -77,6 +78,7 @@ class Scenario:
             initial_replicas=start,
             seed=self.seed,
             warmup_seconds=self.warmup_seconds,
+            routing=routing,
         )
 
 
@@ -86,9 +88,13 @@ def compare(
     scenario: Scenario = Scenario(),
     model: ReplicaModel | None = None,
     progress: Callable[[SimResult], None] | None = None,
+    routings: Sequence[str] = (DEFAULT_ROUTING,),
 ) -> list[SimResult]:
-    """Every policy on every trace (same requests for each policy of a trace)."""
+    """Every policy on every trace behind every routing (the same requests for each
+    policy and routing of a trace)."""
     model = model or ReplicaModel()
+    if not routings:
+        raise ValueError("routings must name at least one routing")
     results = []
     for name in traces:
         trace = make_trace(
@@ -99,14 +105,16 @@ def compare(
             model,
             scenario.target_cache_usage,
         )
-        for policy in policies:
-            result = simulate(
-                trace,
-                make_policy(policy, scenario.spec(trace, model)),
-                model,
-                scenario.config(trace),
-            )
-            results.append(result)
-            if progress:
-                progress(result)
+        for routing in routings:
+            config = scenario.config(trace, routing)  # refuses an unknown routing
+            for policy in policies:
+                result = simulate(
+                    trace,
+                    make_policy(policy, scenario.spec(trace, model)),
+                    model,
+                    config,
+                )
+                results.append(result)
+                if progress:
+                    progress(result)
     return results

@@ -6,11 +6,12 @@ plus the recurring ticks. A replica's entry is re-pushed only when its next even
 changes (``epoch`` invalidates the old one), so cost is O(log replicas) per request event
 and O(replicas) per policy tick, with no per-token work.
 
-Routing: power of two choices (Envoy's least-request default) on KV tokens held plus
-queued, over ready replicas. Scale-down cancels starting replicas first (newest first),
-then drains the ready replica with the least KV held: it takes no new requests, hands its
-queue back to the router and leaves when its running requests finish (graceful drain).
-With no ready replica, arrivals are held at the gateway until one is ready.
+Routing: ``SimConfig.routing`` (:mod:`kvpilot.autoscaler.sim.routing`; default
+``kv_aware``, the deployed router), over ready replicas; each request's prefix-cache hit
+comes from the replica it lands on. Scale-down cancels starting replicas first (newest
+first), then drains the ready replica with the least KV held: it takes no new requests,
+hands its queue back to the router and leaves when its running requests finish (graceful
+drain). With no ready replica, arrivals are held at the gateway until one is ready.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Protocol
 from kvpilot.autoscaler.sim.model import ReplicaModel, SimConfig
 from kvpilot.autoscaler.sim.replica import Replica, Req, Stats
 from kvpilot.autoscaler.sim.report import SimResult, Timeline, percentile
+from kvpilot.autoscaler.sim.routing import Router
 from kvpilot.autoscaler.sim.traces import Trace
 
 _REPLICA, _READY, _TICK, _SAMPLE = 0, 1, 2, 3
@@ -51,6 +53,9 @@ class _Fleet:
         self.last_change = 0.0
         self.peak = 0
         self.events = 0
+        self.router = Router(config.routing, self.ready, self.rng, config.cache_block_tokens,
+                             config.load_penalty_tokens, config.balance_abs_threshold,
+                             config.balance_rel_threshold)
 
     # -- bookkeeping -------------------------------------------------------------------------
     def push(self, t: float, kind: int, replica: Replica | None = None, epoch: int = 0) -> None:
@@ -67,6 +72,7 @@ class _Fleet:
             self.peak = max(self.peak, self.paid)
 
     def reschedule(self, r: Replica, now: float) -> None:
+        self.router.changed(r)
         t = r.next_event(now)
         if t != r.scheduled:
             r.scheduled = t
@@ -76,20 +82,10 @@ class _Fleet:
 
     # -- requests ----------------------------------------------------------------------------
     def route(self, req: Req, now: float) -> None:
-        ready = self.ready
-        if not ready:
+        if not self.ready:
             self.held.append(req)
             return
-        if len(ready) == 1:
-            r = ready[0]
-        else:
-            a = ready[self.rng.randrange(len(ready))]
-            b = ready[self.rng.randrange(len(ready))]
-            r = (
-                a
-                if a.kv_tokens(now) + a.waiting_tokens <= b.kv_tokens(now) + b.waiting_tokens
-                else b
-            )
+        r = self.router.pick(req, now)
         r.enqueue(req)
         r.step(now, self.stats)
         self.reschedule(r, now)
@@ -107,6 +103,7 @@ class _Fleet:
     # -- scaling -----------------------------------------------------------------------------
     def start_replica(self, now: float, ready_at: float) -> Replica:
         r = Replica(self.next_rid, self.model, ready_at)
+        r.cache = self.router.new_cache(r)
         self.next_rid += 1
         self._pay(now, +1)
         if ready_at <= now:
@@ -124,6 +121,7 @@ class _Fleet:
         r.state = "ready"
         r.v_time = now
         self.ready.append(r)
+        self.router.add(r)
         while self.held:
             self.route(self.held.popleft(), now)
 
@@ -146,6 +144,7 @@ class _Fleet:
                 break
             r = min(self.ready, key=lambda x: x.kv_tokens(now) + x.waiting_tokens)
             self.ready.remove(r)
+            self.router.remove(r)
             r.state = "draining"
             for req in r.take_waiting():
                 self.route(req, now)
@@ -196,7 +195,7 @@ def simulate(
     while True:
         t_heap = heap[0][0] if heap else math.inf
         if nxt is not None and nxt[0] <= t_heap:
-            t, prompt, output, cached = nxt
+            t, prompt, output, session, shared = nxt
             if t >= end:
                 nxt = None
                 continue
@@ -206,7 +205,7 @@ def simulate(
             if prompt + output > limit:
                 rejected += counted
             else:
-                fleet.route(Req(t, prompt, output, cached), t)
+                fleet.route(Req(t, prompt, output, 0, session, shared), t)
             nxt = next(arrivals, None)
             continue
         if t_heap >= end:
@@ -285,6 +284,7 @@ def _result(
         stats.starvation += max(0.0, stint - stats.slo) if req.first else stint
         waits.append(req.waited + stint)
     waits.sort()
+    admitted = sum(stats.admitted.values())
     return SimResult(
         policy=policy.name,
         trace=trace.name,
@@ -308,4 +308,10 @@ def _result(
         wall_seconds=wall,
         rules=dict(getattr(policy, "rules", {})),
         timeline=timeline,
+        routing=config.routing,
+        prompt_tokens=stats.prompt_tokens,
+        hit_tokens=stats.hit_tokens,
+        prefix_hit_rate=stats.hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0,
+        requests_per_replica={f"r{rid}": n for rid, n in sorted(stats.admitted.items())},
+        max_replica_share=max(stats.admitted.values()) / admitted if admitted else 0.0,
     )

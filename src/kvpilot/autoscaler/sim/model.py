@@ -20,7 +20,10 @@ generated token. When decode growth fills the KV, the newest running request is 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from kvpilot.autoscaler.sim.routing import ROUTINGS
 
 
 @dataclass(frozen=True)
@@ -90,10 +93,21 @@ class SimConfig:
         min_replicas / max_replicas: the policy's bounds.
         initial_replicas: ready at t=0 (default min_replicas).
         sample_seconds: timeline resolution (for the plot and tables).
-        seed: routing randomness (power-of-two-choices); the trace has its own seed.
+        seed: routing randomness (``random``, ``p2c_kv``); the trace has its own seed.
         warmup_seconds: the fleet fills from empty at t=0; until this time the policy is
             called (so it builds history) but not obeyed, and nothing is counted: requests
             arriving earlier, preemptions, replica-hours.
+        routing: where requests land (:data:`kvpilot.autoscaler.sim.routing.ROUTINGS`):
+            ``kv_aware`` (default, the deployed router), ``session_affine`` (the ideal),
+            ``random`` (a plain Service), ``p2c_kv`` (the simulator's earlier routing).
+        cache_block_tokens: KV block size; prefix hits count whole blocks (vLLM: 16).
+        load_penalty_tokens: ``kv_aware`` only: prefix tokens one request in flight on a
+            replica outweighs (0: the router's own rule, no such trade).
+        balance_abs_threshold / balance_rel_threshold: ``kv_aware`` only: when the most
+            and least requests in flight on a replica differ by more than ``abs`` and the
+            most exceed ``rel`` x the least, requests go to the least-loaded replica
+            whatever it caches (vllm-router's ``--balance-abs-threshold`` 64 and
+            ``--balance-rel-threshold`` 1.5).
     """
 
     duration_seconds: float = 3600.0
@@ -104,8 +118,31 @@ class SimConfig:
     sample_seconds: float = 15.0
     seed: int = 0
     warmup_seconds: float = 300.0
+    routing: str = "kv_aware"
+    cache_block_tokens: int = 16
+    load_penalty_tokens: float = 0.0
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
 
     def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(
+                f"routing must be one of {', '.join(ROUTINGS)}; got {self.routing!r}")
+        if (isinstance(self.cache_block_tokens, bool) or not isinstance(self.cache_block_tokens, int)
+                or self.cache_block_tokens < 1):
+            raise ValueError(
+                f"cache_block_tokens must be an int >= 1; got {self.cache_block_tokens!r}")
+        if not (math.isfinite(self.load_penalty_tokens) and self.load_penalty_tokens >= 0):
+            raise ValueError(
+                f"load_penalty_tokens must be finite and >= 0; got {self.load_penalty_tokens!r}")
+        if (isinstance(self.balance_abs_threshold, bool)
+                or not isinstance(self.balance_abs_threshold, int)
+                or self.balance_abs_threshold < 0):
+            raise ValueError(
+                f"balance_abs_threshold must be an int >= 0; got {self.balance_abs_threshold!r}")
+        if not (math.isfinite(self.balance_rel_threshold) and self.balance_rel_threshold >= 1):
+            raise ValueError("balance_rel_threshold must be finite and >= 1;"
+                             f" got {self.balance_rel_threshold!r}")
         if not 0 <= self.warmup_seconds < self.duration_seconds:
             raise ValueError(
                 f"warmup_seconds must be in [0, duration_seconds={self.duration_seconds});"

@@ -19,6 +19,7 @@ import math
 from collections import deque
 
 from kvpilot.autoscaler.sim.model import ReplicaModel
+from kvpilot.autoscaler.sim.routing import PrefixCache
 
 _TIEBREAK = itertools.count()  # heap ties never compare requests
 _EPS = 1e-6  # tokens; far above float error at the magnitudes reached, far below one token
@@ -29,7 +30,9 @@ class Req:
 
     ``generated`` counts tokens produced before the current decode stint; ``ctx`` is the
     context held when the stint began (prompt + generated); ``waited`` is the total time
-    spent queued; ``starved`` the starvation seconds charged so far.
+    spent queued; ``starved`` the starvation seconds charged so far. ``session`` (-1: none)
+    and ``shared`` (system-prompt tokens) let the replica's prefix cache find its cached
+    prefix; ``cached`` is that hit, taken when its first prefill starts.
     """
 
     __slots__ = (
@@ -42,17 +45,22 @@ class Req:
         "output",
         "preempts",
         "prompt",
+        "session",
+        "shared",
         "starved",
         "stint",
         "v_start",
         "waited",
     )
 
-    def __init__(self, arrival: float, prompt: int, output: int, cached: int = 0) -> None:
+    def __init__(self, arrival: float, prompt: int, output: int, cached: int = 0,
+                 session: int = -1, shared: int = 0) -> None:
         self.arrival = arrival
         self.prompt = prompt
         self.output = output
         self.cached = cached  # prefix-cache hit at first admission; 0 after a preemption
+        self.session = session
+        self.shared = shared
         self.generated = 0.0
         self.enqueued = arrival
         self.waited = 0.0
@@ -73,9 +81,12 @@ class Stats:
     """Run-wide counters the replicas add to."""
 
     __slots__ = (
+        "admitted",
         "finished",
         "generated_tokens",
+        "hit_tokens",
         "preemptions",
+        "prompt_tokens",
         "slo",
         "starvation",
         "waits",
@@ -90,6 +101,11 @@ class Stats:
         self.finished = 0
         self.generated_tokens = 0.0
         self.waits: list[float] = []
+        # At each counted request's first admission: its prompt, its prefix-cache hit,
+        # and which replica (rid) took it.
+        self.prompt_tokens = 0
+        self.hit_tokens = 0
+        self.admitted: dict[int, int] = {}
 
     def charge_wait(self, req: Req, now: float, recompute_seconds: float) -> None:
         """Close a waiting stint: the first stint is starvation beyond the SLO; a stint
@@ -110,6 +126,7 @@ class Replica:
     """State machine: starting -> ready -> (draining) -> gone."""
 
     __slots__ = (
+        "cache",
         "cap",
         "dec_const",
         "dec_heap",
@@ -155,6 +172,7 @@ class Replica:
         self.preemptions = 0
         self.epoch = 0
         self.scheduled = math.inf
+        self.cache: PrefixCache | None = None  # the router gives it one
 
     # -- observation ---------------------------------------------------------------------
     def kv_tokens(self, now: float) -> float:
@@ -213,6 +231,8 @@ class Replica:
             del self.running[req]
             self.dec_const -= req.ctx - req.v_start
             self._set_batch(self.n_dec - 1)
+            if self.cache is not None and (req.session >= 0 or req.shared):
+                self.cache.finished(req)
             if req.arrival >= stats.warmup:
                 stats.finished += 1
                 stats.generated_tokens += req.output
@@ -245,6 +265,8 @@ class Replica:
             req.generated += self.v - req.v_start
             self.dec_const -= req.ctx - req.v_start
             self._set_batch(self.n_dec - 1)
+        if self.cache is not None and (req.session >= 0 or req.shared):
+            self.cache.preempted(req)
         req.preempts += 1
         req.cached = 0  # recompute-preemption: assume its blocks were reused meanwhile
         req.enqueued = now
@@ -265,7 +287,17 @@ class Replica:
         # Reset when empty: a running float sum drifts below zero (-4e-12 was seen), which
         # the policy refuses as input.
         self.waiting_tokens = self.waiting_tokens - need if self.waiting else 0.0
+        if self.cache is not None and (req.session >= 0 or req.shared):
+            # Every admission uses its prefix entries (released when it finishes or is
+            # preempted); only the first takes a hit: a preempted request recomputes.
+            hit = self.cache.start(req, self.cap - self.kv_tokens(now))
+            if req.first:
+                req.cached = hit
         prefill_seconds = (need - req.cached) / self.model.prefill_tokens_per_second
+        if req.first and req.arrival >= stats.warmup:
+            stats.prompt_tokens += req.prompt
+            stats.hit_tokens += req.cached
+            stats.admitted[self.rid] = stats.admitted.get(self.rid, 0) + 1
         stats.charge_wait(req, now, prefill_seconds)
         self.prefilling = req
         self.prefill_end = now + prefill_seconds

@@ -37,6 +37,12 @@ class SimResult:
         replica_hours: replicas paid for (starting, ready and draining) integrated over time.
         scale_ups / scale_downs: decisions that changed the count.
         events: discrete events processed; wall_seconds: simulator run time.
+        routing: where requests landed (``SimConfig.routing``).
+        prompt_tokens / hit_tokens: summed over counted requests at their first admission:
+            prompt tokens, and those the chosen replica's prefix cache held.
+        prefix_hit_rate: the fleet's prefix hit rate, ``hit_tokens / prompt_tokens``.
+        requests_per_replica: counted requests first admitted by each replica (``r<id>``).
+        max_replica_share: the largest replica's share of those requests.
     """
 
     policy: str
@@ -61,6 +67,12 @@ class SimResult:
     wall_seconds: float
     rules: dict[str, int] = field(default_factory=dict)
     timeline: Timeline = field(default_factory=Timeline)
+    routing: str = "kv_aware"
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    prefix_hit_rate: float = 0.0
+    requests_per_replica: dict[str, int] = field(default_factory=dict)
+    max_replica_share: float = 0.0
 
     def to_dict(self, timeline: bool = False) -> dict[str, object]:
         d = asdict(self)
@@ -78,10 +90,15 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 
 def comparison_table(results: Sequence[SimResult], baseline: str = "hpa") -> str:
-    """Plain-text table: one row per (trace, policy), ratios against ``baseline``."""
+    """Plain-text table: one row per (trace, routing, policy), ratios against ``baseline``
+    on the same trace and routing; ``hit %`` is the fleet's prefix hit rate and ``max
+    share`` the busiest replica's share of the requests."""
     header = (
         "trace",
+        "routing",
         "policy",
+        "hit %",
+        "max share",
         "starv s",
         "x base",
         "preempt",
@@ -94,15 +111,18 @@ def comparison_table(results: Sequence[SimResult], baseline: str = "hpa") -> str
         "requests",
     )
     rows = [header]
-    base = {r.trace: r for r in results if r.policy == baseline}
+    base = {(r.trace, r.routing): r for r in results if r.policy == baseline}
     for r in results:
-        b = base.get(r.trace)
+        b = base.get((r.trace, r.routing))
         starv_ratio = _ratio(r.starvation_seconds, b.starvation_seconds) if b else "-"
         rh_ratio = _ratio(r.replica_hours, b.replica_hours) if b else "-"
         rows.append(
             (
                 r.trace,
+                r.routing,
                 r.policy,
+                f"{100 * r.prefix_hit_rate:.1f}",
+                f"{r.max_replica_share:.2f}",
                 f"{r.starvation_seconds:,.0f}",
                 starv_ratio,
                 f"{r.preemptions:,}",
@@ -117,7 +137,7 @@ def comparison_table(results: Sequence[SimResult], baseline: str = "hpa") -> str
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [
-        "  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        "  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
         for row in rows
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))

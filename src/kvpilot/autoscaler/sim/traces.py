@@ -1,6 +1,8 @@
-"""Seedable request traces: ``(arrival_seconds, prompt_tokens, output_tokens, cached_tokens)``
-in time order. ``cached_tokens`` is the prompt prefix a prefix cache already holds (an
-agent's earlier turns, with session-affine routing); only the rest is prefilled.
+"""Seedable request traces: :class:`Request` ``(arrival_seconds, prompt_tokens,
+output_tokens, session, shared_tokens)`` in time order. A trace says which conversation a
+request continues (``session``) and how many leading tokens every session shares (the
+system prompt), not what is cached: the prefix-cache hit is decided where the request is
+routed (:mod:`kvpilot.autoscaler.sim.routing`).
 
 Traces are sized in replicas: ``peak_replicas`` is how many default replicas the trace's
 peak needs at the target KV usage (estimated with Little's law from the replica model), so
@@ -10,10 +12,11 @@ generator, so a million requests cost no memory until they arrive.
 - ``ramp``: a compressed diurnal day: trough (25% of peak), a smooth (cosine) rise to the
   peak, a plateau and a fall.
 - ``burst``: a steady base at 25% of peak that jumps x4 at once, holds, and drops back.
-- ``agentic``: multi-turn agent sessions: each turn's prompt is the whole conversation so
-  far plus new tool/user tokens, so contexts grow turn by turn (and all but the new tokens
-  are prefix-cache hits); sessions start faster and faster over the first half (a ramp in
-  session starts), then hold.
+- ``agentic``: multi-turn agent sessions: every session starts with the same system
+  prompt, and each turn's prompt is the whole conversation so far plus new tool/user
+  tokens, so contexts grow turn by turn (all but the new tokens can be prefix-cache hits,
+  if the turn lands where its session's earlier turns ran); sessions start faster and
+  faster over the first half (a ramp in session starts), then hold.
 """
 
 from __future__ import annotations
@@ -23,10 +26,26 @@ import math
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvpilot.autoscaler.sim.model import ReplicaModel
 
-Request = tuple[float, int, int, int]
+
+class Request(NamedTuple):
+    """One request of a trace.
+
+    Attributes:
+        arrival: seconds from the start.
+        prompt / output: tokens.
+        session: the conversation it continues (-1: a one-off request).
+        shared: leading prompt tokens every session shares (the system prompt), 0 if none.
+    """
+
+    arrival: float
+    prompt: int
+    output: int
+    session: int = -1
+    shared: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,9 +71,12 @@ class Lengths:
 
 @dataclass(frozen=True)
 class Session:
-    """Agentic session shape: first prompt, added tokens per turn, output per turn, turns
-    (1 + geometric), think time (exponential, plus the expected generation time)."""
+    """Agentic session shape: the system prompt every session shares (tokens), the first
+    prompt (system prompt included; the rest exponential), added tokens per turn, output per
+    turn, turns (1 + geometric), think time (exponential, plus the expected generation
+    time)."""
 
+    system_prompt_tokens: int = 1024
     first_prompt_mean: float = 1500.0
     turn_tokens_mean: float = 400.0
     output_mean: float = 250.0
@@ -169,19 +191,21 @@ def _simple(
         lengths_rng = random.Random(seed + 1_000_003)
         for t in _thinned(rng, lambda t: peak * shape(t), peak, duration):
             p, o = lengths.sample(lengths_rng)
-            yield (t, p, o, 0)
+            yield Request(t, p, o)
 
     base = min(shape(t * duration / 100) for t in range(100))
     return Trace(name, description, duration, peak, peak_replicas * base, peak_replicas, requests)
 
 
 def _session_turns(rng: random.Random, s: Session) -> list[tuple[float, int, int, int]]:
-    """(offset seconds, prompt, output, cached) of each turn of one session: a turn's prompt
-    is the previous prompt and output (cached) plus new tokens."""
+    """(offset seconds, prompt, output, reusable prefix) of each turn of one session: the
+    first prompt is the system prompt plus the user's; a later turn's prompt is the
+    previous prompt and output (its reusable prefix) plus new tokens."""
     turns = 1 + int(rng.expovariate(1.0 / max(s.turns_mean - 1, 1e-9)))
     out: list[tuple[float, int, int, int]] = []
-    context = max(16, int(rng.expovariate(1.0 / s.first_prompt_mean)))
-    cached = 0
+    user_mean = max(1.0, s.first_prompt_mean - s.system_prompt_tokens)
+    context = s.system_prompt_tokens + max(16, int(rng.expovariate(1.0 / user_mean)))
+    cached = s.system_prompt_tokens
     offset = 0.0
     for _ in range(turns):
         output = max(1, int(rng.expovariate(1.0 / s.output_mean)))
@@ -202,13 +226,22 @@ def agentic(
     usage: float,
     session: Session = Session(),
 ) -> Trace:
-    """Multi-turn sessions; session starts ramp from 30% to 100% over the first half."""
+    """Multi-turn sessions; session starts ramp from 30% to 100% over the first half.
+
+    Sizing (requests per replica, Little's law) assumes only the shared system prompt is
+    reused, the worst any routing does once every replica has cached it: the same trace
+    is replayed under every routing, ``peak_replicas`` replicas serve its peak whatever the
+    routing, and a routing that keeps sessions' prefixes needs fewer. (Sizing on every
+    turn's whole earlier context, the ideal, would ask about 3.6x more of each replica than
+    the fleet delivers with realistic hit rates; see docs/autoscaling.md.)
+    """
     probe = random.Random(12345)
     samples = [t for _ in range(4000) for t in _session_turns(probe, session)]
     turns_per_session = len(samples) / 4000
+    shared = session.system_prompt_tokens
     prompt_mean = sum(p for _, p, _, _ in samples) / len(samples)
     output_mean = sum(o for _, _, o, _ in samples) / len(samples)
-    prefill_mean = sum(p - c for _, p, _, c in samples) / len(samples)
+    prefill_mean = sum(p - min(shared, p - 1) for _, p, _, _ in samples) / len(samples)
     per_replica = requests_per_replica_second(model, prompt_mean, output_mean, usage, prefill_mean)
     peak_sessions = peak_replicas * per_replica / turns_per_session
 
@@ -218,19 +251,20 @@ def agentic(
     def requests() -> Iterator[Request]:
         rng = random.Random(seed)
         starts = _thinned(rng, lambda t: peak_sessions * shape(t), peak_sessions, duration)
-        pending: list[tuple[float, int, int, int, int]] = []  # (time, seq, prompt, out, cached)
-        seq = 0
+        pending: list[tuple[float, int, int, int, int]] = []  # (time, seq, prompt, out, session)
+        seq = sessions = 0
         next_start = next(starts, None)
         while next_start is not None or pending:
             # next_start None: the loop's condition leaves pending non-empty.
             if next_start is None or (pending and pending[0][0] <= next_start):
-                t, _, p, o, c = heapq.heappop(pending)
+                t, _, p, o, sid = heapq.heappop(pending)
                 if t < duration:
-                    yield (t, p, o, c)
+                    yield Request(t, p, o, sid, shared)
                 continue
-            for offset, p, o, c in _session_turns(rng, session):
+            for offset, p, o, _ in _session_turns(rng, session):
                 seq += 1
-                heapq.heappush(pending, (next_start + offset, seq, p, o, c))
+                heapq.heappush(pending, (next_start + offset, seq, p, o, sessions))
+            sessions += 1
             next_start = next(starts, None)
 
     return Trace(

@@ -7,15 +7,21 @@
 =============  ===========================================================================
 
 Both answer a :class:`MetricsReading` of ``PodSignals`` (``None`` = missing, never zero)
-plus the FinOps inputs, and neither raises for an unreachable or empty source.
+plus the FinOps inputs and the demand held at the fleet's request router
+(``router_queued``), and neither raises for an unreachable or empty source.
 """
 
 from kvpilot.operator.metrics_source.factory import SOURCES, SourceConfig, build_source
-from kvpilot.operator.metrics_source.names import EngineMetricNames
+from kvpilot.operator.metrics_source.names import EngineMetricNames, RouterMetricNames
 from kvpilot.operator.metrics_source.pods import PodScrapeSource
 from kvpilot.operator.metrics_source.prometheus import PrometheusSource
-from kvpilot.operator.metrics_source.promql import SeriesSelector, signal_queries
-from kvpilot.operator.metrics_source.reading import EnginePod, MetricsReading, MetricsSource
+from kvpilot.operator.metrics_source.promql import SeriesSelector, router_query, signal_queries
+from kvpilot.operator.metrics_source.reading import (
+    EnginePod,
+    MetricsReading,
+    MetricsSource,
+    router_queued,
+)
 
 __all__ = [
     "SOURCES",
@@ -25,8 +31,11 @@ __all__ = [
     "MetricsSource",
     "PodScrapeSource",
     "PrometheusSource",
+    "RouterMetricNames",
     "SeriesSelector",
     "SourceConfig",
     "build_source",
+    "router_query",
+    "router_queued",
     "signal_queries",
 ]

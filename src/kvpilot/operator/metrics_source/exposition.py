@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.operator.metrics_source.names import EngineMetricNames
+from kvpilot.operator.metrics_source.names import EngineMetricNames, RouterMetricNames
 
 
 class ExpositionError(ValueError):
@@ -106,3 +106,21 @@ def parse_engine_metrics(text: str, names: EngineMetricNames) -> EngineSample:
         prompt_tokens=_counter(by_name, names.prompt_tokens),
         requests_finished=_counter(by_name, names.requests_finished),
     )
+
+
+def parse_router_in_flight(text: str, names: RouterMetricNames) -> dict[str, float]:
+    """``{worker URL: requests in flight}`` on a router's ``/metrics`` page; empty when the
+    series is absent (a routing policy that tracks no load). A sample that is not a finite,
+    non-negative number, or has no worker label, is left out; duplicates of one worker
+    keep the largest.
+
+    Raises:
+        ExpositionError: the text is not Prometheus text format.
+    """
+    out: dict[str, float] = {}
+    for labels, value in _samples(text).get(names.in_flight, ()):
+        worker = labels.get(names.worker_label)
+        if not worker or not math.isfinite(value) or value < 0:
+            continue
+        out[worker] = max(value, out.get(worker, 0.0))
+    return out

@@ -1,5 +1,6 @@
-"""The engine series the autoscaler reads, by name, in one frozen object shared by both
-metric sources (docs/architecture.md, "Metrics"; docs/metrics.md).
+"""The engine and router series the autoscaler reads, by name, in frozen objects shared by
+both metric sources (docs/architecture.md, "Metrics"; docs/metrics.md; docs/autoscaling.md,
+"Demand held at the router").
 
 Names are the *sample* names as they appear in ``/metrics`` and in PromQL: counters carry
 ``_total``. A name that matches nothing (``kvpilot:num_preemptions`` without ``_total``)
@@ -14,6 +15,7 @@ from dataclasses import dataclass, fields
 
 # Prometheus metric names (colons allowed, as in recording rules and our engine's names).
 _METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
 
 @dataclass(frozen=True)
@@ -48,3 +50,31 @@ class EngineMetricNames:
                 raise ValueError(
                     f"metric name for {f.name} must match [a-zA-Z_:][a-zA-Z0-9_:]*; got {value!r}"
                 )
+
+
+@dataclass(frozen=True)
+class RouterMetricNames:
+    """The request router's series (vllm-router 0.1.17, ``--prometheus-port``).
+
+    Attributes:
+        in_flight: gauge, one series per engine (label ``worker``, the engine's URL such as
+            ``http://10.0.0.7:8000``): requests this router has assigned to that engine and
+            not seen finish. vllm-router sets it from the moment its policy picks the engine
+            to the end of the response, and only under the policies that track load
+            (``kv_aware``, ``cache_aware``, ``power_of_two``); under ``random``,
+            ``round_robin`` and ``consistent_hash`` it is absent. The router exports no gauge
+            of requests waiting in its own admission queue (``--max-concurrent-requests`` /
+            ``--queue-size``): that queue is invisible to every source.
+        worker_label: the label naming the engine in ``in_flight``.
+    """
+
+    in_flight: str = "vllm_router_running_requests"
+    worker_label: str = "worker"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.in_flight, str) or not _METRIC_NAME.match(self.in_flight):
+            raise ValueError("metric name for in_flight must match [a-zA-Z_:][a-zA-Z0-9_:]*;"
+                             f" got {self.in_flight!r}")
+        if not isinstance(self.worker_label, str) or not _LABEL_NAME.match(self.worker_label):
+            raise ValueError("worker_label must be a Prometheus label name"
+                             f" ([a-zA-Z_][a-zA-Z0-9_]*); got {self.worker_label!r}")

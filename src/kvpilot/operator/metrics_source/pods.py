@@ -12,6 +12,12 @@ from the previous scrape of the same pod, kept in memory:
 The first read of a pod (a new pod, or every pod after an operator restart) has no
 previous sample, so its rates are missing for one interval: the policy then holds (it
 never scales down on missing data), which is the safe way to lose the memory.
+
+The fleet's router pods (``routers``) are scraped in the same round, on their metrics
+port: ``vllm_router_running_requests`` per engine, summed over the routers, minus what the
+engines count is the demand held at the router (:func:`.reading.router_queued`). A router
+that cannot be scraped adds nothing; when none can, ``router_queued`` is None (counted as
+0) and the failure is logged once per episode, apart from the engines' own.
 """
 
 from __future__ import annotations
@@ -29,13 +35,15 @@ from kvpilot.operator.metrics_source.exposition import (
     EngineSample,
     ExpositionError,
     parse_engine_metrics,
+    parse_router_in_flight,
 )
-from kvpilot.operator.metrics_source.names import EngineMetricNames
+from kvpilot.operator.metrics_source.names import EngineMetricNames, RouterMetricNames
 from kvpilot.operator.metrics_source.reading import (
     EnginePod,
     MetricsReading,
     mean_context,
     pod_signals,
+    router_queued,
 )
 
 SCRAPE_TIMEOUT_SECONDS = 3.0
@@ -56,20 +64,23 @@ class PodScrapeSource:
 
     Args:
         label: names this fleet in logs (``namespace/name``).
-        names: the series to read.
+        names: the engine series to read.
         timeout_seconds: the whole request's limit per pod (connect limited to 1 s).
         client: an httpx client to use (tests); by default one is made and owned.
+        router_names: the router series to read.
     """
 
     name = "pods"
 
     def __init__(self, label: str, names: EngineMetricNames | None = None,
                  timeout_seconds: float = SCRAPE_TIMEOUT_SECONDS,
-                 client: httpx.Client | None = None) -> None:
+                 client: httpx.Client | None = None,
+                 router_names: RouterMetricNames | None = None) -> None:
         if not timeout_seconds > 0:
             raise ValueError(f"timeout_seconds must be > 0; got {timeout_seconds}")
         self.label = label
         self.names = names or EngineMetricNames()
+        self.router_names = router_names or RouterMetricNames()
         timeout = httpx.Timeout(timeout_seconds, connect=min(CONNECT_TIMEOUT_SECONDS,
                                                              timeout_seconds))
         self._owns_client = client is None
@@ -81,28 +92,73 @@ class PodScrapeSource:
         if self._owns_client:
             self._client.close()
 
-    def _scrape(self, pod: EnginePod) -> EngineSample:
+    def _page(self, pod: EnginePod) -> str:
         url = pod.metrics_url
         if url is None:
             raise ValueError("the pod has no IP yet")
         response = self._client.get(url)
         response.raise_for_status()
-        return parse_engine_metrics(response.text, self.names)
+        return response.text
 
-    def _scrape_all(self, pods: Sequence[EnginePod]) -> list[EngineSample | Exception]:
+    def _scrape(self, pod: EnginePod) -> EngineSample:
+        return parse_engine_metrics(self._page(pod), self.names)
+
+    def _scrape_router(self, pod: EnginePod) -> dict[str, float]:
+        return parse_router_in_flight(self._page(pod), self.router_names)
+
+    def _scrape_all(self, pods: Sequence[EnginePod], routers: Sequence[EnginePod] = ()
+                    ) -> tuple[list[EngineSample | Exception], list[dict[str, float] | Exception]]:
         def one(pod: EnginePod) -> EngineSample | Exception:
             try:
                 return self._scrape(pod)
             except (httpx.HTTPError, ExpositionError, ValueError) as exc:
                 return exc
 
-        if len(pods) <= 1:
-            return [one(p) for p in pods]
-        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SCRAPES, len(pods))) as pool:
-            return list(pool.map(one, pods))
+        def router(pod: EnginePod) -> dict[str, float] | Exception:
+            try:
+                return self._scrape_router(pod)
+            except (httpx.HTTPError, ExpositionError, ValueError) as exc:
+                return exc
 
-    def read(self, pods: Sequence[EnginePod], now: float) -> MetricsReading:
-        results = self._scrape_all(pods)
+        if len(pods) + len(routers) <= 1:
+            return [one(p) for p in pods], [router(p) for p in routers]
+        workers = min(MAX_PARALLEL_SCRAPES, len(pods) + len(routers))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            engines = pool.map(one, pods)
+            held = pool.map(router, routers)
+            return list(engines), list(held)
+
+    def _router_queued(self, pods: Sequence[EnginePod], signals: Sequence[PodSignals],
+                       routers: Sequence[EnginePod],
+                       results: Sequence[dict[str, float] | Exception], now: float
+                       ) -> float | None:
+        """Sum the routers' in-flight counts per engine and subtract what the engines
+        count; None without routers or when every router scrape failed (logged)."""
+        if not routers:
+            return None
+        in_flight: dict[str, float] = {}
+        failures = []
+        for pod, result in zip(routers, results):
+            if isinstance(result, Exception):
+                failures.append(f"{pod.name} ({type(result).__name__}: {result})")
+                continue
+            for worker, value in result.items():
+                in_flight[worker] = in_flight.get(worker, 0.0) + value
+        episode = f"{self.label} routers"
+        if failures:
+            self._episodes.failing(
+                episode, f"scraping /metrics failed for {len(failures)} of {len(routers)}"
+                f" router pods (their held requests count as 0): {'; '.join(failures[:3])}",
+                now)
+        else:
+            self._episodes.ok(episode, now)
+        if len(failures) == len(routers):
+            return None
+        return router_queued(in_flight, pods, signals)
+
+    def read(self, pods: Sequence[EnginePod], now: float,
+             routers: Sequence[EnginePod] = ()) -> MetricsReading:
+        results, router_results = self._scrape_all(pods, routers)
         signals: list[PodSignals] = []
         rates: list[float | None] = []
         failures: list[str] = []
@@ -148,4 +204,5 @@ class PodScrapeSource:
             mean_context_tokens=mean_context(prompt, generated, finished),
             reachable=not pods or len(failures) < len(pods),
             problem=problem,
+            router_queued=self._router_queued(pods, signals, routers, router_results, now),
         )

@@ -6,6 +6,11 @@ the retry. The answers are matched to the ready pods by the ``pod`` label; a pod
 sample in a query's answer has that signal missing (``None``), never zero (case C17). A
 transport error (connection refused, timeout) ends the read: every value left is missing
 and, if nothing was answered at all, the reading is unreachable (case C15).
+
+Last, within the same budget, :func:`.promql.router_query` reads the router pods'
+in-flight requests per engine; :func:`.reading.router_queued` turns them into the demand
+held at the router. Its failure or an empty answer leaves ``router_queued`` None (counted
+as 0) and does not make the engine signals missing.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from prometheus_api_client import PrometheusApiClientException, PrometheusConnec
 from urllib3.util.retry import Retry
 
 from kvpilot.operator.metrics_source.episodes import EpisodeLog
-from kvpilot.operator.metrics_source.names import EngineMetricNames
+from kvpilot.operator.metrics_source.names import EngineMetricNames, RouterMetricNames
 from kvpilot.operator.metrics_source.promql import (
     DEFAULT_RATE_WINDOW,
     SeriesSelector,
+    router_query,
     signal_queries,
 )
 from kvpilot.operator.metrics_source.reading import (
@@ -31,6 +37,7 @@ from kvpilot.operator.metrics_source.reading import (
     MetricsReading,
     mean_context,
     pod_signals,
+    router_queued,
 )
 
 QUERY_BUDGET_SECONDS = 5.0
@@ -53,7 +60,8 @@ def _capacities(result: list[Mapping[str, Any]], pod_label: str) -> dict[str, fl
 
 
 def _per_pod(result: list[Mapping[str, Any]], pod_label: str) -> dict[str, float]:
-    """``{pod: value}`` from an instant-vector answer (values arrive as strings)."""
+    """``{pod: value}`` from an instant-vector answer (values arrive as strings); with
+    another label (``worker``), ``{worker: value}``."""
     out: dict[str, float] = {}
     for item in result:
         pod = (item.get("metric") or {}).get(pod_label)
@@ -75,13 +83,15 @@ class PrometheusSource:
         names: the series names (a misspelled one yields missing data).
         rate_window: the ``rate()`` window.
         timeout_seconds: the budget for one whole read.
+        router_names: the router series names.
     """
 
     name = "prometheus"
 
     def __init__(self, url: str, selector: SeriesSelector, names: EngineMetricNames | None = None,
                  rate_window: str = DEFAULT_RATE_WINDOW,
-                 timeout_seconds: float = QUERY_BUDGET_SECONDS) -> None:
+                 timeout_seconds: float = QUERY_BUDGET_SECONDS,
+                 router_names: RouterMetricNames | None = None) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"the Prometheus url must start with http:// or https://; got {url!r}")
         if not timeout_seconds > 0:
@@ -90,6 +100,8 @@ class PrometheusSource:
         self.selector = selector
         self.names = names or EngineMetricNames()
         self.queries = signal_queries(self.names, selector, rate_window)
+        self.router_names = router_names or RouterMetricNames()
+        self.router_query = router_query(self.router_names, selector)
         self.timeout_seconds = timeout_seconds
         self._client = PrometheusConnect(url=self.url, retry=Retry(total=0),
                                          timeout=timeout_seconds)
@@ -99,11 +111,12 @@ class PrometheusSource:
         self._client.close()
 
     def _run_queries(self) -> tuple[PodValues, list[str], list[str], bool]:
-        """(values, failed query notes, empty signals, any answer at all)."""
+        """(values, failed query notes, empty signals, any answer at all); the routers'
+        in-flight requests per worker, when answered, under ``values["router_in_flight"]``."""
         values: PodValues = {}
         failed: list[str] = []
         empty: list[str] = []
-        answered = False
+        answered = down = False
         deadline = time.monotonic() + self.timeout_seconds
         pod = self.selector.pod_label
         for signal, query in self.queries.items():
@@ -115,6 +128,7 @@ class PrometheusSource:
                 result = self._client.custom_query(query, timeout=left)
             except requests.RequestException as exc:
                 failed.append(f"{type(exc).__name__}: {exc}")
+                down = True
                 break
             except (PrometheusApiClientException, ValueError, KeyError) as exc:
                 answered = True
@@ -125,9 +139,19 @@ class PrometheusSource:
                               else _per_pod(result, pod))
             if not result and signal != "cache_config":
                 empty.append(signal)
+        left = deadline - time.monotonic()
+        if answered and not down and left > 0:
+            try:
+                result = self._client.custom_query(self.router_query, timeout=left)
+            except (requests.RequestException, PrometheusApiClientException, ValueError,
+                    KeyError) as exc:
+                _log.debug("router query %s failed: %s", self.router_query, exc)
+            else:
+                values["router_in_flight"] = _per_pod(result, self.router_names.worker_label)
         return values, failed, empty, answered
 
-    def read(self, pods: Sequence[EnginePod], now: float) -> MetricsReading:
+    def read(self, pods: Sequence[EnginePod], now: float,
+             routers: Sequence[EnginePod] = ()) -> MetricsReading:
         values, failed, empty, answered = self._run_queries()
 
         def get(signal: str, name: str) -> float | None:
@@ -167,4 +191,5 @@ class PrometheusSource:
             mean_context_tokens=mean_context(prompt, generated, finished),
             reachable=answered,
             problem=problem,
+            router_queued=router_queued(values.get("router_in_flight", {}), pods, signals),
         )

@@ -26,6 +26,16 @@ requests_finished      ``sum by (pod) (max by (pod, finished_reason)
 ``max by (pod)`` keeps one sample per pod even when two scrape jobs collect the same
 target (duplicates are equal; a sum would double them). An empty vector for a pod is
 missing data, never zero (case C17).
+
+The router pods' series carry the same ``namespace`` and ``inference_deployment`` labels
+(``pod`` is then the router pod), and one sample per engine (label ``worker``, its URL);
+:func:`router_query` adds the routers up per engine::
+
+    sum by (worker) (max by (pod, worker) (vllm_router_running_requests{S}))
+
+``max by (pod, worker)`` drops duplicate scrapes of one router, ``sum by (worker)`` adds
+the routers. An empty answer means no router series (no router, or a routing policy that
+tracks no load): the held demand is then unknown and counted as 0, not reported as missing.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ import re
 from dataclasses import dataclass
 
 from kvpilot.operator.constants import SERIES_LABEL
-from kvpilot.operator.metrics_source.names import EngineMetricNames
+from kvpilot.operator.metrics_source.names import EngineMetricNames, RouterMetricNames
 
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _DURATION = re.compile(r"^[1-9][0-9]*(ms|s|m|h)$")
@@ -106,3 +116,9 @@ def signal_queries(names: EngineMetricNames, selector: SeriesSelector,
         "requests_finished": (f"sum by ({pod}) (max by ({pod}, finished_reason)"
                               f" ({names.requests_finished}{s}))"),
     }
+
+
+def router_query(names: RouterMetricNames, selector: SeriesSelector) -> str:
+    """The routers' in-flight requests per engine (worker URL), summed over router pods."""
+    return (f"sum by ({names.worker_label}) (max by ({selector.pod_label},"
+            f" {names.worker_label}) ({names.in_flight}{selector.matchers()}))")

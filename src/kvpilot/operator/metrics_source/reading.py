@@ -3,9 +3,10 @@ sources (Prometheus, pod scraping) and the autoscaler loop.
 
 ::
 
-    EnginePod(name, ip, port)  x N ready pods
-        --MetricsSource.read(pods, now)-->
-    MetricsReading(pods=(PodSignals, ...), generated tokens/s, mean context, reachable, problem)
+    EnginePod(name, ip, port)  x N ready pods   (+ the router pods, when there are any)
+        --MetricsSource.read(pods, now, routers)-->
+    MetricsReading(pods=(PodSignals, ...), generated tokens/s, mean context, reachable, problem,
+                   router_queued)
 
 Every value a source could not read is ``None``: a failed scrape, an empty PromQL vector,
 a series absent from ``/metrics``, a NaN or out-of-range sample. ``None`` is missing data,
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+from urllib.parse import urlsplit
 
 from kvpilot.autoscaler import PodSignals
 from kvpilot.operator.constants import ENGINE_PORT, METRICS_PATH
@@ -26,12 +28,12 @@ from kvpilot.operator.constants import ENGINE_PORT, METRICS_PATH
 
 @dataclass(frozen=True)
 class EnginePod:
-    """A ready engine pod to read.
+    """A ready pod to read: an engine, or a router (then ``port`` is its metrics port).
 
     Attributes:
         name: the pod's name (the ``pod`` label Prometheus attaches to its series).
         ip: ``status.podIP`` (the pods source scrapes it; None = not known).
-        port: the engine's HTTP port.
+        port: the engine's HTTP port (a router's Prometheus port).
     """
 
     name: str
@@ -61,6 +63,10 @@ class MetricsReading:
         reachable: False when the source answered nothing at all (Prometheus down, every
             scrape failed): MetricsAvailable=False, reason SourceUnreachable.
         problem: one line on what could not be read and why (None when all was read).
+        router_queued: requests the router pods hold that no ready engine counts yet
+            (:func:`router_queued`); None when no router series was read (no router, a
+            routing policy that exports none, or every router scrape failed), which the
+            autoscaler counts as 0.
     """
 
     source: str
@@ -69,6 +75,7 @@ class MetricsReading:
     mean_context_tokens: float | None = None
     reachable: bool = True
     problem: str | None = None
+    router_queued: float | None = None
 
     @property
     def kv_capacity_tokens(self) -> float | None:
@@ -83,9 +90,12 @@ class MetricsSource(Protocol):
 
     name: str
 
-    def read(self, pods: Sequence[EnginePod], now: float) -> MetricsReading:
+    def read(self, pods: Sequence[EnginePod], now: float,
+             routers: Sequence[EnginePod] = ()) -> MetricsReading:
         """Signals for ``pods`` at ``now`` (seconds; the same clock on every call, used
-        for counter rates)."""
+        for counter rates), and the demand the fleet's ready ``routers`` hold
+        (``router_queued``; the Prometheus source selects router series by label and does
+        not need them listed)."""
         ...
 
     def close(self) -> None:
@@ -125,3 +135,63 @@ def mean_context(prompt_tokens: float, generated_tokens: float,
     if finished_requests <= 0:
         return None
     return (prompt_tokens + generated_tokens) / finished_requests
+
+
+def worker_address(url: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a router's worker URL (``http://10.0.0.7:8000``,
+    ``http://[fd00::7]:8000``), the scheme's default port when none is written; None for
+    anything else."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    return parts.hostname.lower(), port if port is not None else (
+        443 if parts.scheme == "https" else 80)
+
+
+def router_queued(in_flight: Mapping[str, float], pods: Sequence[EnginePod],
+                  signals: Sequence[PodSignals]) -> float | None:
+    """Requests the routers hold that no ready engine counts yet (requests, >= 0).
+
+    ``in_flight`` is the routers' ``vllm_router_running_requests`` per worker URL, summed
+    over the router pods: requests each router assigned to that engine and has not seen
+    finish. vllm-router 0.1.17 exports no gauge of the requests it holds (found by
+    experiment; docs/autoscaling.md, "Demand held at the router"), so the held demand is
+    the difference between what the routers have in flight and what the engines count::
+
+        router_queued = max(0, sum over matched engines of
+                               (in_flight[engine] - (num_running + num_waiting)))
+
+    where a worker URL matches the ready pod whose ``(ip, port)`` it names and whose
+    running and waiting counts were both read. What the difference holds: requests between
+    the router's choice and the engine scheduler (in transit, in the engine's HTTP layer or
+    input queue, in a router retry back-off). Workers that match no ready pod are left
+    out: a draining or not-yet-ready pod's requests are not demand the fleet lacks. The
+    sum is clamped once, over all matched engines, so the skew between scrapes (a router
+    and an engine are not read at the same instant) cancels across pods instead of adding
+    up; requests sent to an engine directly (not through a router) can hide held ones.
+
+    Returns None when ``in_flight`` is empty (no router series), 0.0 when no worker
+    matched a pod that reported both counts.
+    """
+    if not in_flight:
+        return None
+    by_address: dict[tuple[str, int], PodSignals] = {}
+    for pod, signal in zip(pods, signals):
+        if pod.ip and signal.num_running is not None and signal.num_waiting is not None:
+            by_address[(pod.ip.lower().strip("[]"), pod.port)] = signal
+    routed = counted = 0.0
+    seen: set[tuple[str, int]] = set()
+    for url, value in in_flight.items():
+        address = worker_address(url)
+        if address is None or valid(value) is None or address not in by_address:
+            continue
+        routed += value
+        if address not in seen:  # two URLs for one engine: its own count once
+            seen.add(address)
+            signal = by_address[address]
+            counted += (signal.num_running or 0.0) + (signal.num_waiting or 0.0)
+    return max(0.0, routed - counted)
