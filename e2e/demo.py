@@ -1,9 +1,12 @@
 """``make demo``: the e2e cluster, the SmolLM2 sample, a load ramp, the scaling timeline.
 
 Starts the same local cluster as ``make e2e``, applies ``crds/samples/smollm2-cpu.yaml``
-unchanged, drives a ramp of ``kvpilot bench serve`` runs at the first engine pod, keeps
-sampling the resource's status until the fleet is back at minReplicas (or ``--max-seconds``),
-prints the timeline and plots it to ``e2e-demo/timeline.png``. Everything it started is
+unchanged, drives a ramp of ``kvpilot bench serve`` runs through the router's Service
+(``smollm2-router``, resolved from its EndpointSlice as kube-proxy would: the stand-in node
+has no kube-proxy), so new pods take traffic as soon as they are Ready; keeps sampling the
+resource's status and each pod's request count until the fleet is back at minReplicas (or
+``--max-seconds``), prints the timeline and plots it, per-pod traffic included, to
+``e2e-demo/timeline.png``. Everything it started is
 stopped on exit, Ctrl-C included.
 """
 
@@ -17,6 +20,7 @@ from pathlib import Path
 from e2e import procs
 from e2e.cluster import REPO, Cluster
 from e2e.load import Ramp, Step
+from e2e.tests.helpers import wait_service
 from e2e.timeline import Recorder, plot, table
 
 SAMPLE = REPO / "crds" / "samples" / "smollm2-cpu.yaml"
@@ -37,12 +41,12 @@ def main() -> int:
         cluster.start()
         cluster.kubectl("apply", "-f", str(SAMPLE))
         print(cluster.kubectl("get", "infd").stdout, flush=True)
-        cluster.wait_for(lambda: _ready_ip(cluster), 300, "the first engine pod")
-        ip = _ready_ip(cluster)
+        ip, port = wait_service(cluster, "default", f"{NAME}-router", timeout=300)
         with Recorder(cluster, "default", NAME) as recorder:
-            ramp = Ramp(f"http://{ip}:8000", [Step(2, 8), Step(8, 32), Step(24, 72),
-                                               Step(48, 144)], args.out).start()
-            print(f"demo: load ramp against {ip}:8000 (concurrency 2, 8, 24, 48)", flush=True)
+            ramp = Ramp(f"http://{ip}:{port}", [Step(2, 8), Step(8, 32), Step(24, 72),
+                                                 Step(48, 144)], args.out).start()
+            print(f"demo: load ramp through the router at {ip}:{port} "
+                  "(concurrency 2, 8, 24, 48)", flush=True)
             while ramp.running() and time.monotonic() - t0 < args.max_seconds:
                 time.sleep(5)
                 _progress(recorder)
@@ -64,15 +68,6 @@ def main() -> int:
         return 0
     finally:
         cluster.stop()
-
-
-def _ready_ip(cluster: Cluster) -> str | None:
-    pods = cluster.get_json("pods", "-l", f"kvpilot.dev/inference-deployment={NAME}")["items"]
-    for p in pods:
-        if any(c["type"] == "Ready" and c["status"] == "True"
-               for c in p.get("status", {}).get("conditions", [])):
-            return p["status"]["podIP"]
-    return None
 
 
 def _progress(recorder: Recorder) -> None:

@@ -7,8 +7,16 @@ and runs every pod the scheduler binds to it as local processes:
 - each container's ``command`` + ``args`` with its ``env`` (values and the downward API's
   name/namespace/podIP); the image is not pulled: ``kvpilot ...`` runs this repo's
   ``.venv/bin/kvpilot`` (what the engine image's entrypoint is), ``python3`` its python;
-- each pod on its own loopback address 127.0.0.N: ``--host 0.0.0.0`` becomes
-  ``--host 127.0.0.N`` and the container port is kept, so pods never collide;
+- each pod on its own loopback address 127.0.0.N: ``--host 0.0.0.0`` (and any
+  ``--...host 0.0.0.0``, such as the router's ``--prometheus-host``) becomes
+  ``--host 127.0.0.N``, ZMQ bind addresses ``tcp://*:PORT`` become ``tcp://127.0.0.N:PORT``,
+  and the container port is kept, so pods never collide; ``vllm-router`` runs this repo's
+  ``.venv/bin/vllm-router`` (what the router image's entrypoint is);
+- a pod whose service account token is mounted (``automountServiceAccountToken`` not
+  false) gets a token from the TokenRequest API, bound to the pod and its service account
+  as the kubelet's projected token is, written into a kubeconfig that ``KUBECONFIG``
+  names (clients such as the router's Kubernetes discovery read it before the in-cluster
+  files), so the pod's RBAC is what its requests are checked against;
 - emptyDir volumes are per-pod directories; env values under a mount path are rewritten
   to point into them (``HOME=/tmp`` becomes ``<pod dir>/tmp``);
 - the pod's own startup, liveness and readiness probes (HTTP GET) decide ``Ready`` and
@@ -39,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
@@ -61,14 +70,16 @@ def resolve_argv(container: dict[str, Any], pod_ip: str) -> list[str]:
     if not argv:
         raise ValueError(f"container {container['name']} has no command: images are not run")
     bin_dir = Path(sys.executable).parent
-    if argv[0] == "kvpilot":
-        argv[0] = str(bin_dir / "kvpilot")
+    if argv[0] in ("kvpilot", "vllm-router"):
+        argv[0] = str(bin_dir / argv[0])
     elif argv[0] in ("python", "python3"):
         argv[0] = sys.executable
     for i, arg in enumerate(argv[:-1]):
-        if arg == "--host" and argv[i + 1] in ("0.0.0.0", "::"):
+        if arg.startswith("--") and arg.endswith("host") and argv[i + 1] in ("0.0.0.0", "::"):
             argv[i + 1] = pod_ip
-    return argv
+    # ZMQ bind addresses (the engine's KV events endpoints, also inside its JSON config).
+    return [a.replace("tcp://*:", f"tcp://{pod_ip}:").replace("tcp://0.0.0.0:", f"tcp://{pod_ip}:")
+            for a in argv]
 
 
 @dataclass
@@ -123,9 +134,48 @@ class PodRunner:
                     break
             env[item["name"]] = value
         env.update(self.node.extra_env)
+        kubeconfig = self._service_account_kubeconfig()
+        if kubeconfig is not None:
+            env["KUBECONFIG"] = str(kubeconfig)
         for local in mounts.values():
             local.mkdir(parents=True, exist_ok=True)
         return env
+
+    def _service_account_kubeconfig(self) -> Path | None:
+        """A kubeconfig holding a token of the pod's service account, bound to the pod
+        (None when the pod does not mount one). Tokens live an hour; pods in the suite
+        live minutes."""
+        spec, meta = self.pod["spec"], self.pod["metadata"]
+        if spec.get("automountServiceAccountToken") is False:
+            return None
+        account = spec.get("serviceAccountName") or "default"
+        request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
+            audiences=[], expiration_seconds=3600,
+            bound_object_ref=client.V1BoundObjectReference(
+                api_version="v1", kind="Pod", name=meta["name"], uid=meta["uid"])))
+        deadline = time.monotonic() + 30
+        while True:  # the account may be created just after the pod, as with a kubelet
+            try:
+                token = self.node.core.create_namespaced_service_account_token(
+                    account, meta["namespace"], request).status.token
+                break
+            except ApiException as exc:
+                if exc.status != 404 or time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+        conf = self.node.core.api_client.configuration
+        path = self._pod_dir() / "serviceaccount.kubeconfig"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "pod",
+            "clusters": [{"name": "e2e", "cluster": {
+                "server": conf.host, "certificate-authority": conf.ssl_ca_cert}}],
+            "users": [{"name": account, "user": {"token": token}}],
+            "contexts": [{"name": "pod", "context": {
+                "cluster": "e2e", "user": account, "namespace": meta["namespace"]}}],
+        }))
+        path.chmod(0o600)
+        return path
 
     def _spawn(self, c: Container) -> None:
         argv = resolve_argv(c.spec, self.ip)

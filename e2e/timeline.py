@@ -1,5 +1,6 @@
-"""The scaling timeline: the resource's status and its Deployment's replica count sampled
-once a second (in a thread), printed as a table and plotted as a PNG."""
+"""The scaling timeline: the resource's status, its Deployment's replica count and each
+engine pod's finished requests sampled once a second (in a thread), printed as a table
+and plotted as a PNG."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import json
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +54,26 @@ class Recorder:
             "requestsWaiting": sig.get("requestsWaiting"),
             "metricsAvailable": metrics,
             "lastScaleReason": st.get("lastScaleReason"),
+            "podRequests": self._pod_requests(),
         }
+
+    def _pod_requests(self) -> dict[str, float]:
+        """Finished requests per ready engine pod, read from its own /metrics."""
+        pods = self.cluster.get_json(
+            "-n", self.namespace, "pods", "-l",
+            f"kvpilot.dev/inference-deployment={self.name},app.kubernetes.io/component=engine")
+        out: dict[str, float] = {}
+        for pod in pods["items"]:
+            ip = pod.get("status", {}).get("podIP")
+            if not ip or pod["metadata"].get("deletionTimestamp"):
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(f"http://{ip}:8000/metrics", timeout=2) as r:
+                    text = r.read().decode()
+                out[pod["metadata"]["name"]] = sum(
+                    float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("kvpilot:request_success_total{"))
+        return out
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -85,8 +106,15 @@ def _fmt(v: Any) -> str:
     return "-" if v is None else str(v)
 
 
+def _smooth(ys: list[float], window: int = 10) -> list[float]:
+    """Trailing mean over ``window`` samples (counters move in bursts of whole requests)."""
+    return [sum(ys[max(0, i - window + 1): i + 1]) / len(ys[max(0, i - window + 1): i + 1])
+            for i in range(len(ys))]
+
+
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
-    """Replicas (Deployment, ready) over time above KV usage and queued requests."""
+    """Replicas (Deployment, ready) over time above KV usage, queued requests and each
+    engine pod's request rate (finished requests per second, from its counter)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,7 +125,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     def col(name: str) -> list[float]:
         return [float("nan") if r.get(name) is None else r[name] for r in rows]
 
-    fig, (top, mid, low) = plt.subplots(3, 1, sharex=True, figsize=(9, 7))
+    fig, (top, mid, low, pods) = plt.subplots(4, 1, sharex=True, figsize=(9, 9))
     top.step(t, col("deploymentReplicas"), where="post", label="Deployment replicas")
     top.step(t, col("readyReplicas"), where="post", label="ready pods")
     top.set_ylabel("replicas")
@@ -111,8 +139,22 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     low.plot(t, col("requestsRunning"), label="running")
     low.plot(t, col("requestsWaiting"), label="waiting")
     low.set_ylabel("requests")
-    low.set_xlabel("seconds")
     low.legend(loc="upper left")
+    names = sorted({n for r in rows for n in (r.get("podRequests") or {})})
+    for i, name in enumerate(names):
+        xs, ys = [], []
+        prev = None
+        for r in rows:
+            n = (r.get("podRequests") or {}).get(name)
+            if n is not None and prev is not None and r["t"] > prev[0]:
+                xs.append(r["t"])
+                ys.append(max(0.0, n - prev[1]) / (r["t"] - prev[0]))
+            prev = (r["t"], n) if n is not None else None
+        pods.plot(xs, _smooth(ys), label=f"pod {i + 1} ({name[-5:]})")
+    pods.set_ylabel("requests/s per pod")
+    pods.set_xlabel("seconds")
+    if names:
+        pods.legend(loc="upper left", fontsize="small")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

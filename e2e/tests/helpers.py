@@ -72,9 +72,11 @@ def deployment(cluster: Cluster, namespace: str, name: str) -> dict[str, Any] | 
     return json.loads(r.stdout) if r.returncode == 0 else None
 
 
-def ready_pods(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
+def ready_pods(cluster: Cluster, namespace: str, name: str,
+               component: str = "engine") -> list[dict[str, Any]]:
     pods = cluster.get_json("-n", namespace, "pods", "-l",
-                            f"kvpilot.dev/inference-deployment={name}")["items"]
+                            f"kvpilot.dev/inference-deployment={name},"
+                            f"app.kubernetes.io/component={component}")["items"]
     return [p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
         c["type"] == "Ready" and c["status"] == "True"
         for c in p.get("status", {}).get("conditions", []))]
@@ -94,10 +96,11 @@ def wait_ready(cluster: Cluster, namespace: str, name: str, replicas: int,
 
 
 def completion(ip: str, prompt: str = "The capital of France is", max_tokens: int = 8,
-               model: str = "smollm2-135m-instruct", timeout: float = 60) -> dict[str, Any]:
+               model: str = "smollm2-135m-instruct", timeout: float = 60,
+               port: int = 8000) -> dict[str, Any]:
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
                        "temperature": 0}).encode()
-    request = urllib.request.Request(f"http://{ip}:8000/v1/completions", data=body,
+    request = urllib.request.Request(f"http://{ip}:{port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as r:
         return json.load(r)
@@ -107,3 +110,48 @@ def events(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
     return [e for e in cluster.get_json("-n", namespace, "events")["items"]
             if e["involvedObject"].get("name") == name
             and e["involvedObject"].get("kind") == "InferenceDeployment"]
+
+
+def service_address(cluster: Cluster, namespace: str, service: str,
+                    port_name: str | None = None) -> tuple[str, int] | None:
+    """A ready address of ``service`` as kube-proxy would pick it: from the Service's
+    EndpointSlices (maintained by the control plane from the pods' readiness), never a pod
+    looked up by hand. None while no endpoint is ready. The stand-in node has no
+    kube-proxy, so clients connect to the endpoint the Service's ClusterIP would forward to.
+    """
+    slices = cluster.get_json("-n", namespace, "endpointslices", "-l",
+                              f"kubernetes.io/service-name={service}")["items"]
+    for sl in slices:
+        ports = sl.get("ports") or []
+        port = next((p["port"] for p in ports if port_name in (None, p.get("name"))), None)
+        if port is None:
+            continue
+        for ep in sl.get("endpoints") or []:
+            if (ep.get("conditions") or {}).get("ready") and not (
+                    ep.get("conditions") or {}).get("terminating"):
+                return ep["addresses"][0], int(port)
+    return None
+
+
+def wait_service(cluster: Cluster, namespace: str, service: str,
+                 timeout: float = 120) -> tuple[str, int]:
+    """Until ``service`` has a ready endpoint; returns its (address, port)."""
+    return cluster.wait_for(lambda: service_address(cluster, namespace, service), timeout,
+                            f"a ready endpoint behind {namespace}/{service}")
+
+
+def scrape(ip: str, port: int = 8000, path: str = "/metrics") -> dict[str, float]:
+    """A pod's Prometheus text as ``{"name{labels}": value}`` (comments dropped)."""
+    with urllib.request.urlopen(f"http://{ip}:{port}{path}", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def metric_sum(samples: dict[str, float], name: str) -> float:
+    """The sum of every series of ``name`` (any labels)."""
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))

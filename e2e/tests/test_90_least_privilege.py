@@ -20,9 +20,19 @@ ALLOWED = [
     ("create", "poddisruptionbudgets.policy"),
     ("list", "pods"),
     ("create", "events"),
+    # The request router: its ServiceAccount, the RoleBinding to kvpilot-router, and the
+    # deletes when a spec turns its router off (docs/operator.md, "Routing").
+    ("create", "serviceaccounts"),
+    ("create", "rolebindings.rbac.authorization.k8s.io"),
+    ("bind", "clusterroles.rbac.authorization.k8s.io:kvpilot-router"),
+    ("delete", "deployments.apps"),
+    ("delete", "services"),
 ]
 DENIED = [
-    ("delete", "deployments.apps"),
+    ("bind", "clusterroles.rbac.authorization.k8s.io:cluster-admin"),
+    ("bind", "clusterroles.rbac.authorization.k8s.io:admin"),
+    ("create", "roles.rbac.authorization.k8s.io"),
+    ("delete", "namespaces"),
     ("delete", "inferencedeployments.kvpilot.dev"),
     ("update", "inferencedeployments.kvpilot.dev"),
     ("get", "secrets"),
@@ -41,10 +51,12 @@ DENIED = [
 
 def _can_i(cluster, verb: str, resource: str):
     # `kubectl auth can-i VERB RES/NAME` reads NAME as an object name: subresources go
-    # through --subresource.
+    # through --subresource; here "RES:NAME" names one object.
+    resource, _, name = resource.partition(":")
     resource, _, sub = resource.partition("/")
     extra = [f"--subresource={sub}"] if sub else []
-    return cluster.kubectl("auth", "can-i", verb, resource, *extra, "-n", "default",
+    target = f"{resource}/{name}" if name else resource
+    return cluster.kubectl("auth", "can-i", verb, target, *extra, "-n", "default",
                            kubeconfig=cluster.operator_kubeconfig, check=False)
 
 

@@ -230,3 +230,73 @@ def test_a_worker_added_at_run_time_is_indexed_too(engines, router_for):
     warm(router, a, prefix("orchard"))  # something on A too, so A is not simply empty
     served, cached = routed_to(router, engines, q)
     assert served == 1 and cached >= n_q - 48, (served, cached, n_q)
+
+
+def credited(router: RouterProcess) -> list[tuple[str, int]]:
+    """The router's KV routing decisions so far: (worker, prefix tokens it credited)."""
+    return [(w, int(c)) for w, _, c in re.findall(
+        r'KV prefix decision outcome="prefix_cost" worker="([^"]+)" input_tokens=(\d+) '
+        r"new_prefill_tokens=\d+ credited_prefix_tokens=(\d+)", router.logs())]
+
+
+def test_a_restarted_router_rebuilds_its_index_from_replayed_events(engines, router_for):
+    """Blocks announced while no router listened (the router restarted) come back by
+    replay from the engine's buffer, so the new router credits them at once."""
+    a, b = engines
+    first = router_for(a.url, b.url)
+    for e in engines:
+        subscribe(first, e)
+    q = prefix("harbor")
+    n_q = warm(first, b, q)
+    first.stop()
+    again = router_for(a.url, b.url)
+    for e in engines:
+        subscribe(again, e)  # a live batch after the gap makes the router ask for a replay
+    time.sleep(2)
+    served, cached = routed_to(again, engines, q)
+    assert served == 1 and cached >= n_q - 48, (served, cached, n_q, again.logs()[-3000:])
+    assert credited(again)[-1] == (b.url, credited(again)[-1][1]) and credited(again)[-1][1] > 400
+
+
+def test_a_killed_replica_gets_no_new_requests(router_for):
+    """An engine killed (SIGKILL) under the router: its open stream ends with an error
+    rather than hanging, and every later request is served by the live engine."""
+    procs = [ServerProcess("--kv-cache-memory", "0.05", "--max-model-len", "1024", "--log-level", "warning",
+                           "--kv-events-config", EVENTS) for _ in range(2)]
+    try:
+        for p in procs:
+            p.wait_ready()
+        live, doomed = procs
+        router = router_for(live.url, doomed.url)
+        # Stream through the router until one stream lands on the doomed engine.
+        body = {"prompt": "Count slowly:", "max_tokens": 400, "stream": True,
+                "ignore_eos": True, "temperature": 0}
+        ended_cleanly = None
+        for _ in range(6):
+            with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
+                lines = r.iter_lines()
+                next(lines)  # the first chunk: the stream is running on some engine
+                running = httpx.get(f"{doomed.url}/get_load", timeout=5).json()["load"]
+                if running == 0:
+                    continue  # it landed on the live engine; try again
+                doomed.proc.send_signal(signal.SIGKILL)
+                t0 = time.monotonic()
+                try:
+                    rest = list(lines)
+                    ended_cleanly = any('"finish_reason":"length"' in x.replace(" ", "") for x in rest)
+                except httpx.HTTPError:
+                    ended_cleanly = False
+                assert time.monotonic() - t0 < 30, "the cut stream hung"
+            break
+        assert ended_cleanly is False, "the stream on the killed engine claimed to finish normally"
+        # New requests: all served, by the live engine, from the first one on (a failed
+        # attempt on the dead one is retried once, elsewhere).
+        before = successes(live)
+        for i in range(6):
+            r = httpx.post(f"{router.url}/v1/completions",
+                           json={"prompt": f"Question {i}:", "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200, (i, r.status_code, r.text, router.logs()[-3000:])
+        assert successes(live) - before == 6
+    finally:
+        for p in procs:
+            p.stop()
