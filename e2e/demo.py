@@ -2,7 +2,7 @@
 
 Starts the same local cluster as ``make e2e``, applies ``crds/samples/smollm2-cpu.yaml``
 unchanged, drives a ramp of ``kvpilot bench serve`` runs through the router's Service
-(``smollm2-router``, resolved from its EndpointSlice as kube-proxy would: the stand-in node
+(``smollm2-router``, resolved to a Ready pod behind it as kube-proxy would: the stand-in node
 has no kube-proxy), so new pods take traffic as soon as they are Ready; keeps sampling the
 resource's status and each pod's request count until the fleet is back at minReplicas (or
 ``--max-seconds``), prints the timeline and plots it, per-pod traffic included, to

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import urllib.request
 from typing import Any
 
@@ -112,24 +113,26 @@ def events(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
             and e["involvedObject"].get("kind") == "InferenceDeployment"]
 
 
-def service_address(cluster: Cluster, namespace: str, service: str,
-                    port_name: str | None = None) -> tuple[str, int] | None:
-    """A ready address of ``service`` as kube-proxy would pick it: from the Service's
-    EndpointSlices (maintained by the control plane from the pods' readiness), never a pod
-    looked up by hand. None while no endpoint is ready. The stand-in node has no
-    kube-proxy, so clients connect to the endpoint the Service's ClusterIP would forward to.
-    """
-    slices = cluster.get_json("-n", namespace, "endpointslices", "-l",
-                              f"kubernetes.io/service-name={service}")["items"]
-    for sl in slices:
-        ports = sl.get("ports") or []
-        port = next((p["port"] for p in ports if port_name in (None, p.get("name"))), None)
-        if port is None:
+def service_address(cluster: Cluster, namespace: str, service: str) -> tuple[str, int] | None:
+    """A ready backend of ``service`` as kube-proxy would pick it: a Ready pod its selector
+    matches, on its target port (a named container port resolved). None while none is
+    ready. On a real node the EndpointSlice controller lists these; the stand-in node's
+    pods have loopback addresses, which EndpointSlices refuse, and no kube-proxy, so the
+    Service's own selector and port are resolved here the same way."""
+    svc = cluster.get_json("-n", namespace, "service", service)
+    selector = ",".join(f"{k}={v}" for k, v in sorted(svc["spec"]["selector"].items()))
+    target = svc["spec"]["ports"][0].get("targetPort", svc["spec"]["ports"][0]["port"])
+    for pod in cluster.get_json("-n", namespace, "pods", "-l", selector)["items"]:
+        status = pod.get("status", {})
+        if pod["metadata"].get("deletionTimestamp") or not any(
+                c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", [])):
             continue
-        for ep in sl.get("endpoints") or []:
-            if (ep.get("conditions") or {}).get("ready") and not (
-                    ep.get("conditions") or {}).get("terminating"):
-                return ep["addresses"][0], int(port)
+        port = target
+        if isinstance(target, str):
+            port = next((p["containerPort"] for c in pod["spec"]["containers"]
+                         for p in c.get("ports", []) if p.get("name") == target), None)
+        if port is not None:
+            return status["podIP"], int(port)
     return None
 
 
@@ -155,3 +158,12 @@ def scrape(ip: str, port: int = 8000, path: str = "/metrics") -> dict[str, float
 def metric_sum(samples: dict[str, float], name: str) -> float:
     """The sum of every series of ``name`` (any labels)."""
     return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def router_log(cluster: Cluster, namespace: str, name: str) -> str:
+    """The logs of ``name``'s router pods, ANSI colours removed, as the node wrote them
+    (its stand-in for /var/log/pods: ``<workdir>/logs/pods/<ns>_<pod>_<container>.log``)."""
+    text = []
+    for path in sorted((cluster.workdir / "logs" / "pods").glob(f"{namespace}_{name}-router-*.log")):
+        text.append(re.sub(r"\x1b\[[0-9;]*m", "", path.read_text(errors="replace")))
+    return "\n".join(text)

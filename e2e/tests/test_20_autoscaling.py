@@ -166,6 +166,21 @@ def test_kill_engine_under_load(cluster, fleet):
     assert ok and not failed, f"the other pod was affected: {len(ok)} ok, {failed[:3]}"
     assert _replicas(cluster) >= 2
 
+    # The router dropped the dead engine's KV index entries (pod not Ready: worker removed,
+    # its subscriber retired) and indexes the restarted engine afresh under its new
+    # instance id, whose event sequence starts over.
+    url = re.escape(f"http://{victim_ip}:8000")
+
+    def reindexed():
+        log = h.router_log(cluster, NS, NAME)
+        removed = [m.end() for m in re.finditer(rf"kv_index {url}: removed subscribers", log)]
+        spawned = [(m.end(), m.group(1)) for m in re.finditer(
+            rf"kv_index {url}: spawned subscriber rank0 \(instance (\S+)\)", log)]
+        return (removed and len(spawned) >= 2 and spawned[-1][0] > removed[-1]
+                and spawned[-1][1] != spawned[-2][1])
+
+    cluster.wait_for(reindexed, 60, "the router to re-index the restarted engine")
+
 
 def _running(ip: str) -> float:
     with urllib.request.urlopen(f"http://{ip}:8000/metrics", timeout=5) as r:
