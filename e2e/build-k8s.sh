@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the control-plane binaries `make e2e` and `make demo` run, once, into a cache
 # outside the repo: ~/.cache/kvpilot/k8s/<version>/bin (override with KVPILOT_K8S_CACHE).
-#   kube-apiserver, kube-controller-manager, kube-scheduler  k8s.io/kubernetes $K8S_VERSION
+#   kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kube-proxy
+#               k8s.io/kubernetes $K8S_VERSION (the node's two run the real-node e2e)
 #   etcd        go.etcd.io/etcd/server/v3 $ETCD_VERSION
 #   prometheus  github.com/prometheus/prometheus $PROM_MODULE_VERSION; Debian's package
 #               lacks Kubernetes service discovery, which the e2e Prometheus needs
@@ -34,7 +35,8 @@ export GOFLAGS=-mod=mod CGO_ENABLED=0 GOTOOLCHAIN=local
 have() { [ -x "$BIN/$1" ] && "$BIN/$1" --version >/dev/null 2>&1; }
 
 build_kubernetes() {
-  if have kube-apiserver && have kube-controller-manager && have kube-scheduler; then return; fi
+  if have kube-apiserver && have kube-controller-manager && have kube-scheduler \
+      && have kubelet && have kube-proxy; then return; fi
   local dir="$WORK/kubernetes" minor patch major
   major="${K8S_VERSION#v}"; major="${major%%.*}"
   minor="${K8S_VERSION#v*.}"; minor="${minor%%.*}"
@@ -63,6 +65,8 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+	_ "k8s.io/kubernetes/cmd/kubelet"
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
 )
 GO
   local ld="-s -w"
@@ -70,11 +74,13 @@ GO
     ld="$ld -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor"
     ld="$ld -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
   done
-  log "building kube-apiserver, kube-controller-manager, kube-scheduler $K8S_VERSION (cold: tens of minutes on 2 cores)"
+  log "building kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kube-proxy $K8S_VERSION (cold: tens of minutes on 2 cores)"
   (cd "$dir" && "$GO" build -trimpath -tags=selinux,notest,grpcnotrace -ldflags "$ld" -o "$BIN/" \
     k8s.io/kubernetes/cmd/kube-apiserver \
     k8s.io/kubernetes/cmd/kube-controller-manager \
-    k8s.io/kubernetes/cmd/kube-scheduler)
+    k8s.io/kubernetes/cmd/kube-scheduler \
+    k8s.io/kubernetes/cmd/kubelet \
+    k8s.io/kubernetes/cmd/kube-proxy)
 }
 
 build_etcd() {

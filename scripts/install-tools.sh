@@ -4,6 +4,9 @@
 #   promtool, prometheus  from Debian's `prometheus` package (apt), linked into .tools/bin
 #             (promtool tests the alert rules; the autoscaler's metric-source tests start a
 #             real Prometheus server on 127.0.0.1 that scrapes a real engine)
+#   containerd, runc, CNI plugins, buildah, debootstrap, iptables, conntrack  from Debian's
+#             packages (apt): the real node of `make e2e` (e2e/realnode.py) and the image
+#             builds (e2e/images.py); the Debian service is not started, the suite runs its own
 # Idempotent and fast when everything is already there (a version check per tool).
 # CI runs it as root on a clean machine, so apt-get is called directly when needed.
 # The Kubernetes JSON schemas used to validate rendered manifests come from the PyPI
@@ -54,6 +57,24 @@ install_prometheus() {
   ln -sf "$(command -v prometheus)" "$TOOLS_BIN/prometheus"
 }
 
+NODE_PACKAGES=(containerd runc containernetworking-plugins buildah debootstrap iptables conntrack)
+install_node_packages() {
+  local missing=()
+  for pkg in "${NODE_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  done
+  if [ "${#missing[@]}" -eq 0 ]; then return; fi
+  log "installing Debian packages ${missing[*]} (the e2e node and image builds)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  # policy-rc.d 101: the packages' services are not started (the suite runs its own).
+  local policy=/usr/sbin/policy-rc.d created=0
+  if [ ! -e "$policy" ]; then printf '#!/bin/sh\nexit 101\n' >"$policy"; chmod +x "$policy"; created=1; fi
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  if [ "$created" = 1 ]; then rm -f "$policy"; fi
+}
+
 install_helm
 install_prometheus
-log "ok: $("$TOOLS_BIN/helm" version --template '{{.Version}}'), promtool $("$TOOLS_BIN/promtool" --version 2>&1 | head -1 | awk '{print $3}'), prometheus $("$TOOLS_BIN/prometheus" --version 2>&1 | head -1 | awk '{print $3}')"
+install_node_packages
+log "ok: $(containerd --version | awk '{print $3}') containerd, $(buildah --version | awk '{print $3}') buildah, $("$TOOLS_BIN/helm" version --template '{{.Version}}'), promtool $("$TOOLS_BIN/promtool" --version 2>&1 | head -1 | awk '{print $3}'), prometheus $("$TOOLS_BIN/prometheus" --version 2>&1 | head -1 | awk '{print $3}')"
