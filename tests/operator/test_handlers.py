@@ -197,10 +197,15 @@ def test_register_wires_every_trigger():
     assert daemon.cancellation_timeout == DAEMON_CANCELLATION_TIMEOUT_SECONDS
     assert daemon.when(spec={"autoscaling": {"maxReplicas": 3}}) is True
     assert daemon.when(spec={"replicas": 2}) is False
-    (watch,) = registry._watching.get_all_handlers()
-    assert watch.id == "child-deployment"  # engine and router Deployments
+    watching = {h.id: h for h in registry._watching.get_all_handlers()}
+    assert set(watching) == {"child-deployment", "engine-restarts"}
+    watch = watching["child-deployment"]  # engine and router Deployments
     assert (watch.selector.group, watch.selector.any_name) == ("apps", "deployments")
     assert watch.labels == {c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
+    pods = watching["engine-restarts"]  # engine pods only: restarts reported on the owner
+    assert (pods.selector.group, pods.selector.any_name) == ("", "pods")
+    assert pods.labels == {c.LABEL_MANAGED_BY: c.FIELD_MANAGER,
+                           c.LABEL_COMPONENT: c.ENGINE_COMPONENT}
     activities = {h.id: h.activity.value for h in registry._activities.get_all_handlers()}
     assert activities == {"configure": "startup", "login-via-client": "authentication"}
 

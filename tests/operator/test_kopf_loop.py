@@ -268,3 +268,33 @@ def test_autoscaler_daemon_scales_from_metrics_and_stops_with_autoscaling(operat
     assert len(HOT.source.reads) == reads
     wait_for("the static count", lambda: store.get(*DEPLOYMENTS, "llm", "hot")["spec"]
              ["replicas"] == 2)
+
+
+def test_an_engine_restart_is_an_event_on_the_owner(operator):
+    """The operator watches engine pods through Kopf: a container whose restartCount goes
+    up (the kubelet restarted it after an OOM kill) becomes a Warning Event
+    EngineRestarted on the InferenceDeployment, and nothing is written to the pod."""
+    server, context = operator
+    store = server.store
+    store.create(*CR, {"apiVersion": c.API_VERSION, "kind": c.KIND,
+                       "metadata": {"name": "chat", "namespace": "llm"},
+                       "spec": {"model": {"uri": "embedded://smollm2-135m-instruct"}}})
+    body = engine_pod("chat-abc", "chat")
+    body["metadata"]["labels"][c.LABEL_MANAGED_BY] = c.FIELD_MANAGER
+    body["status"]["containerStatuses"] = [{"name": "engine", "restartCount": 0}]
+    store.create("", "pods", body)
+    wait_for("the pod's baseline", lambda: len(context.restarts) == 1)
+
+    def oom(obj):
+        obj["status"]["containerStatuses"] = [{
+            "name": "engine", "restartCount": 1,
+            "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}]
+        return obj
+
+    store.update("", "pods", "llm", "chat-abc", oom)
+    (event,) = wait_for("the EngineRestarted event", lambda: events(store, "EngineRestarted"))
+    assert event["type"] == "Warning"
+    assert event["involvedObject"]["name"] == "chat" and "OOMKilled" in event["message"]
+    stored = store.get("", "pods", "llm", "chat-abc")
+    assert not any(k.startswith(c.ANNOTATION_PREFIX)
+                   for k in stored["metadata"].get("annotations") or {})

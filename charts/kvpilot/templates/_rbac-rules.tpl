@@ -59,10 +59,11 @@ request-router objects the operator made, when a spec turns its router off or sw
   resources: ["inferencepools"]
   verbs: ["get", "create", "patch", "delete"]
 # Find the ready engine pods whose /metrics the autoscaler scrapes (metrics.source: pods)
-# and count pending pods as supply (one list per interval; no watch).
+# and count pending pods as supply (one list per interval); watch the engine pods for
+# container restarts (OOM kills, failed liveness probes), reported as EngineRestarted Events.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
+  verbs: ["list", "watch"]
 # Record reconciles and every scaling decision as Events on the InferenceDeployment.
 - apiGroups: [""]
   resources: ["events"]

@@ -33,6 +33,7 @@ from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.metrics_source import MetricsSource, SourceConfig, build_source
 from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.reconcile import ReconcileResult, Resource, reconcile
+from kvpilot.operator.restarts import RestartTracker
 from kvpilot.operator.spec import SpecError, parse_spec
 from kvpilot.operator.status.conditions import set_conditions
 from kvpilot.operator.status.router import router_condition
@@ -66,6 +67,8 @@ class OperatorContext:
         post_event: posts an Event on an object.
         source_factory: builds the autoscaler's metric source for a resource (a fake in
             tests).
+        restarts: engine restart counts last seen per pod (shared by every copy of the
+            memo: Kopf copies it shallowly per object).
     """
 
     api: KubeApi
@@ -74,6 +77,7 @@ class OperatorContext:
     clock: Callable[[], datetime] = _utc_now
     post_event: EventPoster = post_kopf_event
     source_factory: Callable[[SourceConfig], MetricsSource] = build_source
+    restarts: RestartTracker = field(default_factory=RestartTracker)
 
 
 class ReconcileRefused(kopf.PermanentError):
@@ -243,6 +247,35 @@ def _only_times_differ(changed: Mapping[str, Any], current: Mapping[str, Any]) -
                 for cond in conds or ()]
 
     return strip(changed["conditions"]) == strip(current.get("conditions"))
+
+
+def on_engine_pod_event(body: kopf.Body, type: str | None, memo: OperatorContext,
+                        **_: Any) -> None:
+    """An engine pod changed: report each container restart seen since the last event as
+    a Warning Event ``EngineRestarted`` on its InferenceDeployment, counted by reason in
+    ``kvpilot_operator_engine_restarts_total`` (:mod:`kvpilot.operator.restarts`). A
+    failed read of the owner is logged, not retried: the restart is still counted."""
+    if type == "DELETED":
+        memo.restarts.forget(body)
+        return
+    restarts = memo.restarts.observe(body)
+    if not restarts:
+        return
+    meta = body.get("metadata", {})
+    name, namespace = (meta.get("labels") or {}).get(c.LABEL_OWNER), meta.get("namespace")
+    if not name or not namespace:
+        return
+    for restart in restarts:
+        memo.metrics.count_restarts(namespace, name, restart.reason, restart.added)
+    try:
+        owner = memo.api.get(c.API_VERSION, c.KIND, namespace, name)
+    except ApiError as exc:
+        logging.getLogger(__name__).warning("engine restart on %s/%s not posted: %s",
+                                            namespace, name, exc)
+        return
+    if owner is not None:
+        for restart in restarts:
+            memo.post_event(owner, "Warning", "EngineRestarted", restart.message())
 
 
 def on_delete(body: kopf.Body, memo: OperatorContext, **_: Any) -> None:

@@ -14,6 +14,9 @@ series                                         type     meaning
 ``kvpilot_operator_max_replicas``                       alert: AutoscalerPinnedAtMax)
 ``kvpilot_operator_scale_events_total``        counter  resizes by ``direction`` (up, down;
                                                         alert: ReplicaFlapping)
+``kvpilot_operator_engine_restarts_total``     counter  engine container restarts seen, by
+                                                        ``reason`` (OOMKilled, Error, ...;
+                                                        :mod:`kvpilot.operator.restarts`)
 =============================================  =======  =====================================
 
 Per-resource series carry ``namespace`` and ``inference_deployment`` labels, the same
@@ -65,6 +68,15 @@ class OperatorMetrics:
         self.scale_events = Counter("kvpilot_operator_scale_events",
                                     "Engine Deployment resizes", [*_KEYS, "direction"],
                                     registry=r)
+        self.engine_restarts = Counter("kvpilot_operator_engine_restarts",
+                                       "Engine container restarts seen, by termination reason",
+                                       [*_KEYS, "reason"], registry=r)
+        self._restart_series: set[tuple[str, str, str]] = set()
+
+    def count_restarts(self, namespace: str, name: str, reason: str, count: int) -> None:
+        """Add ``count`` engine restarts of ``reason`` for a resource."""
+        self._restart_series.add((namespace, name, reason))
+        self.engine_restarts.labels(namespace, name, reason).inc(count)
 
     def count_reconcile(self, result: str, seconds: float) -> None:
         if result not in RESULTS:
@@ -102,6 +114,10 @@ class OperatorMetrics:
         for direction in ("up", "down"):
             with contextlib.suppress(KeyError):
                 self.scale_events.remove(namespace, name, direction)
+        for labels in [k for k in self._restart_series if k[:2] == (namespace, name)]:
+            self._restart_series.discard(labels)
+            with contextlib.suppress(KeyError):
+                self.engine_restarts.remove(*labels)
 
     @staticmethod
     def _remove(gauges: tuple[Gauge, ...], namespace: str, name: str) -> None:

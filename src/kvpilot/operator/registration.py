@@ -8,6 +8,8 @@ InferenceDeployment create/update/     :func:`~kvpilot.operator.handlers.on_spec
 resume
 every ``--resync-seconds``             :func:`~kvpilot.operator.handlers.on_resync`
 engine or router Deployment event      :func:`~kvpilot.operator.handlers.on_deployment_event`
+engine pod event (watch)               :func:`~kvpilot.operator.handlers.on_engine_pod_event`
+                                       (restarts reported on the owner)
 InferenceDeployment delete             :func:`~kvpilot.operator.handlers.on_delete`
 ``spec.autoscaling`` set               :func:`~kvpilot.operator.autoscale_loop.autoscaler_daemon`
                                        (one loop per resource, every ``intervalSeconds``)
@@ -22,7 +24,13 @@ import kopf
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.autoscale_loop import autoscaler_daemon, has_autoscaling
-from kvpilot.operator.handlers import on_delete, on_deployment_event, on_resync, on_spec
+from kvpilot.operator.handlers import (
+    on_delete,
+    on_deployment_event,
+    on_engine_pod_event,
+    on_resync,
+    on_spec,
+)
 from kvpilot.operator.options import OperatorOptions
 
 # How long Kopf waits for the autoscaler daemon to finish its tick when stopping it.
@@ -63,6 +71,11 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
                initial_delay=options.resync_seconds)(on_resync)
     kopf.on.event("apps", "v1", "deployments", registry=registry, id="child-deployment",
                   labels={c.LABEL_MANAGED_BY: c.FIELD_MANAGER})(on_deployment_event)
+    # Engine pods: their restarts are reported on the owner (watch only; nothing is
+    # written to the pods, so no progress or diff-base annotations on them).
+    kopf.on.event("", "v1", "pods", registry=registry, id="engine-restarts",
+                  labels={c.LABEL_MANAGED_BY: c.FIELD_MANAGER,
+                          c.LABEL_COMPONENT: c.ENGINE_COMPONENT})(on_engine_pod_event)
     kopf.on.delete(*resource, registry=registry, id="forget", optional=True)(on_delete)
     kopf.daemon(*resource, registry=registry, id="autoscaler", when=has_autoscaling,
                 cancellation_timeout=DAEMON_CANCELLATION_TIMEOUT_SECONDS)(autoscaler_daemon)
