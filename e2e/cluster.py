@@ -1,13 +1,13 @@
-"""The whole e2e environment, in start order, for the tests and ``make demo``:
+"""The whole e2e environment, in start order, for the tests and ``make demo``: what a user
+deploys, on a real node, in a network namespace of the suite's own (:mod:`e2e.netns`).
 
-1. the control plane (:mod:`e2e.controlplane`);
-2. the InferenceDeployment CRD from ``crds/`` (server-side apply, waits for Established);
-3. the chart's ServiceAccount, ClusterRole and ClusterRoleBinding, rendered by
-   ``helm template`` and applied unchanged; the operator logs in with a token of that
-   ServiceAccount (TokenRequest), so it has the chart's RBAC and nothing more;
-4. the local node (:mod:`e2e.node`) that runs engine pods as processes;
-5. Prometheus with Kubernetes service discovery (:mod:`e2e.prometheus`);
-6. ``kvpilot operator`` as a process, restartable mid-test.
+1. the control plane (:mod:`e2e.controlplane`) on the node's address in the namespace;
+2. the images built from ``docker/`` (:mod:`e2e.images`, cached by content hash) and
+   imported into the node's containerd; the kubelet and kube-proxy (:mod:`e2e.realnode`);
+3. Prometheus with Kubernetes service discovery (:mod:`e2e.prometheus`), in the namespace;
+4. ``helm install`` of ``charts/kvpilot`` (CRDs from the chart, the operator in-cluster
+   from its image, the chart's RBAC), ``--wait``. The operator can be "restarted" mid-test:
+   its pod is deleted (its log kept) and the chart's Deployment starts another.
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ from typing import Any
 
 import yaml
 
-from e2e import procs
-from e2e.controlplane import K8S_VERSION, ControlPlane, write_kubeconfig
-from e2e.node import LocalNode
+from e2e import images, procs
+from e2e.controlplane import ControlPlane, write_kubeconfig
+from e2e.netns import NODE_IP, NodeNetwork
 from e2e.prometheus import Prometheus
+from e2e.realnode import RealNode
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-CRD = REPO / "crds" / "inferencedeployments.kvpilot.dev.yaml"
 OPERATOR_NAMESPACE = "kvpilot-system"
 RELEASE = "kvpilot"
-ENGINE_IMAGE = "kvpilot/engine:e2e"
+OPERATOR_SELECTOR = "app.kubernetes.io/name=kvpilot,app.kubernetes.io/component=operator"
 log = logging.getLogger("e2e.cluster")
 
 
@@ -50,27 +50,19 @@ def helm_binary() -> str:
     return str(REPO / ".tools" / "bin" / "helm")
 
 
-def chart_rbac(namespace: str = OPERATOR_NAMESPACE) -> list[dict[str, Any]]:
-    """The chart's identity and permissions, as ``helm template`` renders them."""
-    out = subprocess.run(
-        [helm_binary(), "template", RELEASE, str(REPO / "charts" / "kvpilot"), "--kube-version",
-         K8S_VERSION, "--namespace",
-         namespace], check=True, capture_output=True, text=True).stdout
-    kinds = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
-    return [doc for doc in yaml.safe_load_all(out) if doc and doc.get("kind") in kinds]
-
-
 @dataclass
 class Cluster:
     workdir: Path
     control_plane: ControlPlane | None = None
-    node: LocalNode | None = None
+    network: NodeNetwork | None = None
+    node: RealNode | None = None
     prometheus: Prometheus | None = None
-    operator: procs.Proc | None = None
+    # A kubeconfig with a token of the chart's ServiceAccount, for `kubectl auth can-i`;
+    # the operator pod uses its own projected token.
     operator_kubeconfig: Path = Path()
     operator_user: str = ""
-    operator_args: list[str] = field(default_factory=list)
-    _operator_runs: int = 0
+    image_refs: dict[str, str] = field(default_factory=dict)
+    _operator_pod_logs: list[str] = field(default_factory=list)
 
     @classmethod
     def create(cls) -> Cluster:
@@ -103,32 +95,84 @@ class Cluster:
 
     # ---- start / stop
     def start(self) -> Cluster:
-        self.control_plane = ControlPlane(self.workdir).start()
-        self.kubectl("apply", "--server-side", "-f", str(CRD))
-        self.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                     "crd/inferencedeployments.kvpilot.dev")
-        self._install_rbac()
-        self.node = LocalNode(self.api_client(), self.workdir,
-                              # One torch thread per engine: two cores for everything.
-                              extra_env={"OMP_NUM_THREADS": "1"}).start()
+        """Everything in the module docstring's order; a failed step raises naming it."""
+        self.network = NodeNetwork.create()
+        self.control_plane = ControlPlane(self.workdir, network=self.network,
+                                          host=NODE_IP).start()
+        cp = self.control_plane
+        self.node = RealNode(self.workdir, self.network, cp.server, cp.ca, cp.node_token,
+                             cp.proxy_token)
+        self.node.start_containerd()
+        with images.Builder() as builder:
+            self.image_refs = {image.name: builder.ensure(image) for image in images.ALL}
+            self.node.load_images(builder, list(self.image_refs.values()))
+        self.node.start_kubelet()
+        self.wait_for(lambda: "True" in self.kubectl(
+            "get", "node", "-o", "jsonpath={.items[*].status.conditions[?(@.type=='Ready')]"
+            ".status}", check=False).stdout, 120, "the node to be Ready")
         procs.wait_until(lambda: self.kubectl("get", "serviceaccount", "default", check=False)
                          .returncode == 0, 60, "the default ServiceAccount")
-        self.prometheus = Prometheus(self.workdir / "prometheus", self.control_plane.server,
-                                     self.control_plane.ca, self._prometheus_token()).start()
-        self.start_operator()
+        self.kubectl("create", "namespace", OPERATOR_NAMESPACE)
+        self.prometheus = Prometheus(self.workdir / "prometheus", cp.server, cp.ca,
+                                     self._prometheus_token(), host=NODE_IP,
+                                     network=self.network).start()
+        self._helm_install()
         return self
 
-    def _install_rbac(self) -> None:
-        self.kubectl("create", "namespace", OPERATOR_NAMESPACE)
-        docs = chart_rbac()
-        self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
-        sa = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    def helm_values(self) -> list[str]:
+        """``--set`` flags: the images just built, no PodMonitors (no Prometheus operator
+        here), a one-minute resync."""
+        values = {"podMonitorMode": "never", "resyncSeconds": "60"}
+        for key, image in (("image", "operator"), ("engineImage", "engine"),
+                           ("routerImage", "router")):
+            repository, tag = self.image_refs[image].rsplit(":", 1)
+            values[f"{key}.repository"] = repository
+            values[f"{key}.tag"] = tag
+        flags: list[str] = []
+        for key, value in values.items():
+            flags += ["--set-string" if key.endswith("tag") else "--set", f"{key}={value}"]
+        return flags
+
+    def _helm_install(self) -> None:
+        """``helm install`` of the chart, as a user would; waits until the operator watches."""
+        result = subprocess.run([
+            helm_binary(), "install", RELEASE, str(REPO / "charts" / "kvpilot"),
+            "--namespace", OPERATOR_NAMESPACE, "--kubeconfig",
+            str(self.control_plane.admin_kubeconfig), "--wait", "--timeout", "5m",
+            *self.helm_values()], capture_output=True, text=True, timeout=330)
+        if result.returncode != 0:
+            raise RuntimeError(f"helm install failed:\n{result.stderr}{result.stdout}\n"
+                               f"{self._diagnostics()}")
+        sa = self.get_json("-n", OPERATOR_NAMESPACE, "deployment", "-l",
+                           OPERATOR_SELECTOR)["items"][0]["spec"]["template"]["spec"][
+                               "serviceAccountName"]
+        self.operator_user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{sa}"
+        # The tests ask the API server what this identity may do (`kubectl auth can-i`);
+        # the operator pod itself uses its own projected token.
         token = self.kubectl("create", "token", sa, "-n", OPERATOR_NAMESPACE,
                              "--duration=6h").stdout.strip()
-        self.operator_user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{sa}"
         self.operator_kubeconfig = write_kubeconfig(
             self.workdir / "operator.kubeconfig", self.control_plane.server,
             self.control_plane.ca, token, "kvpilot-operator")
+        self._wait_operator_watching()
+
+    def _operator_pod(self) -> dict[str, Any] | None:
+        pods = [p for p in self.get_json("-n", OPERATOR_NAMESPACE, "pods", "-l",
+                                         OPERATOR_SELECTOR)["items"]
+                if not p["metadata"].get("deletionTimestamp")]
+        return pods[0] if pods else None
+
+    def _current_operator_log(self) -> str:
+        pod = self._operator_pod()
+        if pod is None:
+            return ""
+        result = self.kubectl("logs", "-n", OPERATOR_NAMESPACE, pod["metadata"]["name"],
+                              check=False)
+        return result.stdout if result.returncode == 0 else ""
+
+    def _wait_operator_watching(self) -> None:
+        self.wait_for(lambda: "Initial authentication has finished"
+                      in self._current_operator_log(), 120, "the operator pod to log in")
 
     def _prometheus_token(self) -> Path:
         """A ServiceAccount for Prometheus that may only list and watch pods."""
@@ -153,44 +197,29 @@ class Cluster:
         path.chmod(0o600)
         return path
 
-    def start_operator(self) -> procs.Proc:
-        """``kvpilot operator`` as the chart's ServiceAccount; waits until Kopf watches."""
-        self._operator_runs += 1
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
-        env["KUBECONFIG"] = str(self.operator_kubeconfig)
-        self.operator = procs.start(f"operator-{self._operator_runs}", [
-            str(BIN / "kvpilot"), "operator", "--engine-image", ENGINE_IMAGE,
-            "--metrics-port", "0", "--health-port", "0", "--resync-seconds", "60",
-            "--pod-monitor", "never", *self.operator_args,
-        ], self.log_dir, env=env)
-        procs.wait_until(lambda: self._operator_log_has("Initial authentication has finished")
-                         or not self.operator.alive(), 60, "the operator to log in")
-        if not self.operator.alive():
-            raise RuntimeError(f"the operator exited:\n{self.operator.log_tail()}")
-        return self.operator
-
-    def _operator_log_has(self, text: str) -> bool:
-        try:
-            return text in self.operator.log_path.read_text(errors="replace")
-        except OSError:
-            return False
+    def start_operator(self) -> None:
+        """Wait for the operator pod the chart's Deployment runs to log in and watch."""
+        self._wait_operator_watching()
 
     def stop_operator(self) -> None:
-        if self.operator is not None:
-            self.operator.stop(grace_seconds=15)
+        """Delete the operator's pod (its log kept first); the chart's Deployment starts
+        another, as when a node drains or the pod is evicted."""
+        pod = self._operator_pod()
+        if pod is not None:
+            self._operator_pod_logs.append(self._current_operator_log())
+            self.kubectl("delete", "pod", "-n", OPERATOR_NAMESPACE, pod["metadata"]["name"],
+                         "--wait=true", "--timeout=60s")
 
     def operator_logs(self) -> str:
-        """Every operator run's log, oldest first."""
-        return "\n".join((self.log_dir / f"operator-{n}.log").read_text(errors="replace")
-                         for n in range(1, self._operator_runs + 1)
-                         if (self.log_dir / f"operator-{n}.log").exists())
+        """Every operator pod's log, oldest first."""
+        return "\n".join([*self._operator_pod_logs, self._current_operator_log()])
 
     def stop(self) -> None:
         """Stop everything this cluster started, clients before servers."""
-        for step in (self.stop_operator,
-                     lambda: self.prometheus and self.prometheus.stop(),
-                     lambda: self.node and self.node.stop(),
-                     lambda: self.control_plane and self.control_plane.stop()):
+        for step in (lambda: self.prometheus and self.prometheus.stop(),
+                     lambda: self.node and self.node.stop(self._delete_all_pods),
+                     lambda: self.control_plane and self.control_plane.stop(),
+                     lambda: self.network and self.network.delete()):
             try:
                 step()
             except Exception:
@@ -202,12 +231,40 @@ class Cluster:
         return procs.wait_until(predicate, timeout, what, interval=interval,
                                 on_timeout=self._diagnostics)
 
+    def kill_container(self, namespace: str, pod: str, container: str | None = None) -> None:
+        """SIGKILL a pod's container (its first unless named) through containerd, as the
+        kernel's OOM killer would."""
+        obj = self.get_json("-n", namespace, "pod", pod)
+        statuses = obj["status"]["containerStatuses"]
+        status = next(s for s in statuses if container in (None, s["name"]))
+        container_id = status["containerID"].split("://", 1)[1]
+        self.node.kill_task(container_id)
+
+    def pod_logs(self, namespace: str, selector: str, container: str | None = None) -> str:
+        """The logs of the pods ``selector`` matches (``kubectl logs``, pod name prefixed)."""
+        args = ["logs", "-n", namespace, "-l", selector, "--tail=-1", "--prefix"]
+        if container:
+            args += ["-c", container]
+        result = self.kubectl(*args, check=False)
+        return result.stdout
+
+    def _delete_all_pods(self) -> None:
+        """Every workload and pod deleted through the API while the kubelet still runs, so
+        preStop hooks run and sandboxes are torn down (CNI DEL) before the node stops."""
+        for kind in ("inferencedeployments", "deployments", "replicasets"):
+            self.kubectl("delete", kind, "--all", "-A", "--wait=false", check=False)
+        self.kubectl("delete", "pods", "--all", "-A", "--grace-period=5", "--wait=true",
+                     "--timeout=90s", check=False, timeout=120)
+
     def _diagnostics(self) -> str:
         try:
             pods = self.kubectl("get", "pods,deploy,infd", "-A", "-o", "wide", check=False).stdout
         except Exception as exc:  # the apiserver itself may be what failed
             pods = repr(exc)
-        tail = self.operator.log_tail(30) if self.operator else ""
+        try:
+            tail = "\n".join(self._current_operator_log().splitlines()[-30:])
+        except Exception as exc:
+            tail = repr(exc)
         return f"--- cluster\n{pods}\n--- operator log\n{tail}"
 
 

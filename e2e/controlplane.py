@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from e2e import procs
+from e2e.netns import SERVICE_CIDR, NodeNetwork
 
 K8S_VERSION = os.environ.get("K8S_VERSION", "v1.37.2")
-SERVICE_CIDR = "10.96.0.0/16"
 
 
 def binary_dir() -> Path:
@@ -40,20 +40,31 @@ def _openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True)
 
 
-def make_certs(d: Path) -> None:
-    """ca.crt/ca.key, apiserver.crt/.key (SAN 127.0.0.1, localhost, kubernetes), sa.key/.pub."""
+def make_certs(d: Path, host: str = "127.0.0.1") -> None:
+    """ca.crt/ca.key; apiserver.crt/.key (SAN ``host``, 127.0.0.1, localhost, kubernetes);
+    kubelet-client.crt/.key (the API server's identity towards kubelets: ``system:masters``);
+    sa.key/.pub."""
     d.mkdir(parents=True, exist_ok=True)
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
              "-keyout", str(d / "ca.key"), "-out", str(d / "ca.crt"), "-subj", "/CN=kvpilot-e2e-ca")
     (d / "san.cnf").write_text(
         "[v3]\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
-        "extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,"
-        "DNS:kubernetes,DNS:kubernetes.default.svc\n")
+        f"extendedKeyUsage=serverAuth\nsubjectAltName=IP:{host},IP:127.0.0.1,IP:10.96.0.1,"
+        "DNS:localhost,DNS:kubernetes,DNS:kubernetes.default.svc\n"
+        "[client]\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=clientAuth\n")
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(d / "apiserver.key"),
              "-out", str(d / "apiserver.csr"), "-subj", "/CN=kube-apiserver")
     _openssl("x509", "-req", "-in", str(d / "apiserver.csr"), "-CA", str(d / "ca.crt"),
              "-CAkey", str(d / "ca.key"), "-CAcreateserial", "-days", "2",
              "-extfile", str(d / "san.cnf"), "-extensions", "v3", "-out", str(d / "apiserver.crt"))
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(d / "kubelet-client.key"),
+             "-out", str(d / "kubelet-client.csr"),
+             "-subj", "/O=system:masters/CN=kube-apiserver-kubelet-client")
+    _openssl("x509", "-req", "-in", str(d / "kubelet-client.csr"), "-CA", str(d / "ca.crt"),
+             "-CAkey", str(d / "ca.key"), "-CAcreateserial", "-days", "2",
+             "-extfile", str(d / "san.cnf"), "-extensions", "client",
+             "-out", str(d / "kubelet-client.crt"))
     _openssl("genrsa", "-out", str(d / "sa.key"), "2048")
     _openssl("rsa", "-in", str(d / "sa.key"), "-pubout", "-out", str(d / "sa.pub"))
 
@@ -80,6 +91,13 @@ class ControlPlane:
     admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
     admin_kubeconfig: Path = Path()
     procs: dict[str, procs.Proc] = field(default_factory=dict)
+    # With a network namespace (the real node), every process runs inside it and the API
+    # server binds and advertises the node's address, so pods reach it through the
+    # ``kubernetes`` Service; without one, everything is on the machine's loopback.
+    network: NodeNetwork | None = None
+    host: str = "127.0.0.1"
+    node_token: str = field(default_factory=lambda: secrets.token_hex(16))
+    proxy_token: str = field(default_factory=lambda: secrets.token_hex(16))
 
     @property
     def ca(self) -> Path:
@@ -95,11 +113,11 @@ class ControlPlane:
             if not (bins / name).exists():
                 raise FileNotFoundError(f"{bins / name} is missing: run e2e/build-k8s.sh first")
         pki = self.workdir / "pki"
-        make_certs(pki)
+        make_certs(pki, self.host)
         self._start_etcd(bins)
         self._start_apiserver(bins, pki, timeout)
         kubeconfig = self.admin_kubeconfig
-        self.procs["kube-controller-manager"] = procs.start("kube-controller-manager", [
+        self.procs["kube-controller-manager"] = procs.start("kube-controller-manager", self._wrap([
             str(bins / "kube-controller-manager"), f"--kubeconfig={kubeconfig}",
             "--secure-port=0", "--leader-elect=false",
             f"--service-account-private-key-file={pki / 'sa.key'}",
@@ -107,51 +125,73 @@ class ControlPlane:
             "--use-service-account-credentials=false", "--controllers=*",
             # Pods of a Deployment scaled down or rolled go away within a test's time.
             "--concurrent-deployment-syncs=5", "--concurrent-replicaset-syncs=5",
-        ], self.log_dir)
-        self.procs["kube-scheduler"] = procs.start("kube-scheduler", [
+        ]), self.log_dir)
+        self.procs["kube-scheduler"] = procs.start("kube-scheduler", self._wrap([
             str(bins / "kube-scheduler"), f"--kubeconfig={kubeconfig}",
             "--secure-port=0", "--leader-elect=false",
-        ], self.log_dir)
+        ]), self.log_dir)
         return self
+
+    def _wrap(self, argv: list[str]) -> list[str]:
+        return self.network.wrap(argv) if self.network is not None else argv
 
     def _start_etcd(self, bins: Path) -> None:
         client, peer = procs.free_port(), procs.free_port()
         self.etcd_url = f"http://127.0.0.1:{client}"
-        self.procs["etcd"] = procs.start("etcd", [
+        self.procs["etcd"] = procs.start("etcd", self._wrap([
             str(bins / "etcd"), "--name=e2e", f"--data-dir={self.workdir / 'etcd'}",
             f"--listen-client-urls={self.etcd_url}", f"--advertise-client-urls={self.etcd_url}",
             f"--listen-peer-urls=http://127.0.0.1:{peer}",
             f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
             f"--initial-cluster=e2e=http://127.0.0.1:{peer}",
             "--unsafe-no-fsync", "--log-level=warn",
-        ], self.log_dir)
+        ]), self.log_dir)
 
     def _start_apiserver(self, bins: Path, pki: Path, timeout: float) -> None:
         port = procs.free_port()
-        self.server = f"https://127.0.0.1:{port}"
+        self.server = f"https://{self.host}:{port}"
         tokens = self.workdir / "tokens.csv"
-        tokens.write_text(f'{self.admin_token},admin,admin-uid,"system:masters"\n')
+        # The node's kubelet and kube-proxy log in as the identities the Node authorizer
+        # and the bootstrap RBAC (system:node-proxier) expect.
+        tokens.write_text(
+            f'{self.admin_token},admin,admin-uid,"system:masters"\n'
+            f'{self.node_token},system:node:kvpilot-e2e-node,node-uid,"system:nodes"\n'
+            f'{self.proxy_token},system:kube-proxy,kube-proxy-uid\n')
         tokens.chmod(0o600)
-        self.procs["kube-apiserver"] = procs.start("kube-apiserver", [
+        if self.network is not None:
+            node_flags = [
+                # The `kubernetes` Service's endpoint is this address (lease reconciler).
+                "--authorization-mode=Node,RBAC", "--enable-admission-plugins="
+                "OwnerReferencesPermissionEnforcement,NodeRestriction",
+                f"--kubelet-client-certificate={pki / 'kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'kubelet-client.key'}",
+                "--kubelet-preferred-address-types=InternalIP",
+            ]
+        else:
+            node_flags = [
+                "--authorization-mode=RBAC",
+                # As on real clusters: an owner reference with blockOwnerDeletion needs
+                # `update` on the owner's finalizers subresource.
+                "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
+                "--endpoint-reconciler-type=none",
+            ]
+        self.procs["kube-apiserver"] = procs.start("kube-apiserver", self._wrap([
             str(bins / "kube-apiserver"),
             f"--etcd-servers={self.etcd_url}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={port}",
+            f"--bind-address={self.host}", f"--advertise-address={self.host}",
+            f"--secure-port={port}",
             f"--cert-dir={pki}",
             f"--tls-cert-file={pki / 'apiserver.crt'}",
             f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={pki / 'ca.crt'}",
             f"--token-auth-file={tokens}",
-            "--authorization-mode=RBAC",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
-            # As on real clusters: an owner reference with blockOwnerDeletion needs
-            # `update` on the owner's finalizers subresource.
-            "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
             "--allow-privileged=true", "--profiling=false",
-            "--endpoint-reconciler-type=none",
-        ], self.log_dir)
+            *node_flags,
+        ]), self.log_dir)
         self.admin_kubeconfig = write_kubeconfig(
             self.workdir / "admin.kubeconfig", self.server, pki / "ca.crt", self.admin_token,
             "admin")

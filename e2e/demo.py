@@ -1,9 +1,10 @@
 """``make demo``: the e2e cluster, the SmolLM2 sample, a load ramp, the scaling timeline.
 
-Starts the same local cluster as ``make e2e``, applies ``crds/samples/smollm2-cpu.yaml``
-unchanged, drives a ramp of ``kvpilot bench serve`` runs through the router's Service
-(``smollm2-router``, resolved to a Ready pod behind it as kube-proxy would: the stand-in node
-has no kube-proxy), so new pods take traffic as soon as they are Ready; keeps sampling the
+Starts the same cluster as ``make e2e`` (a real node, the chart installed with helm),
+applies ``crds/samples/smollm2-cpu.yaml`` (its CPU request lowered to 250m: the node has
+two cores, and a 1-CPU request would leave the sample's extra replicas Pending), drives a ramp of ``kvpilot bench
+serve`` runs through the router's Service (``smollm2-router``, its ClusterIP through
+kube-proxy), so new pods take traffic as soon as they are Ready; keeps sampling the
 resource's status and each pod's request count until the fleet is back at minReplicas (or
 ``--max-seconds``), prints the timeline and plots it, per-pod traffic included, to
 ``e2e-demo/timeline.png``. Everything it started is
@@ -17,6 +18,8 @@ import logging
 import time
 from pathlib import Path
 
+import yaml
+
 from e2e import procs
 from e2e.cluster import REPO, Cluster
 from e2e.load import Ramp, Step
@@ -25,6 +28,7 @@ from e2e.timeline import Recorder, plot, table
 
 SAMPLE = REPO / "crds" / "samples" / "smollm2-cpu.yaml"
 NAME = "smollm2"
+DEMO_CPU_REQUEST = "250m"
 
 
 def main() -> int:
@@ -39,7 +43,9 @@ def main() -> int:
     try:
         print(f"demo: starting the cluster in {cluster.workdir}", flush=True)
         cluster.start()
-        cluster.kubectl("apply", "-f", str(SAMPLE))
+        sample = yaml.safe_load(SAMPLE.read_text())
+        sample["spec"]["resources"]["requests"]["cpu"] = DEMO_CPU_REQUEST
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(sample))
         print(cluster.kubectl("get", "infd").stdout, flush=True)
         ip, port = wait_service(cluster, "default", f"{NAME}-router", timeout=300)
         with Recorder(cluster, "default", NAME) as recorder:

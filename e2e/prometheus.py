@@ -1,7 +1,8 @@
-"""A Prometheus server on loopback that finds the engine pods through Kubernetes service
+"""A Prometheus server on loopback (or, on the real node, on the node's address inside the
+suite's network namespace) that finds the engine pods through Kubernetes service
 discovery (``kubernetes_sd_configs``, role ``pod``) against the real API server, with a
-ServiceAccount token that may only list and watch pods, and scrapes them on their
-127.0.0.N addresses with the relabelling docs/operations.md documents.
+ServiceAccount token that may only list and watch pods, and scrapes them on their pod
+addresses with the relabelling docs/operations.md documents.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from e2e import procs
 from e2e.controlplane import binary_dir
@@ -57,22 +59,27 @@ class Prometheus:
     token_file: Path
     port: int = 0
     proc: procs.Proc | None = None
+    host: str = "127.0.0.1"
+    network: Any = None  # an e2e.netns.NodeNetwork to run inside, or None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 60.0) -> Prometheus:
         self.workdir.mkdir(parents=True, exist_ok=True)
         cfg = self.workdir / "prometheus.yml"
         cfg.write_text(config(self.api_server, self.ca, self.token_file))
         self.port = self.port or procs.free_port()
-        self.proc = procs.start("prometheus", [
+        argv = [
             str(binary_dir() / "prometheus"), f"--config.file={cfg}",
             f"--storage.tsdb.path={self.workdir / 'data'}",
-            f"--web.listen-address=127.0.0.1:{self.port}",
+            f"--web.listen-address={self.host}:{self.port}",
             "--storage.tsdb.retention.time=2h", "--log.level=warn",
-        ], self.workdir.parent / "logs")
+        ]
+        if self.network is not None:
+            argv = self.network.wrap(argv)
+        self.proc = procs.start("prometheus", argv, self.workdir.parent / "logs")
 
         def ready() -> bool:
             if not self.proc.alive():

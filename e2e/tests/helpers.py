@@ -114,25 +114,15 @@ def events(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
 
 
 def service_address(cluster: Cluster, namespace: str, service: str) -> tuple[str, int] | None:
-    """A ready backend of ``service`` as kube-proxy would pick it: a Ready pod its selector
-    matches, on its target port (a named container port resolved). None while none is
-    ready. On a real node the EndpointSlice controller lists these; the stand-in node's
-    pods have loopback addresses, which EndpointSlices refuse, and no kube-proxy, so the
-    Service's own selector and port are resolved here the same way."""
+    """Where a client reaches ``service``: its ClusterIP and port (kube-proxy's rules in
+    the node's namespace, the host's route to the Service range), once an EndpointSlice
+    lists a ready endpoint; None until then."""
     svc = cluster.get_json("-n", namespace, "service", service)
-    selector = ",".join(f"{k}={v}" for k, v in sorted(svc["spec"]["selector"].items()))
-    target = svc["spec"]["ports"][0].get("targetPort", svc["spec"]["ports"][0]["port"])
-    for pod in cluster.get_json("-n", namespace, "pods", "-l", selector)["items"]:
-        status = pod.get("status", {})
-        if pod["metadata"].get("deletionTimestamp") or not any(
-                c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", [])):
-            continue
-        port = target
-        if isinstance(target, str):
-            port = next((p["containerPort"] for c in pod["spec"]["containers"]
-                         for p in c.get("ports", []) if p.get("name") == target), None)
-        if port is not None:
-            return status["podIP"], int(port)
+    slices = cluster.get_json("-n", namespace, "endpointslices", "-l",
+                              f"kubernetes.io/service-name={service}")["items"]
+    if any(e.get("conditions", {}).get("ready") for sl in slices
+           for e in sl.get("endpoints") or []):
+        return svc["spec"]["clusterIP"], int(svc["spec"]["ports"][0]["port"])
     return None
 
 
@@ -161,9 +151,6 @@ def metric_sum(samples: dict[str, float], name: str) -> float:
 
 
 def router_log(cluster: Cluster, namespace: str, name: str) -> str:
-    """The logs of ``name``'s router pods, ANSI colours removed, as the node wrote them
-    (its stand-in for /var/log/pods: ``<workdir>/logs/pods/<ns>_<pod>_<container>.log``)."""
-    text = []
-    for path in sorted((cluster.workdir / "logs" / "pods").glob(f"{namespace}_{name}-router-*.log")):
-        text.append(re.sub(r"\x1b\[[0-9;]*m", "", path.read_text(errors="replace")))
-    return "\n".join(text)
+    """The logs of ``name``'s router pods (``kubectl logs``), ANSI colours removed."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", cluster.pod_logs(
+        namespace, f"kvpilot.dev/inference-deployment={name},app.kubernetes.io/component=router"))

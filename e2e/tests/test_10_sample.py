@@ -67,6 +67,9 @@ def test_update_rolls_and_delete_collects(cluster, namespace):
     doc = h.sample()
     doc["spec"]["engine"]["extraArgs"] = list(h.CPU_ENGINE_ARGS)
     doc["spec"]["terminationGracePeriodSeconds"] = 15
+    # The rollout surges one pod: with the sample's 1-CPU request the two-core node has no
+    # room for it (the scheduler keeps it Pending), so this fleet asks for less.
+    doc["spec"]["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"}}
     h.apply(cluster, namespace, doc)
     h.wait_ready(cluster, namespace, NAME, replicas=1)
     (old_pod,) = h.ready_pods(cluster, namespace, NAME)

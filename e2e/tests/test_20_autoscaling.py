@@ -145,7 +145,7 @@ def test_kill_engine_under_load(cluster, fleet):
     victim_load = Ramp(f"http://{victim_ip}:8000", [Step(2, 8)],
                        cluster.workdir / "bench-victim").start()
     cluster.wait_for(lambda: _running(victim_ip) >= 1, 60, "load on the victim")
-    cluster.node.runner(NS, victim["metadata"]["name"]).kill()
+    cluster.kill_container(NS, victim["metadata"]["name"])
 
     def restarted():
         p = cluster.get_json("-n", NS, "pod", victim["metadata"]["name"])

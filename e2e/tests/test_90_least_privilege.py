@@ -19,6 +19,7 @@ ALLOWED = [
     ("create", "services"),
     ("create", "poddisruptionbudgets.policy"),
     ("list", "pods"),
+    ("watch", "pods"),  # engine restarts, reported on the InferenceDeployment
     ("create", "events"),
     # The request router: its ServiceAccount, the RoleBinding to kvpilot-router, and the
     # deletes when a spec turns its router off (docs/operator.md, "Routing").
