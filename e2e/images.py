@@ -48,6 +48,7 @@ DEBIAN_MIRROR = os.environ.get("KVPILOT_DEBIAN_MIRROR", "http://deb.debian.org/d
 BASE_PACKAGES = ("python3", "python3-venv", "python3-dev", "gcc", "libc6-dev",
                  "ca-certificates")
 BASE_REF = "docker.io/library/python:3.11-slim"
+IMPORT_ATTEMPTS = 3
 PAUSE_REF = "registry.k8s.io/pause:3.10"
 # Bumped when the base recipe changes, so every image built on it is rebuilt.
 BASE_RECIPE = f"1 {SUITE} {' '.join(BASE_PACKAGES)} venv:/usr/local"
@@ -307,5 +308,17 @@ def import_into(builder: Builder, ref: str, ctr: list[str]) -> None:
         return
     with tempfile.TemporaryDirectory(dir=builder.cache) as tmp:
         archive = builder.export(ref, Path(tmp) / "image.tar")
-        builder.run("import", [*ctr, "images", "import", "--no-unpack=false",
-                               "--index-name", ref, str(archive)], timeout=3600)
+        # Seen once on a containerd root that held an older build of the same image: the
+        # unpack after the import found the index blob gone ("content digest ...: not
+        # found"), and the same import then succeeded. A failed import leaves nothing
+        # half-named (the reference is removed), so it is retried.
+        for attempt in range(1, IMPORT_ATTEMPTS + 1):
+            try:
+                builder.run("import", [*ctr, "images", "import", "--index-name", ref,
+                                       str(archive)], timeout=3600)
+                return
+            except ImageBuildError:
+                subprocess.run([*ctr, "images", "rm", ref], capture_output=True, check=False)
+                if attempt == IMPORT_ATTEMPTS:
+                    raise
+                log.warning("images: import of %s failed (attempt %d); retrying", ref, attempt)
