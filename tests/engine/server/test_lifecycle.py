@@ -101,7 +101,11 @@ def test_at_the_drain_deadline_what_is_left_gets_a_clean_error_and_the_exit_is_b
         # delivery and process teardown on a loaded two-core machine (the exit used to
         # take a minute past the deadline).
         assert exit_seconds <= bound + 8.0, f"exit took {exit_seconds:.1f}s after SIGTERM; bound {bound:.1f}s"
-        assert "Traceback" not in proc.logs()
+        logs = proc.logs()
+        where = logs.find("Traceback")
+        # The whole traceback in the message (pytest would truncate the log): seen once
+        # in a cold CI run on a loaded machine, from uvicorn's run_asgi.
+        assert where < 0, logs[max(0, where - 1500):where + 4000]
     finally:
         if stalled is not None:
             stalled.close()

@@ -268,11 +268,13 @@ def test_a_killed_replica_gets_no_new_requests(router_for):
             p.wait_ready()
         live, doomed = procs
         router = router_for(live.url, doomed.url)
-        # Stream through the router until one stream lands on the doomed engine.
-        body = {"prompt": "Count slowly:", "max_tokens": 400, "stream": True,
-                "ignore_eos": True, "temperature": 0}
+        # Stream through the router until one stream lands on the doomed engine. Each try
+        # has its own prompt: a repeated one would follow its cached prefix to the same
+        # engine every time (kv_aware), and never reach the doomed one.
         ended_cleanly = None
-        for _ in range(6):
+        for attempt in range(12):
+            body = {"prompt": f"Try {attempt}. Count slowly:", "max_tokens": 400,
+                    "stream": True, "ignore_eos": True, "temperature": 0}
             with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
                 lines = r.iter_lines()
                 next(lines)  # the first chunk: the stream is running on some engine
@@ -288,6 +290,7 @@ def test_a_killed_replica_gets_no_new_requests(router_for):
                     ended_cleanly = False
                 assert time.monotonic() - t0 < 30, "the cut stream hung"
             break
+        assert ended_cleanly is not None, "no stream landed on the doomed engine in 12 tries"
         assert ended_cleanly is False, "the stream on the killed engine claimed to finish normally"
         # New requests: all served, by the live engine, from the first one on (a failed
         # attempt on the dead one is retried once, elsewhere).
