@@ -88,11 +88,6 @@ class Cluster:
     def get_json(self, *args: str) -> dict[str, Any]:
         return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
 
-    def api_client(self):
-        from kubernetes import config
-
-        return config.new_client_from_config(str(self.control_plane.admin_kubeconfig))
-
     # ---- start / stop
     def start(self) -> Cluster:
         """Everything in the module docstring's order; a failed step raises naming it."""

@@ -49,6 +49,8 @@ BASE_PACKAGES = ("python3", "python3-venv", "python3-dev", "gcc", "libc6-dev",
                  "ca-certificates")
 BASE_REF = "docker.io/library/python:3.11-slim"
 IMPORT_ATTEMPTS = 3
+SKIPPED_DIRS = {".git", ".venv", ".tools", "__pycache__", ".mypy_cache", ".ruff_cache",
+                ".pytest_cache", ".hypothesis"}
 PAUSE_REF = "registry.k8s.io/pause:3.10"
 # Bumped when the base recipe changes, so every image built on it is rebuilt.
 BASE_RECIPE = f"1 {SUITE} {' '.join(BASE_PACKAGES)} venv:/usr/local"
@@ -94,20 +96,21 @@ class Image:
         patterns = [line.strip() for line in ignore.read_text().splitlines()
                     if line.strip() and not line.lstrip().startswith("#")] if ignore.exists() else []
         files = []
-        for path in sorted(REPO.rglob("*")):
-            rel = path.relative_to(REPO).as_posix()
-            if not path.is_file() or rel.startswith((".git/", ".venv/", ".tools/")):
-                continue
-            included = True
-            for pattern in patterns:
-                negate = pattern.startswith("!")
-                pat = pattern[1:] if negate else pattern
-                pat = pat.rstrip("/")
-                if _matches(rel, pat):
-                    included = negate
-            if included:
-                files.append(path)
-        return files
+        for top, dirs, names in os.walk(REPO):
+            # Never part of a build context, and the bulk of the tree: not walked at all.
+            dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS]
+            for name in names:
+                path = Path(top) / name
+                rel = path.relative_to(REPO).as_posix()
+                included = True
+                for pattern in patterns:
+                    negate = pattern.startswith("!")
+                    pat = (pattern[1:] if negate else pattern).rstrip("/")
+                    if _matches(rel, pat):
+                        included = negate
+                if included:
+                    files.append(path)
+        return sorted(files)
 
     def tag(self) -> str:
         """``e2e-<first 16 hex of sha256>`` over the Dockerfile, the context and the base."""
@@ -197,7 +200,7 @@ class Builder:
     # ---- base and pause
     def ensure_base(self) -> str:
         """The python:3.11-slim stand-in (see the module docstring); built once per recipe."""
-        if self.has(BASE_REF) and self._label(BASE_REF) == BASE_RECIPE:
+        if self._label(BASE_REF) == BASE_RECIPE:  # '' when the image is absent
             return BASE_REF
         rootfs = Path(tempfile.mkdtemp(prefix="kvpilot-rootfs-", dir=self.cache))
         try:

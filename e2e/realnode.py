@@ -44,6 +44,7 @@ from pathlib import Path
 import yaml
 
 from e2e import images, procs
+from e2e.controlplane import binary_dir, write_kubeconfig
 from e2e.netns import NODE_IP, POD_CIDR, POD_GATEWAY, SERVICE_CIDR, NodeNetwork
 
 log = logging.getLogger("e2e.realnode")
@@ -190,7 +191,7 @@ class RealNode:
 
     def start_kubelet(self) -> RealNode:
         """The kubelet and kube-proxy; waits until the Node is Ready."""
-        bins = _binary_dir()
+        bins = binary_dir()
         for name in ("kubelet", "kube-proxy"):
             if not (bins / name).exists():
                 raise FileNotFoundError(f"{bins / name} is missing: run e2e/build-k8s.sh first")
@@ -203,7 +204,7 @@ class RealNode:
             if hierarchy.is_dir() and not hierarchy.is_symlink():
                 with contextlib.suppress(OSError):
                     (hierarchy / self.cgroup_root.lstrip("/")).mkdir(exist_ok=True)
-        kubeconfig = _kubeconfig(kubelet_dir / "kubelet.kubeconfig", self.server, self.ca,
+        kubeconfig = write_kubeconfig(kubelet_dir / "kubelet.kubeconfig", self.server, self.ca,
                                  self.node_token, f"system:node:{NODE_NAME}")
         resolv = kubelet_dir / "resolv.conf"
         resolv.write_text("# no DNS in the e2e cluster\n")
@@ -234,7 +235,7 @@ class RealNode:
             f"--cert-dir={pki / 'kubelet'}", f"--hostname-override={NODE_NAME}",
             f"--node-ip={NODE_IP}", "--v=1",
         ]), self.log_dir)
-        proxy_kubeconfig = _kubeconfig(self.workdir / "kube-proxy.kubeconfig", self.server,
+        proxy_kubeconfig = write_kubeconfig(self.workdir / "kube-proxy.kubeconfig", self.server,
                                        self.ca, self.proxy_token, "system:kube-proxy")
         proxy_config = {
             "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
@@ -381,15 +382,3 @@ class RealNode:
 
 def _pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-
-
-def _binary_dir() -> Path:
-    from e2e.controlplane import binary_dir
-
-    return binary_dir()
-
-
-def _kubeconfig(path: Path, server: str, ca: Path, token: str, user: str) -> Path:
-    from e2e.controlplane import write_kubeconfig
-
-    return write_kubeconfig(path, server, ca, token, user)

@@ -73,12 +73,17 @@ def deployment(cluster: Cluster, namespace: str, name: str) -> dict[str, Any] | 
     return json.loads(r.stdout) if r.returncode == 0 else None
 
 
-def ready_pods(cluster: Cluster, namespace: str, name: str,
-               component: str = "engine") -> list[dict[str, Any]]:
-    pods = cluster.get_json("-n", namespace, "pods", "-l",
+def pods(cluster: Cluster, namespace: str, name: str,
+         component: str = "engine") -> list[dict[str, Any]]:
+    """Every pod of ``name``'s engines (or routers), whatever its state."""
+    return cluster.get_json("-n", namespace, "pods", "-l",
                             f"kvpilot.dev/inference-deployment={name},"
                             f"app.kubernetes.io/component={component}")["items"]
-    return [p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
+
+
+def ready_pods(cluster: Cluster, namespace: str, name: str,
+               component: str = "engine") -> list[dict[str, Any]]:
+    return [p for p in pods(cluster, namespace, name, component) if not p["metadata"].get("deletionTimestamp") and any(
         c["type"] == "Ready" and c["status"] == "True"
         for c in p.get("status", {}).get("conditions", []))]
 

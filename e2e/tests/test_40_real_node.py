@@ -61,9 +61,7 @@ def test_requests_beyond_the_node_keep_the_pod_pending_and_are_reported(cluster,
     h.apply(cluster, namespace, doc)
 
     def unschedulable():
-        pods = cluster.get_json("-n", namespace, "pods", "-l",
-                                "kvpilot.dev/inference-deployment=huge")["items"]
-        for pod in pods:
+        for pod in h.pods(cluster, namespace, "huge"):
             cond = next((c for c in pod.get("status", {}).get("conditions", [])
                          if c["type"] == "PodScheduled"), None)
             if cond and cond["status"] == "False" and cond.get("reason") == "Unschedulable":
@@ -87,9 +85,7 @@ def test_an_oom_killed_engine_is_restarted_and_reported(cluster, namespace):
     h.apply(cluster, namespace, doc)
 
     def oom_killed():
-        pods = cluster.get_json("-n", namespace, "pods", "-l",
-                                "kvpilot.dev/inference-deployment=oom")["items"]
-        for pod in pods:
+        for pod in h.pods(cluster, namespace, "oom"):
             for cs in pod.get("status", {}).get("containerStatuses", []):
                 last = cs.get("lastState", {}).get("terminated", {})
                 if cs.get("restartCount", 0) >= 1 and last.get("reason") == "OOMKilled":
