@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ from kvpilot.engine.outputs import (
 )
 from kvpilot.engine.sampler import Sampler
 from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvpilot.engine.structured_output import GrammarCompiler, GrammarState, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +126,9 @@ class LLMEngine:
             KVCacheManager(cfg.num_blocks, cfg.block_size, args.enable_prefix_caching, self.kv_events),
             clock,
         )
-        self.sampler = Sampler(cfg.device, args.seed)
+        self.sampler = Sampler(cfg.device, args.seed, vocab_size=self.model_config.vocab_size)
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         self._detok: dict[str, Any] = {}
         self._prompt_len: dict[str, int] = {}
         self._stats = IterationStats()  # accumulates until take_stats()
@@ -139,14 +143,25 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        grammar: Any = None,
     ) -> None:
         """Queue one sequence (``params.n`` is handled by the caller's fan-out).
 
+        Args:
+            grammar: the compiled grammar of ``params.structured_outputs``
+                (:meth:`compile_grammar`, which the server runs off its event loop);
+                compiled here when None.
+
         Raises:
-            InvalidRequestError: empty or too-long prompt, prompt or stop token ids
-                outside the vocabulary, duplicate id; the engine state is unchanged.
+            InvalidRequestError: empty or too-long prompt, prompt, stop or logit-bias
+                token ids outside the vocabulary, a grammar that cannot be compiled,
+                duplicate id; the engine state is unchanged.
         """
         self.check_request(prompt_token_ids, params)
+        state = None
+        if params.structured_outputs is not None:
+            compiled = grammar if grammar is not None else self.compile_grammar(params.structured_outputs)
+            state = GrammarState(compiled, params.structured_outputs)
         req = Request(
             request_id,
             [int(t) for t in prompt_token_ids],
@@ -155,6 +170,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
         )
+        req.grammar = state
         self.scheduler.add_request(req)
         if self.tokenizer is None:
             self._detok[request_id] = _NoText()
@@ -184,6 +200,26 @@ class LLMEngine:
             )
         if self.tokenizer is None and params.stop:
             raise InvalidRequestError("stop strings need a tokenizer; this engine runs without one", "stop")
+        bad = next((t for t, _ in params.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})", "logit_bias")
+        so = params.structured_outputs
+        if so is not None and self.tokenizer is None:
+            raise InvalidRequestError("structured outputs need a tokenizer; this engine runs without one", so.param)
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> Any:
+        """Compile a structured-output constraint for this model's tokenizer (cached by
+        schema; thread-safe: the server calls it from worker threads).
+
+        Raises:
+            InvalidRequestError: no tokenizer, or the schema/regex/grammar cannot be compiled.
+        """
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured outputs need a tokenizer; this engine runs without one", params.param)
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler.compile(params)
 
     def abort_request(self, request_ids: Sequence[str]) -> list[str]:
         """Abort requests (unknown or finished ids are ignored); their blocks are freed
@@ -223,11 +259,47 @@ class LLMEngine:
                 k += 1
             else:
                 tokens.append(None)
+        now = self.clock()
+        # Rows that could not sample (a grammar with no allowed token) end with an error
+        # before update(), which skips requests that are no longer running.
+        failed = [self._fail(sampling[row], msg, now) for row, msg in sampled.errors.items()] if sampled else []
         touched = self.scheduler.update(sched_out, tokens)
         self._publish_kv_events()
         now = self.clock()
-        outputs = [self._make_output(req, sampled, row_of[req.request_id], now, stats) for req in touched]
-        return outputs
+        outputs = []
+        for req in touched:
+            if req.grammar is not None and not req.grammar.accept(req.output_token_ids[-1]):
+                # The bitmask allowed it, so this is a bug: end this request, serve the rest.
+                logger.error("%s: the grammar refused token %d that its bitmask allowed",
+                             req.request_id, req.output_token_ids[-1])
+                failed.append(self._fail(req, f"internal error: the grammar refused token "
+                                         f"{req.output_token_ids[-1]}", now))
+                continue
+            outputs.append(self._make_output(req, sampled, row_of[req.request_id], now, stats))
+        return failed + outputs
+
+    def _fail(self, req: Request, message: str, now: float) -> RequestOutput:
+        """End ``req`` (aborted, blocks freed) with ``message``; its final output carries
+        the error (the server answers it as an invalid request)."""
+        self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+        detok = self._detok.get(req.request_id)
+        self._release(req)
+        self._stats.finished.append(self._finished_stats(req, now))
+        so = req.sampling_params.structured_outputs
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[],
+            new_text="",
+            new_logprobs=None,
+            output_text=detok.output_text if detok is not None else "",
+            output_token_ids=req.output_token_ids,
+            finished=True,
+            finish_reason="abort",
+            stop_reason=None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            error=f"{so.param if so else 'request'}: {message}",
+        )
 
     def _publish_kv_events(self) -> None:
         """Hand this step's KV cache events (evictions while scheduling, stores while
@@ -289,6 +361,8 @@ class LLMEngine:
                 # at the stop, so the reason is the stop (as vLLM reports it), not length.
                 req.stop_reason = matched
                 req.status = RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and not req.grammar.active:
+            req.grammar.update_active(detok.output_text)
         finished = req.is_finished
         out = RequestOutput(
             request_id=req.request_id,

@@ -21,7 +21,9 @@ class RequestOutput:
     ``new_*`` fields are the delta of this step (for streaming); ``output_text`` and
     ``output_token_ids`` are cumulative. ``finish_reason`` is ``stop``, ``length`` or
     ``abort`` once ``finished``; ``stop_reason`` is the stop string or token id that
-    matched (None for EOS).
+    matched (None for EOS). ``error`` is set on the final output of a request the engine
+    had to end because of what it asked (a grammar that allows no token): the
+    message names the field.
     """
 
     request_id: str
@@ -35,6 +37,7 @@ class RequestOutput:
     stop_reason: int | str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    error: str | None = None
 
     @property
     def num_output_tokens(self) -> int:

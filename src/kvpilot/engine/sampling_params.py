@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpilot.engine.structured_output import StructuredOutputsParams
 
 
 class InvalidRequestError(ValueError):
@@ -53,6 +57,10 @@ class SamplingParams:
             (1 = off).
         logprobs: ``None`` = none; k >= 0 = the sampled token's logprob plus the top k.
         skip_special_tokens: drop special tokens from the detokenized text.
+        logit_bias: ``(token_id, bias)`` pairs added to the logits before sampling (OpenAI's
+            ``logit_bias``; bias in [-100, 100]; -100 bans a token, 100 all but forces it).
+        structured_outputs: the output must match this schema, regex, choice list or
+            grammar (:mod:`kvpilot.engine.structured_output`).
     """
 
     n: int = 1
@@ -72,8 +80,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_outputs: StructuredOutputsParams | None = None
 
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 100.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -114,6 +125,16 @@ class SamplingParams:
             _check(isinstance(s, str) and len(s) > 0, "stop", s, "a non-empty string")
         for t in self.stop_token_ids:
             _check(t >= 0, "stop_token_ids", t, "non-negative token ids")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        for t, b in self.logit_bias:
+            _check(t >= 0, "logit_bias", t, "keyed by non-negative token ids")
+            _check(math.isfinite(b) and abs(b) <= self.MAX_LOGIT_BIAS, "logit_bias", b,
+                   f"a bias in [-{self.MAX_LOGIT_BIAS:g}, {self.MAX_LOGIT_BIAS:g}]")
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise InvalidRequestError(
+                "ignore_eos cannot be combined with structured outputs: a complete output ends with EOS",
+                param="ignore_eos")
 
     @property
     def greedy(self) -> bool:

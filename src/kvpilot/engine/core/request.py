@@ -10,6 +10,7 @@ from kvpilot.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvpilot.engine.core.radix_cache import RadixNode
+    from kvpilot.engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +51,8 @@ class Request:
         num_published_blocks / last_node: how much of the block table is in the radix
             tree, and the tree node of the last published block.
         num_cached_tokens: prefix-cache hit at the first admission (reported as usage).
+        grammar: the structured-output matcher (None: free text); advanced by the engine
+            over each appended output token.
     """
 
     def __init__(
@@ -82,6 +85,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.num_cached_tokens = 0
+        self.grammar: GrammarState | None = None
         # Per-step sampling results, filled by the engine for outputs.
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         self.sampled_logprobs: list[float] = []

@@ -582,6 +582,9 @@ async def with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
     except (RequestAbortedError, EngineDeadError) as e:
         yield f"data: {json.dumps(error_body(str(e), 'service_unavailable', 503))}\n\n"
         yield "data: [DONE]\n\n"
+    except InvalidRequestError as e:  # the engine ended a choice over what it asked (a dead-end grammar)
+        yield f"data: {json.dumps(error_body(str(e), 'invalid_request_error', 'invalid_value', e.param))}\n\n"
+        yield "data: [DONE]\n\n"
 
 
 def require_ready(state: ServerState) -> None:

@@ -25,10 +25,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.outputs import RequestOutput
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class _Add:
     out: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     ack: concurrent.futures.Future
+    grammar: Any = None
 
 
 @dataclass
@@ -144,10 +146,14 @@ class AsyncEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         out: asyncio.Queue | None = None,
+        grammar: Any = None,
     ) -> asyncio.Queue:
         """Queue a request; returns the queue its :class:`RequestOutput` s arrive on (the
-        last one has ``finished``; an exception object means it failed). Several
-        requests may share one ``out`` queue (outputs carry their request id).
+        last one has ``finished``; an exception object means it failed: an
+        :class:`InvalidRequestError` when the engine ended it because of what it asked,
+        such as a grammar that allows no token). Several requests may share one ``out``
+        queue (outputs carry their request id). ``grammar`` is the compiled grammar of
+        ``params.structured_outputs`` (compiled by the caller, off the engine thread).
 
         Raises:
             InvalidRequestError: the engine refused the request (nothing was queued).
@@ -158,7 +164,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         out = asyncio.Queue() if out is None else out
         ack: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(_Add(request_id, prompt_token_ids, params, cache_salt, out, loop, ack))
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, cache_salt, out, loop, ack, grammar))
         await asyncio.wrap_future(ack)
         return out
 
@@ -262,7 +268,7 @@ class AsyncEngine:
 
     def _handle_add(self, engine: LLMEngine, add: _Add) -> None:
         try:
-            engine.add_request(add.request_id, add.prompt_token_ids, add.params, add.cache_salt)
+            engine.add_request(add.request_id, add.prompt_token_ids, add.params, add.cache_salt, grammar=add.grammar)
         except BaseException as e:  # refused: hand the error back to the handler
             add.ack.set_exception(e)
             return
@@ -281,6 +287,10 @@ class AsyncEngine:
                 self._finish_stream(rid, RequestFailedError(f"internal engine error: {e}"))
             return
         for out in outputs:
+            if out.error is not None:
+                param = out.error.split(":", 1)[0] if ":" in out.error else None
+                self._finish_stream(out.request_id, InvalidRequestError(out.error, param))
+                continue
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
