@@ -14,11 +14,14 @@ from kvpilot import cli
 def test_abbreviated_flags_are_unknown_not_the_managed_ones(argv, capsys):
     """Found in review: argparse took ``--por=9001`` for ``--port``, so an
     InferenceDeployment's ``engine.extraArgs`` could override the port, host or model the
-    operator manages (and fail the probes). Abbreviations are now refused outright."""
+    operator manages (and fail the probes). Abbreviations are now refused outright, by the
+    vLLM flag check (kvpilot.vllm_flags) before argparse, which names the full flag."""
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
     assert exc.value.code == 2
-    assert "unrecognized arguments" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvpilot serve: 1 flag cannot be honoured: {argv[1]} (not a kvpilot flag")
+    assert "abbreviations are not accepted: did you mean --" in err
 
 
 def test_the_api_key_can_come_from_the_environment_and_the_flag_wins(monkeypatch):

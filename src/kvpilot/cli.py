@@ -24,6 +24,33 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+EPILOGS: dict[str, str] = {
+    "serve": "vLLM command lines work as they are: 'kvpilot serve MODEL' is 'kvpilot serve --model "
+             "MODEL'; vLLM flags that change nothing here (--enable-chunked-prefill, "
+             "--tensor-parallel-size 1, ...) are accepted and logged at start-up; any flag "
+             "kvpilot cannot honour fails the command, all of them named in one message. The "
+             "list: docs/server.md, 'vLLM command lines'.",
+}
+
+
+def parse_serve_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``kvpilot serve``'s arguments, vLLM's command line included (:mod:`kvpilot.vllm_flags`):
+    a positional model becomes ``--model``; the vLLM no-op flags are removed and kept in
+    ``args.vllm_noop_flags`` (a list of :class:`kvpilot.vllm_flags.NoOp`) for start-up to
+    log. Exits with status 2 like argparse (SystemExit), the message on stderr, when any
+    flag cannot be honoured or is unknown, naming all of them; argparse's own errors
+    (a bad value of a kvpilot flag) follow as before."""
+    from kvpilot.vllm_flags import VLLMFlagError, known_options, split_vllm_flags
+
+    try:
+        rest, noops = split_vllm_flags(argv, known_options(parser))
+    except VLLMFlagError as e:
+        parser.exit(2, f"{parser.prog}: {e}\n")
+    args = parser.parse_args(rest)
+    args.vllm_noop_flags = noops
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpilot", description="kvpilot: paged-KV LLM engine and Kubernetes operator",
                                      allow_abbrev=False)
@@ -45,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         # No abbreviations: "--por=9001" in an InferenceDeployment's extraArgs must not
         # silently override the --port the operator manages (it is an unknown flag).
         parser = argparse.ArgumentParser(prog=f"kvpilot {argv[0]}", description=COMMANDS[argv[0]][1],
-                                         allow_abbrev=False)
+                                         allow_abbrev=False, epilog=EPILOGS.get(argv[0]))
         module.add_arguments(parser)
+        if argv[0] == "serve":
+            return int(module.run(parse_serve_args(parser, argv[1:])) or 0)
         return int(module.run(parser.parse_args(argv[1:])) or 0)
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -29,6 +29,8 @@ from kvpilot.autoscaler.spec import (
     MetricsSourceSpec,
 )
 from kvpilot.operator.model_uri import ModelSource, parse_model_uri
+from kvpilot.operator.serve_flags import SERVE_OPTIONS
+from kvpilot.vllm_flags import VLLMFlagError, split_vllm_flags
 
 KV_CACHE_DTYPES = (
     "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int4",
@@ -42,6 +44,9 @@ MANAGED_FLAGS = (
     "--no-enable-prefix-caching", "--gpu-memory-utilization", "--max-model-len", "--device",
     "--drain-timeout",
 )
+# Why engine.extraArgs may hold no positional argument (kvpilot serve's would be the model).
+POSITIONAL_REASON = ("a positional argument: the engine would take it for the model, which "
+                     "the operator sets from model.uri")
 MAX_REPLICAS = 1000
 ROUTER_MODES = ("router", "gateway")
 # vllm-router's --policy values this operator offers (it has more: random, round_robin...).
@@ -292,6 +297,19 @@ class InferenceSpec:
         return 1 if self.replicas is None else self.replicas
 
 
+def _check_serve_flags(extra: tuple[str, ...]) -> None:
+    """Refuse ``engine.extraArgs`` the engine would refuse (:mod:`kvpilot.vllm_flags`): vLLM
+    flags kvpilot cannot honour, unknown flags and positional arguments (the operator sets
+    ``--model``); vLLM's no-op flags pass, as the engine accepts them. One SpecError names
+    every such argument with its reason."""
+    try:
+        split_vllm_flags(extra, SERVE_OPTIONS, positional_reason=POSITIONAL_REASON)
+    except VLLMFlagError as exc:
+        bad = [p.arg for p in exc.problems]
+        raise SpecError("engine.extraArgs", bad[0] if len(bad) == 1 else bad,
+                        f"kvpilot serve would fail: {exc}") from None
+
+
 def _parse_engine(raw: Any) -> EngineSpec:
     r = FieldReader(raw, "engine", DEFAULTS)
     extra = r.items("extraArgs")
@@ -301,6 +319,9 @@ def _parse_engine(raw: Any) -> EngineSpec:
         if arg.split("=", 1)[0] in MANAGED_FLAGS:
             raise SpecError("engine.extraArgs", arg,
                             "set the matching spec field instead of repeating a managed flag")
+        if arg in ("-h", "--help"):
+            raise SpecError("engine.extraArgs", arg, "the engine would print its help and exit")
+    _check_serve_flags(extra)
     engine = EngineSpec(
         image=r.string("image"),
         image_pull_policy=r.choice("imagePullPolicy", PULL_POLICIES),

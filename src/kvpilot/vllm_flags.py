@@ -1,0 +1,605 @@
+"""vLLM command lines for ``kvpilot serve``: which ``vllm serve`` flags are no-ops here and
+which cannot be honoured, and :func:`split_vllm_flags`, which checks a command line
+against them before argparse sees it.
+
+A ``vllm serve`` flag is one of three kinds for kvpilot:
+
+(a) a kvpilot flag too (``--model``, ``--max-num-seqs``, ...): it is on the ``kvpilot
+    serve`` parser and this table does not list it;
+(b) a meaningful no-op: what a vLLM user asks for with it is what kvpilot does anyway
+    (``--enable-chunked-prefill``: prefill is always chunked). It is accepted, removed
+    from the command line and logged at start-up with the reason;
+(c) a flag kvpilot cannot honour (``--tensor-parallel-size 2``, ``--quantization awq``):
+    the command line is refused, naming every such flag with its reason.
+
+Some flags are no-ops for some values and cannot be honoured for others
+(``--tensor-parallel-size 1`` is fine, ``2`` is not; ``--enforce-eager`` is a no-op,
+``--no-enforce-eager`` is not): :attr:`VLLMFlag.accepts` decides per value.
+
+Standard library only: the engine's command line (:mod:`kvpilot.cli`) and the operator's
+check of ``engine.extraArgs`` (:mod:`kvpilot.operator.spec`, which must not import the
+engine) share this table, so a flag one accepts the other accepts too. The table was
+sorted from vLLM's ``vllm/engine/arg_utils.py`` (``EngineArgs.add_cli_args``) and
+``vllm/entrypoints/openai/cli_args.py`` (``make_arg_parser``, ``FrontendArgs``), current
+flags and a few removed ones still common in scripts (``--swap-space``,
+``--disable-log-requests``). ``python -m kvpilot.vllm_flags`` prints the Markdown of
+docs/server.md's "vLLM command lines" section from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["FLAGS", "TABLE", "Arity", "NoOp", "Problem", "VLLMFlag", "VLLMFlagError",
+           "known_options", "markdown", "split_vllm_flags", "update_docs"]
+
+
+class Arity(enum.Enum):
+    """How a flag is written on vLLM's command line."""
+
+    SWITCH = "switch"  # --flag (store_true)
+    BOOL = "bool"  # --flag / --no-flag (argparse.BooleanOptionalAction)
+    ONE = "one"  # --flag VALUE or --flag=VALUE
+    MANY = "many"  # --flag V1 V2 ... (nargs="+")
+
+
+# The value a check sees: True/False for --flag/--no-flag, the text of a value otherwise.
+Value = bool | str
+
+
+@dataclass(frozen=True)
+class VLLMFlag:
+    """One ``vllm serve`` flag that the ``kvpilot serve`` parser does not have.
+
+    Attributes:
+        name: the long option (``--tensor-parallel-size``).
+        arity: how it is written (:class:`Arity`).
+        noop: why it changes nothing here, for the values it accepts; None when no value
+            is accepted (category (c)).
+        refused: why the other values cannot be honoured; None when every value is a
+            no-op (category (b)).
+        accepts: whether a value (True/False for ``--flag``/``--no-flag``, else the value's
+            text) is a no-op; needed only when both ``noop`` and ``refused`` are given.
+        accepted: the accepted values, in words, for the docs (``1``, ``--enforce-eager``).
+        aliases: other spellings vLLM accepts (``-tp``).
+    """
+
+    name: str
+    arity: Arity
+    noop: str | None
+    refused: str | None
+    accepts: Callable[[Value], bool] | None = None
+    accepted: str = ""
+    aliases: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.noop is None and self.refused is None:
+            raise ValueError(f"{self.name}: a flag is a no-op, refused, or both by value")
+        if self.noop is not None and self.refused is not None and self.accepts is None:
+            raise ValueError(f"{self.name}: a flag accepted for some values needs accepts()")
+
+    @property
+    def category(self) -> str:
+        """``no-op``, ``refused``, or ``by value`` (a no-op for some values only)."""
+        if self.refused is None:
+            return "no-op"
+        return "refused" if self.noop is None else "by value"
+
+    @property
+    def spellings(self) -> tuple[str, ...]:
+        """Every option string this entry answers for (``--no-`` forms of a BOOL included)."""
+        names = (self.name, *self.aliases)
+        if self.arity is Arity.BOOL:
+            names += (f"--no-{self.name[2:]}",)
+        return names
+
+    def judge(self, value: Value) -> str | None:
+        """None when ``value`` is a no-op here, else the reason it cannot be honoured."""
+        if self.refused is None:
+            return None
+        if self.noop is None:
+            return self.refused
+        assert self.accepts is not None  # __post_init__
+        return None if self.accepts(value) else self.refused
+
+
+def _noop(name: str, arity: Arity, why: str, *aliases: str) -> VLLMFlag:
+    return VLLMFlag(name, arity, noop=why, refused=None, aliases=aliases)
+
+
+def _refused(name: str, arity: Arity, why: str, *aliases: str) -> VLLMFlag:
+    return VLLMFlag(name, arity, noop=None, refused=why, aliases=aliases)
+
+
+def _if(name: str, arity: Arity, accepted: Sequence[str] | bool, noop: str, refused: str,
+        *aliases: str) -> VLLMFlag:
+    """A no-op for the ``accepted`` values (for a BOOL: True = ``--flag``, False =
+    ``--no-flag``), refused for the others. Numbers compare by value (``1.0`` is ``1``)."""
+    if isinstance(accepted, bool):
+        want = accepted
+
+        def accepts(value: Value) -> bool:
+            return value is want
+
+        words = name if accepted else f"--no-{name[2:]}"
+    else:
+        allowed = tuple(accepted)
+
+        def accepts(value: Value) -> bool:
+            return isinstance(value, str) and any(_same(value, a) for a in allowed)
+
+        words = " or ".join(allowed)
+    return VLLMFlag(name, arity, noop=noop, refused=refused, accepts=accepts, accepted=words,
+                    aliases=aliases)
+
+
+def _off(name: str, refused: str) -> VLLMFlag:
+    """A vLLM BOOL flag refused when on; its ``--no-`` form is vLLM's default and kvpilot's
+    behaviour, a no-op."""
+    return _if(name, Arity.BOOL, False, _DEFAULT, refused)
+
+
+_DEFAULT = "off is vLLM's default and what kvpilot does"
+
+
+def _same(value: str, allowed: str) -> bool:
+    text = value.strip().strip("'\"").lower()
+    if text == allowed:
+        return True
+    try:
+        return float(text) == float(allowed)
+    except ValueError:
+        return False
+
+
+S, B, ONE, MANY = Arity.SWITCH, Arity.BOOL, Arity.ONE, Arity.MANY
+_ONE_GPU = "one engine runs on one GPU; run one engine per GPU instead, as the operator's replicas do"
+_NO_HUB = ("kvpilot loads a local folder or GGUF file and never downloads from the Hugging "
+           "Face Hub (the operator's hf:// model URI downloads before the engine starts)")
+_NO_GRAPHS = "kvpilot neither compiles the model nor captures CUDA graphs"
+_NO_LORA = "LoRA adapters are not supported"
+_NO_MM = "kvpilot serves text only (no multimodal inputs)"
+_NO_TLS = "kvpilot serves plain HTTP; terminate TLS in front of it (ingress, gateway)"
+_NO_CORS = "kvpilot has no CORS middleware; set CORS headers in front of it"
+_NO_SPEC = "speculative decoding is not supported"
+
+FLAGS: tuple[VLLMFlag, ...] = (
+    # ---- (b) no-ops for every value
+    _noop("--trust-remote-code", B,
+          "kvpilot never runs code from a model repository: it loads the architectures it "
+          "implements itself, so there is nothing to trust or distrust"),
+    _noop("--disable-frontend-multiprocessing", S,
+          "the HTTP server and the engine already share one process (the engine runs in a "
+          "thread)"),
+    _noop("--disable-log-requests", S,
+          "kvpilot never logs requests (no prompts, no parameters); uvicorn's access log "
+          "line stays, as it does in vLLM"),
+    _noop("--disable-log-stats", S,
+          "kvpilot writes no periodic statistics to the log; /metrics is still served "
+          "(vLLM also stops its engine metrics with this flag: kvpilot does not, the "
+          "operator's autoscaler reads them)"),
+    _noop("--max-log-len", ONE,
+          "kvpilot never writes prompts to the log, so there is nothing to truncate"),
+    _noop("--swap-space", ONE,
+          "kvpilot preempts by recomputation (as vLLM V1 does, which also ignores this "
+          "flag): nothing is swapped to CPU memory"),
+    _noop("--max-seq-len-to-capture", ONE,
+          f"it only bounds CUDA graph capture; {_NO_GRAPHS}"),
+    _noop("--disable-custom-all-reduce", B,
+          "there is no all-reduce: one engine runs on one GPU"),
+    _noop("--disable-cascade-attn", B,
+          "kvpilot has no cascade attention to use or disable"),
+    _noop("--disable-hybrid-kv-cache-manager", B,
+          "kvpilot keeps one uniform paged KV cache for every layer (no hybrid manager)"),
+    _noop("--max-parallel-loading-workers", ONE,
+          "kvpilot loads the weights in one worker (no tensor parallelism to load in batches)"),
+    _noop("--ray-workers-use-nsight", B, "kvpilot starts no Ray workers"),
+    _noop("--no-skip-tokenizer-init", S, "the tokenizer is loaded by default"),
+    _noop("--no-calculate-kv-scales", S,
+          "quantized-cache scales are fixed at start-up by default"),
+    _noop("--no-enable-auto-tool-choice", S,
+          "off is the default: tool_choice \"auto\" needs --enable-auto-tool-choice"),
+    # ---- no-ops for some values, refused for the others
+    _if("--enable-chunked-prefill", B, True,
+        "kvpilot always chunks prefills: each step's --max-num-batched-tokens budget is "
+        "shared by decodes and prefill chunks",
+        "kvpilot always chunks prefills; it cannot run a whole prompt in one step"),
+    _if("--enforce-eager", B, True,
+        f"{_NO_GRAPHS}: it always runs eagerly",
+        f"{_NO_GRAPHS}; drop --no-enforce-eager"),
+    _if("--enable-log-requests", B, False,
+        "kvpilot never logs requests",
+        "kvpilot does not log requests (prompts, parameters); only uvicorn's access line"),
+    _if("--disable-sliding-window", B, True,
+        "kvpilot has no sliding-window attention: a model with a window is already capped "
+        "to its window, as this flag does in vLLM",
+        "kvpilot does not implement sliding-window attention (a model with a window is "
+        "capped to it instead)"),
+    _if("--language-model-only", B, True, _NO_MM, _NO_MM),
+    _if("--enable-prompt-tokens-details", B, True,
+        "usage.prompt_tokens_details.cached_tokens is always reported",
+        "usage.prompt_tokens_details is always reported"),
+    _if("--async-scheduling", B, False,
+        "kvpilot schedules each step after the previous one (no async scheduling)",
+        "kvpilot has no async scheduling: each step is scheduled after the previous one"),
+    _off("--enable-lora", _NO_LORA),
+    _if("--enable-expert-parallel", B, False,
+        "expert parallelism is off (one engine runs on one GPU)",
+        f"expert parallelism is not supported: {_ONE_GPU}", "-ep"),
+    _off("--enable-sleep-mode", "sleep mode (offloading weights on request) is not supported"),
+    _off("--enable-prompt-embeds", "prompt embeddings as input are not supported"),
+    _if("--tensor-parallel-size", ONE, ("1",), _ONE_GPU,
+        f"tensor parallelism is not supported yet: {_ONE_GPU}", "-tp"),
+    _if("--pipeline-parallel-size", ONE, ("1",), _ONE_GPU,
+        f"pipeline parallelism is not supported: {_ONE_GPU}", "-pp"),
+    _if("--data-parallel-size", ONE, ("1",), "one engine per server",
+        "data parallelism inside one server is not supported; run replicas behind a router "
+        "(the operator's replicas and spec.router)", "-dp"),
+    _if("--distributed-executor-backend", ONE, ("uni", "mp"),
+        "kvpilot runs its one worker inside the server process",
+        "kvpilot runs its one worker inside the server process; Ray and external "
+        "launchers are not supported"),
+    _if("--api-server-count", ONE, ("1",), "kvpilot runs one API server process",
+        "kvpilot runs one API server process; run more replicas instead", "-asc"),
+    _if("--num-scheduler-steps", ONE, ("1",), "kvpilot schedules every step",
+        "multi-step scheduling is not supported"),
+    _if("--scheduling-policy", ONE, ("fcfs",), "requests are admitted first come, first served",
+        "requests are admitted first come, first served; there is no priority scheduling"),
+    _if("--preemption-mode", ONE, ("recompute",), "kvpilot preempts by recomputation",
+        "kvpilot preempts by recomputation; it cannot swap to CPU memory"),
+    _if("--max-logprobs", ONE, ("20",), "kvpilot's limit is 20 logprobs per token, vLLM's default",
+        "kvpilot's limit is fixed at 20 logprobs per token (OpenAI's)"),
+    _if("--response-role", ONE, ("assistant",), "replies have the role assistant",
+        "replies always have the role assistant"),
+    _if("--generation-config", ONE, ("vllm",),
+        "kvpilot does not apply the model's generation_config.json sampling defaults "
+        "(it reads only its EOS ids), as with vLLM's 'vllm' value",
+        "kvpilot does not apply generation_config.json sampling defaults (it reads only its "
+        "EOS ids): only --generation-config vllm is accepted"),
+    _if("--tokenizer-mode", ONE, ("auto", "hf"),
+        "kvpilot uses the model's tokenizer through transformers (fast when it has one)",
+        "kvpilot uses the model's tokenizer through transformers only"),
+    _if("--task", ONE, ("auto", "generate"), "kvpilot generates text",
+        "kvpilot only generates text (no embeddings, scores or classification)"),
+    _if("--runner", ONE, ("auto", "generate"), "kvpilot generates text",
+        "kvpilot only generates text (no pooling or draft runner)"),
+    _if("--convert", ONE, ("auto", "none"), "kvpilot runs the model as it is",
+        "kvpilot cannot convert a model to a pooling model"),
+    _if("--model-impl", ONE, ("auto",), "kvpilot runs its own implementation of the architecture",
+        "kvpilot runs its own implementation of the architecture; it cannot choose vLLM's "
+        "or transformers'"),
+    _if("--stream-interval", ONE, ("1",), "kvpilot streams every token as it is generated",
+        "kvpilot streams every token as it is generated"),
+    _if("--cpu-offload-gb", ONE, ("0",), "no weights are offloaded to CPU",
+        "offloading weights to CPU memory is not supported"),
+    _if("--uvicorn-log-level", ONE, ("info",),
+        "uvicorn logs at --log-level, info by default",
+        "kvpilot's uvicorn logs at --log-level (debug, info, warning, error): use that"),
+    # ---- (c) refused for every value
+    _refused("--quantization", ONE,
+             "quantized weights are not supported (AWQ, GPTQ, FP8, ...); a GGUF file is "
+             "dequantized at load without this flag", "-q"),
+    _refused("--speculative-config", ONE, _NO_SPEC, "-sc"),
+    _refused("--speculative-model", ONE, _NO_SPEC),
+    _refused("--num-speculative-tokens", ONE, _NO_SPEC),
+    _refused("--max-loras", ONE, _NO_LORA),
+    _refused("--max-lora-rank", ONE, _NO_LORA),
+    _refused("--max-cpu-loras", ONE, _NO_LORA),
+    _refused("--lora-modules", MANY, _NO_LORA),
+    _off("--fully-sharded-loras", _NO_LORA),
+    _refused("--kv-transfer-config", ONE, "KV transfer (disaggregated prefill) is not supported"),
+    _refused("--compilation-config", ONE, _NO_GRAPHS, "-cc"),
+    _refused("--cudagraph-capture-sizes", MANY, _NO_GRAPHS),
+    _refused("--hf-overrides", ONE, "overriding the model's config.json is not supported"),
+    _refused("--override-generation-config", ONE,
+             "kvpilot does not apply generation-config sampling defaults"),
+    _refused("--rope-scaling", ONE, "overriding the model's RoPE scaling is not supported"),
+    _refused("--rope-theta", ONE, "overriding the model's RoPE theta is not supported"),
+    _refused("--revision", ONE, _NO_HUB),
+    _refused("--code-revision", ONE, _NO_HUB),
+    _refused("--tokenizer-revision", ONE, _NO_HUB),
+    _refused("--download-dir", ONE, _NO_HUB),
+    _refused("--hf-token", ONE, _NO_HUB),
+    _refused("--kv-cache-memory-bytes", ONE,
+             "use --num-gpu-blocks-override (KV blocks) or, on CPU, --kv-cache-memory (GiB)"),
+    _refused("--prefix-caching-hash-algo", ONE, "the prefix cache's hash cannot be chosen"),
+    _refused("--kv-offloading-size", ONE, "KV cache offloading is not supported"),
+    _refused("--kv-offloading-backend", ONE, "KV cache offloading is not supported"),
+    _refused("--long-prefill-token-threshold", ONE,
+             "prefill chunks share --max-num-batched-tokens; there is no long-prefill limit"),
+    _refused("--max-num-partial-prefills", ONE, "partial-prefill limits are not supported"),
+    _refused("--max-long-partial-prefills", ONE, "partial-prefill limits are not supported"),
+    _refused("--limit-mm-per-prompt", ONE, _NO_MM),
+    _refused("--mm-processor-kwargs", ONE, _NO_MM),
+    _refused("--allowed-local-media-path", ONE, _NO_MM),
+    _refused("--guided-decoding-backend", ONE,
+             "kvpilot has its own structured-output matcher; the backend cannot be chosen"),
+    _refused("--structured-outputs-config", ONE,
+             "kvpilot has its own structured-output matcher; it takes no configuration"),
+    _refused("--logits-processors", MANY, "custom logits processors are not supported"),
+    _refused("--logits-processor-pattern", ONE, "custom logits processors are not supported"),
+    _refused("--otlp-traces-endpoint", ONE, "OpenTelemetry tracing is not supported"),
+    _refused("--collect-detailed-traces", ONE, "OpenTelemetry tracing is not supported"),
+    _refused("--show-hidden-metrics-for-version", ONE,
+             "kvpilot's metrics have no hidden (deprecated) set; see docs/metrics.md"),
+    _off("--enable-eplb", "expert load balancing is not supported"),
+    _refused("--worker-cls", ONE, "the worker class cannot be replaced"),
+    _refused("--worker-extension-cls", ONE, "the worker class cannot be extended"),
+    _refused("--additional-config", ONE, "there are no platform-specific settings"),
+    _refused("--headless", S, "kvpilot always serves the API (no multi-node headless mode)"),
+    _refused("--grpc", S, "kvpilot serves HTTP only"),
+    _refused("--config", ONE, "kvpilot does not read vLLM config files: pass the flags"),
+    _refused("--shutdown-timeout", ONE,
+             "use --drain-timeout (seconds requests get to finish on SIGTERM)"),
+    _refused("--uds", ONE, "kvpilot listens on TCP only (--host, --port)"),
+    _refused("--root-path", ONE, "serving under a path prefix is not supported"),
+    _refused("--ssl-keyfile", ONE, _NO_TLS),
+    _refused("--ssl-certfile", ONE, _NO_TLS),
+    _refused("--ssl-ca-certs", ONE, _NO_TLS),
+    _refused("--ssl-cert-reqs", ONE, _NO_TLS),
+    _off("--enable-ssl-refresh", _NO_TLS),
+    _refused("--allowed-origins", ONE, _NO_CORS),
+    _refused("--allowed-methods", ONE, _NO_CORS),
+    _refused("--allowed-headers", ONE, _NO_CORS),
+    _off("--allow-credentials", _NO_CORS),
+    _refused("--middleware", ONE, "extra ASGI middleware cannot be added"),
+    _off("--disable-fastapi-docs", "the API docs (/docs, /openapi.json) are always served"),
+    _off("--disable-uvicorn-access-log", "uvicorn's access log is always on"),
+    _off("--enable-request-id-headers", "X-Request-Id is echoed when a request sends one, never generated"),
+    _off("--return-tokens-as-token-ids", "logprobs name tokens by their text only"),
+    _off("--enable-log-outputs", "kvpilot does not log outputs"),
+    _off("--enable-force-include-usage", "a stream carries usage only when stream_options.include_usage asks for it"),
+    _off("--enable-server-load-tracking", "use GET /get_load (always served) for the server's load"),
+    _off("--enable-tokenizer-info-endpoint", "there is no /tokenizer_info endpoint"),
+    _refused("--log-config-file", ONE,
+             "kvpilot configures its logging itself (--log-level)"),
+)
+
+# Every option string of the table -> its entry.
+TABLE: dict[str, VLLMFlag] = {s: f for f in FLAGS for s in f.spellings}
+if len(TABLE) != sum(len(f.spellings) for f in FLAGS):  # pragma: no cover - a table typo
+    raise RuntimeError("kvpilot.vllm_flags: an option string is listed twice")
+
+
+@dataclass(frozen=True)
+class NoOp:
+    """A vLLM flag accepted and removed from the command line: ``arg`` as written
+    (``--tensor-parallel-size 1``), ``reason`` why it changes nothing here."""
+
+    arg: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.arg} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """An argument that cannot be honoured: ``arg`` as written, ``reason`` why."""
+
+    arg: str
+    reason: str
+    is_flag: bool = True
+
+    def __str__(self) -> str:
+        return f"{self.arg} ({self.reason})"
+
+
+class VLLMFlagError(ValueError):
+    """A command line with arguments kvpilot cannot honour; ``problems`` names each one
+    with its reason (all of them, not the first only)."""
+
+    def __init__(self, problems: Sequence[Problem]) -> None:
+        self.problems = tuple(problems)
+        n = len(self.problems)
+        what = "flag" if all(p.is_flag for p in self.problems) else "argument"
+        head = f"{n} {what}{'' if n == 1 else 's'} cannot be honoured"
+        super().__init__(f"{head}: {', '.join(map(str, self.problems))}")
+
+
+def known_options(parser: argparse.ArgumentParser) -> dict[str, bool]:
+    """The parser's option strings -> whether each takes a value (``-h`` included)."""
+    return {s: a.nargs != 0 for a in parser._actions for s in a.option_strings}
+
+
+_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+MODEL_OPTION = "--model"
+UNKNOWN = "not a kvpilot flag, nor a vLLM flag kvpilot knows"
+
+
+def _is_flag(token: str) -> bool:
+    return token.startswith("-") and token != "-" and not _NUMBER.match(token)
+
+
+def split_vllm_flags(argv: Sequence[str], known: Mapping[str, bool], *,
+                     positional_reason: str | None = None) -> tuple[list[str], list[NoOp]]:
+    """Check a ``vllm serve``-style command line against kvpilot's flags and :data:`TABLE`.
+
+    Args:
+        argv: the arguments after ``serve``.
+        known: kvpilot's own option strings -> whether each takes a value
+            (:func:`known_options`). They win over the table and pass through unchanged
+            (with their value: the token after a value-taking flag is never a flag or the
+            model), for argparse to parse.
+        positional_reason: None: the first positional argument is the model, as in
+            ``vllm serve MODEL`` (it becomes ``--model MODEL``). Otherwise every positional
+            argument is refused with this reason (the operator sets ``--model`` itself).
+
+    Returns:
+        ``(argv for argparse, the accepted no-op flags)``: no-op flags are removed with
+        their values (``--flag value``, ``--flag=value``, ``--no-flag`` forms).
+
+    Raises:
+        VLLMFlagError: naming every argument that cannot be honoured, each with its
+            reason: a flag refused for its value, a flag neither kvpilot nor the table
+            knows (the token after it, unless flag-like, is taken for its value and not
+            reported), a value given to a flag that takes none, a missing value, a second
+            positional argument, or a model given both positionally and with ``--model``.
+            With ``-h``/``--help`` nothing is checked (argparse prints the help and exits).
+    """
+    args = list(argv)
+    head = args[: args.index("--")] if "--" in args else args
+    if "-h" in head or "--help" in head:
+        return args, []
+    out: list[str] = []
+    noops: list[NoOp] = []
+    problems: list[Problem] = []
+    positionals: list[str] = []
+    model_at = 0  # where the positional model goes in ``out``
+    model_flags: list[str] = []  # the values given with --model
+    i = 0
+
+    def next_value() -> str | None:
+        """The next token when it is a value (not a flag, not ``--``), consumed."""
+        nonlocal i
+        if i < len(args) and not _is_flag(args[i]) and args[i] != "--":
+            i += 1
+            return args[i - 1]
+        return None
+
+    while i < len(args):
+        token = args[i]
+        i += 1
+        if token == "--" or not _is_flag(token):
+            rest = args[i:] if token == "--" else [token]
+            if rest and not positionals:
+                model_at = len(out)
+            positionals += rest
+            if token == "--":
+                break
+            continue
+        name, eq, inline = token.partition("=")
+        if name in known:
+            out.append(token)
+            value = inline if eq else next_value() if known[name] else None
+            if known[name] and not eq and value is not None:
+                out.append(value)
+            if name == MODEL_OPTION and value is not None:
+                model_flags.append(value)
+            continue
+        entry = TABLE.get(name)
+        if entry is None:
+            if not eq:
+                next_value()  # an unknown flag's value, most likely: not the model
+            problems.append(Problem(token, _unknown(name, known)))
+            continue
+        if entry.arity in (Arity.SWITCH, Arity.BOOL):
+            if eq:
+                problems.append(Problem(token, "takes no value"))
+                continue
+            written = token
+            verdict = entry.judge(entry.arity is Arity.SWITCH or not name.startswith("--no-")
+                                  or name == entry.name)
+        else:
+            values = [inline] if eq else []
+            while not eq and (v := next_value()) is not None:
+                values.append(v)
+                if entry.arity is not Arity.MANY:
+                    break
+            if not values:
+                problems.append(Problem(token, _missing_value(entry)))
+                continue
+            written = token if eq else " ".join([token, *values])
+            verdict = entry.judge(" ".join(values))
+        if verdict is None:
+            noops.append(NoOp(written, entry.noop or ""))
+        else:
+            problems.append(Problem(written, verdict))
+    if positional_reason is not None:
+        problems += [Problem(p, positional_reason, is_flag=False) for p in positionals]
+    elif positionals:
+        model, extra = positionals[0], positionals[1:]
+        problems += [Problem(p, "a second positional argument: only the model may be given "
+                             "without a flag", is_flag=False) for p in extra]
+        if model_flags:
+            shown = " ".join(f"{MODEL_OPTION} {m}" for m in model_flags)
+            problems.append(Problem(f"{model} and {shown}", "the model given both as the "
+                                    f"positional argument and with {MODEL_OPTION}: give it once",
+                                    is_flag=False))
+        else:
+            out[model_at:model_at] = [MODEL_OPTION, model]
+    if problems:
+        raise VLLMFlagError(problems)
+    return out, noops
+
+
+def _missing_value(entry: VLLMFlag) -> str:
+    if entry.noop is None:  # refused whatever the value
+        return entry.refused or ""
+    return "needs a value" if entry.refused is None else f"needs a value ({entry.accepted} is accepted)"
+
+
+def _unknown(name: str, known: Iterable[str]) -> str:
+    """The reason an option string is unknown, with a hint when one is at hand."""
+    names = [*known, *TABLE]
+    if "_" in name and name.replace("_", "-") in names:
+        return f"{UNKNOWN}: write it {name.replace('_', '-')}"
+    near = sorted(n for n in names if n.startswith(name) and n.startswith("--")) \
+        if name.startswith("--") and len(name) > 3 else []
+    if 0 < len(near) <= 3:
+        return f"{UNKNOWN}; abbreviations are not accepted: did you mean {' or '.join(near)}?"
+    return UNKNOWN
+
+
+def _doc_name(flag: VLLMFlag, accepted: bool) -> str:
+    """How the docs name ``flag`` in the no-op table (``accepted``) or the refused one."""
+    on = [flag.name, *flag.aliases]
+    off = [f"--no-{flag.name[2:]}"] if flag.arity is Arity.BOOL else []
+    if flag.arity is Arity.BOOL and flag.category == "by value":
+        names = on if (flag.accepted == flag.name) == accepted else off
+    else:
+        names = on[:1] + off + on[1:]
+    text = " / ".join(f"`{n}`" for n in names)
+    if flag.category == "by value" and flag.arity is not Arity.BOOL:
+        return f"{text} {flag.accepted}" if accepted else f"{text} other than {flag.accepted}"
+    return text
+
+
+def markdown() -> str:
+    """The Markdown of docs/server.md's tables of vLLM flags: one of no-ops, one of flags
+    refused (a flag accepted for some values appears in both, with its values)."""
+    lines = ["| vLLM flag | a no-op here: |", "|---|---|"]
+    lines += [f"| {_doc_name(f, True)} | {f.noop} |" for f in FLAGS if f.noop is not None]
+    lines += ["", "| vLLM flag | refused: |", "|---|---|"]
+    lines += [f"| {_doc_name(f, False)} | {f.refused} |" for f in FLAGS if f.refused is not None]
+    return "\n".join(lines) + "\n"
+
+
+BEGIN, END = "<!-- vllm-flags: begin (python -m kvpilot.vllm_flags --update docs/server.md) -->", \
+    "<!-- vllm-flags: end -->"
+
+
+def update_docs(path: Path) -> bool:
+    """Rewrite the tables between the markers in ``path``; True when it changed.
+    Raises ValueError when the markers are missing."""
+    text = path.read_text()
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"{path}: no {BEGIN!r} ... {END!r} markers")
+    new = text[: start + len(BEGIN)] + "\n" + markdown() + text[end:]
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvpilot.vllm_flags [--update FILE]``: print the tables, or rewrite them
+    in FILE between the markers."""
+    p = argparse.ArgumentParser(prog="python -m kvpilot.vllm_flags", allow_abbrev=False)
+    p.add_argument("--update", type=Path, metavar="FILE")
+    ns = p.parse_args(argv)
+    if ns.update is None:
+        sys.stdout.write(markdown())
+    else:
+        print(f"{ns.update}: {'updated' if update_docs(ns.update) else 'up to date'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

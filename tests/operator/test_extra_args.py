@@ -1,0 +1,110 @@
+"""``engine.extraArgs`` is checked as ``kvpilot serve`` checks its command line
+(:mod:`kvpilot.vllm_flags`): a flag the engine accepts passes, one it refuses fails the
+spec, with the engine's reasons; the operator's copy of the engine's option strings
+(:mod:`kvpilot.operator.serve_flags`) matches the engine's parser."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvpilot import vllm_flags as vf
+from kvpilot.operator.serve_flags import SERVE_OPTIONS
+from kvpilot.operator.spec import SpecError, parse_spec
+
+EMBEDDED = {"uri": "embedded://smollm2-135m-instruct"}
+
+
+def spec_with(extra: list[str]):
+    return parse_spec({"model": EMBEDDED, "engine": {"extraArgs": extra}})
+
+
+def engine_known() -> dict[str, bool]:
+    pytest.importorskip("torch")
+    from kvpilot.engine.server import cli as serve_cli
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    serve_cli.add_arguments(parser)
+    return vf.known_options(parser)
+
+
+def test_the_operator_knows_the_engines_flags():
+    """A flag added to ``kvpilot serve`` must be added to SERVE_OPTIONS (else the operator
+    refuses it as unknown), with whether it takes a value."""
+    known = engine_known()
+    missing = {k: v for k, v in known.items() if SERVE_OPTIONS.get(k) != v}
+    extra = sorted(set(SERVE_OPTIONS) - set(known))
+    assert not missing and not extra, (
+        f"src/kvpilot/operator/serve_flags.py: add or fix {missing} (True: takes a value); "
+        f"remove {extra}")
+
+
+@pytest.mark.parametrize("extra", [
+    ["--attention-backend", "torch", "--seed=7"],
+    ["--enforce-eager", "--enable-chunked-prefill", "--trust-remote-code"],
+    ["--tensor-parallel-size", "1", "-tp=1", "--swap-space", "4", "--disable-log-stats"],
+    ["--no-enable-lora", "--distributed-executor-backend=uni", "--kv-cache-memory", "0.25"],
+])
+def test_flags_the_engine_accepts_pass(extra):
+    assert spec_with(extra).engine.extra_args == tuple(extra)
+
+
+@pytest.mark.parametrize(("extra", "value", "reason"), [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2", "tensor parallelism"),
+    (["--tensor-parallel-size=2"], "--tensor-parallel-size=2", "tensor parallelism"),
+    (["--no-enforce-eager"], "--no-enforce-eager", "CUDA graphs"),
+    (["--quantization", "awq"], "--quantization awq", "quantized weights"),
+    (["--foo"], "--foo", "not a kvpilot flag"),
+    (["--tensor-parallel-size 2"], "--tensor-parallel-size 2", "not a kvpilot flag"),
+    (["--po", "9001"], "--po", "did you mean --port?"),
+    (["Qwen/Qwen2.5-0.5B"], "Qwen/Qwen2.5-0.5B", "the operator sets from model.uri"),
+])
+def test_flags_the_engine_refuses_fail_the_spec(extra, value, reason):
+    with pytest.raises(SpecError) as info:
+        spec_with(extra)
+    err = info.value
+    assert (err.field, err.value) == ("engine.extraArgs", value)
+    assert reason in str(err) and "kvpilot serve would fail: 1 " in str(err)
+
+
+def test_every_refused_argument_is_named_at_once():
+    with pytest.raises(SpecError) as info:
+        spec_with(["--seed", "3", "--enable-lora", "--foo", "x", "-tp", "8"])
+    assert info.value.value == ["--enable-lora", "--foo", "-tp 8"]
+    assert "3 flags cannot be honoured" in str(info.value)
+
+
+def test_help_is_refused():
+    with pytest.raises(SpecError, match="print its help"):
+        spec_with(["--help"])
+
+
+def test_managed_flags_are_still_refused_first():
+    with pytest.raises(SpecError, match="set the matching spec field"):
+        spec_with(["--enforce-eager", "--port=9000"])
+
+
+def test_the_operator_and_the_engine_agree_on_every_table_flag():
+    """Each spelling of the table, with a value the entry accepts and one it refuses: the
+    spec passes exactly when kvpilot serve's check passes."""
+    known = engine_known()
+    cases: list[list[str]] = []
+    for f in vf.FLAGS:
+        for s in f.spellings:
+            if f.arity in (vf.Arity.SWITCH, vf.Arity.BOOL):
+                cases.append([s])
+            else:
+                cases += [[s, (f.accepted.split(" or ")[0] if f.accepted else "7")], [s, "zzz"]]
+    for extra in cases:
+        try:
+            vf.split_vllm_flags(extra, known)
+            engine_ok = True
+        except vf.VLLMFlagError:
+            engine_ok = False
+        try:
+            spec_with(extra)
+            operator_ok = True
+        except SpecError:
+            operator_ok = False
+        assert engine_ok == operator_ok, extra
