@@ -127,7 +127,7 @@ def test_reasoning_first_then_the_constraint(make_engine, tokenizer):
                                                    structured_outputs=SO(choice=("OK",), after="Paris")))
     o = drain(engine)["r"]
     assert o.finish_reason == "stop"
-    head, _, tail = o.output_text.partition("Paris")
+    _, _, tail = o.output_text.partition("Paris")
     assert tail == "OK", o.output_text
 
 

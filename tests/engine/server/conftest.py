@@ -18,6 +18,7 @@ def server():
         "--max-num-batched-tokens", "256",
         "--max-request-body-bytes", str(1 << 20),
         "--log-level", "warning",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     )
     try:
         proc.wait_ready()

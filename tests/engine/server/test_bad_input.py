@@ -127,10 +127,14 @@ json_values = st.recursive(
 )
 COMPLETION_FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "logprobs", "echo",
                      "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
-                     "ignore_eos", "stop_token_ids", "cache_salt", "stream_options", "model", "best_of"]
+                     "ignore_eos", "stop_token_ids", "cache_salt", "stream_options", "model", "best_of",
+                     "logit_bias", "response_format", "structured_outputs", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar", "prompt_logprobs", "unknown_field"]
 CHAT_FIELDS = ["messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stop",
                "logprobs", "top_logprobs", "seed", "chat_template_kwargs", "add_generation_prompt", "min_tokens",
-               "continue_final_message", "tools"]
+               "continue_final_message", "tools", "tool_choice", "parallel_tool_calls", "logit_bias",
+               "response_format", "structured_outputs", "guided_json", "guided_choice", "include_reasoning",
+               "functions"]
 
 
 def small(body: dict) -> dict:

@@ -36,8 +36,8 @@ class Recorder:
         self._add = llm.add_request
         llm.add_request = self  # type: ignore[method-assign]
 
-    def __call__(self, request_id, prompt_token_ids, params, cache_salt=None, arrival_time=None):
-        self._add(request_id, prompt_token_ids, params, cache_salt, arrival_time)
+    def __call__(self, request_id, prompt_token_ids, params, cache_salt=None, arrival_time=None, grammar=None):
+        self._add(request_id, prompt_token_ids, params, cache_salt, arrival_time, grammar=grammar)
         self.calls.append((list(prompt_token_ids), cache_salt, params.max_tokens))
 
     def take(self) -> list[tuple[list[int], str | None, int]]:
@@ -136,7 +136,9 @@ BAD_CHAT = [
     {"messages": []},
     {"messages": [{"role": "user", "content": "hi"}], "model": "other-model"},
     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
-    {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": 2.0}},
+    {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 2.0}},
+    {"messages": [{"role": "user", "content": "hi"}], "guided_regex": "(ab"},
+    {"messages": [{"role": "user", "content": "hi"}], "no_such_field": 1},
     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_LEN},
     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "min_tokens": 5},
     {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [10**9]},
@@ -167,6 +169,8 @@ BAD_COMPLETIONS = [
     {"prompt": "x", "max_tokens": 0, "echo": True, "stream": True},
     {"prompt": LONG},
     {"prompt": "x", "model": "nope"},
+    {"prompt": "x", "structured_outputs": {"json": {"type": "wat"}}},
+    {"prompt": "x", "logit_bias": {"x": 1}},
 ]
 
 

@@ -47,7 +47,7 @@ from kvpilot.engine.server.async_engine import (
     RequestAbortedError,
     RequestFailedError,
 )
-from kvpilot.engine.server.chat import ChatHandler, render_chat
+from kvpilot.engine.server.chat import ChatHandler, ChatOptions, render_chat
 from kvpilot.engine.server.completions import CompletionHandler
 from kvpilot.engine.server.metrics import EngineMetrics
 from kvpilot.engine.server.protocol import (
@@ -190,6 +190,7 @@ class ServerState:
     kv_block_size: int = 16
     model_path: str | None = None
     instance_id: str = field(default_factory=new_instance_id)
+    chat_options: ChatOptions = field(default_factory=ChatOptions)
 
 
 def error(status: int, message: str, err_type: str, code: int | str | None = None, param: str | None = None) -> JSONResponse:
@@ -330,7 +331,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.openapi = lambda: as_served(fastapi_openapi(), STREAM_MODELS)  # type: ignore[method-assign]
     ctx = ServingContext(state.engine, state.served_model_name)
     completions = CompletionHandler(ctx)
-    chat = ChatHandler(ctx)
+    chat = ChatHandler(ctx, state.chat_options)
 
     app.add_middleware(GuardMiddleware, state=state)
     app.add_middleware(BodyLimitMiddleware, limit=lambda: state.max_body_bytes)
@@ -343,7 +344,11 @@ def build_app(state: ServerState) -> FastAPI:
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
         msg = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
+        if first.get("type") == "extra_forbidden":
+            # A field kvpilot does not implement: refused by name, never ignored.
+            msg = (f"{param}: unknown or unsupported field; kvpilot does not implement it, so the request is "
+                   "refused rather than answered without it (docs/server.md lists the accepted fields)")
+        elif first.get("type") == "json_invalid":
             # loc holds a character offset there, not a field: the whole body is at fault.
             at = loc[0] if loc else "?"
             param = "body"
@@ -431,7 +436,8 @@ def build_app(state: ServerState) -> FastAPI:
         ctx.check_model(body.model)
         require_ready(state)
         if body.messages is not None:
-            ids = await asyncio.to_thread(render_chat, ctx, body.messages, body.add_generation_prompt)
+            ids = await asyncio.to_thread(render_chat, ctx, body.messages, body.add_generation_prompt,
+                                          chat_template=state.chat_options.chat_template)
         else:
             ids = await asyncio.to_thread(ctx.tokenizer.encode, body.prompt,
                                           add_special_tokens=body.add_special_tokens)
@@ -481,10 +487,10 @@ def build_app(state: ServerState) -> FastAPI:
         what that endpoint refuses, with the same errors."""
         ctx.check_model(body.model)
         require_ready(state)
-        ids, max_tokens, logprobs = await chat.prepare(body)
-        params = body.to_sampling_params(max_tokens, logprobs)
-        ctx.llm.check_request(ids, params)
-        return JSONResponse(rendered("chatcmpl", ids, params, body, state.served_model_name))
+        prep = await chat.prepare(body)
+        params = chat.sampling_params(body, prep)
+        ctx.llm.check_request(prep.ids, params)
+        return JSONResponse(rendered("chatcmpl", prep.ids, params, body, state.served_model_name))
 
     @app.post("/v1/completions/render", response_model=None,
               responses={200: {"model": RenderResponseList, "description": "one rendered request per prompt"},
@@ -500,7 +506,8 @@ def build_app(state: ServerState) -> FastAPI:
                 raise InvalidRequestError("max_tokens=0 with echo is not supported when streaming", "max_tokens")
             params = None
         else:
-            params = body.to_sampling_params(max_tokens, body.logprobs)
+            so, _ = await completions.constraint(body)
+            params = completions.sampling_params(body, max_tokens, so)
             for ids in prompts:
                 ctx.llm.check_request(ids, params)
         return JSONResponse([rendered("cmpl", ids, params, body, state.served_model_name) for ids in prompts])

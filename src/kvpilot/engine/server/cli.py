@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from kvpilot.engine.config import EngineArgs
 
 if TYPE_CHECKING:
     from kvpilot.engine.server.api_server import ServerState
+    from kvpilot.engine.server.chat import ChatOptions
 
 logger = logging.getLogger("kvpilot.serve")
 # After the drain deadline aborts what is left: how long the aborted responses get to reach
@@ -50,13 +52,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to let requests finish on SIGTERM")
     g.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024)
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    c = parser.add_argument_group("chat (vLLM's flags)")
+    c.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice \"auto\": the model decides, its calls are parsed by --tool-call-parser")
+    c.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="how tool calls are found in the model's text: hermes, llama3_json or mistral")
+    c.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split <think>...</think> reasoning into reasoning_content: deepseek_r1 or qwen3")
+    c.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's")
     EngineArgs.add_cli_args(parser)
+
+
+def chat_options(args: argparse.Namespace) -> ChatOptions:
+    """The chat flags as :class:`ChatOptions`. Raises ValueError naming the flag, the
+    value and what is allowed (an unknown parser, a template file that does not exist)."""
+    from kvpilot.engine.server.chat import ChatOptions
+
+    template = args.chat_template
+    if template is not None:
+        path = Path(template)
+        if path.is_file():
+            template = path.read_text()
+        elif "{{" not in template and "{%" not in template:
+            raise ValueError(f"--chat-template: {template!r} is neither a file nor a Jinja template")
+    try:
+        return ChatOptions(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser, template)
+    except ValueError as e:
+        msg = str(e)
+        if args.tool_call_parser is not None and "tool" in msg and "--" not in msg:
+            msg = f"--tool-call-parser: {msg}"
+        elif args.reasoning_parser is not None and "reasoning" in msg and "--" not in msg:
+            msg = f"--reasoning-parser: {msg}"
+        raise ValueError(msg) from None
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # vLLM flags that are no-ops here, accepted by kvpilot.cli (kvpilot.vllm_flags).
+    for noop in getattr(args, "vllm_noop_flags", ()):
+        logger.info("vLLM flag %s accepted as a no-op: %s", noop.arg, noop.reason)
     try:
         engine_args = EngineArgs.from_cli_args(args)
+        chat = chat_options(args)
     except ValueError as e:
         print(f"kvpilot serve: {e}", file=sys.stderr)
         return 2
@@ -96,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         engine = AsyncEngine(factory, on_step=metrics.observe, on_integrity_check=metrics.observe_integrity_check)
         state = ServerState(engine, metrics, served, args.api_key, args.max_request_body_bytes,
                             kv_events=kv_cfg, kv_publisher=kv_publisher, kv_block_size=engine_args.block_size,
-                            model_path=engine_args.model or source.name)
+                            model_path=engine_args.model or source.name, chat_options=chat)
         app = build_app(state)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=2)

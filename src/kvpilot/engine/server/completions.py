@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from kvpilot.engine.server.serving import (
     started,
     usage,
 )
+from kvpilot.engine.server.structured import structured_outputs_of
 
 
 def parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[list[int]]:
@@ -77,8 +79,6 @@ class CompletionHandler:
             raise InvalidRequestError("best_of is not supported (use n)", "best_of")
         if req.suffix:
             raise InvalidRequestError("suffix is not supported", "suffix")
-        if req.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported", "logit_bias")
         if req.echo and req.logprobs is not None:
             raise InvalidRequestError("echo with logprobs (prompt logprobs) is not supported", "echo")
         # Tokenizing a 15 MB prompt takes seconds: in a worker thread, so /health and the
@@ -88,6 +88,20 @@ class CompletionHandler:
             raise InvalidRequestError("max_tokens must be >= 1 (max_tokens=0 is only allowed with echo=true)", "max_tokens")
         max_tokens = [self.ctx.resolve_max_tokens(len(ids), req.max_tokens or None) for ids in prompts]
         return prompts, min(max_tokens)
+
+    async def constraint(self, req: CompletionRequest) -> tuple[Any, Any]:
+        """The request's structured-output constraint and its grammar, compiled in a
+        worker thread (``(None, None)`` without one). Raises InvalidRequestError."""
+        so = structured_outputs_of(req)
+        if so is None:
+            return None, None
+        if req.max_tokens == 0:
+            raise InvalidRequestError("max_tokens=0 (echo only) generates nothing to constrain", "max_tokens")
+        return so, await asyncio.to_thread(self.ctx.llm.compile_grammar, so)
+
+    def sampling_params(self, req: CompletionRequest, max_tokens: int, so: Any) -> Any:
+        params = req.to_sampling_params(max_tokens, req.logprobs)
+        return dataclasses.replace(params, structured_outputs=so) if so is not None else params
 
     def _base(self, public_id: str, created: int) -> dict[str, Any]:
         return {"id": public_id, "object": "text_completion", "created": created, "model": self.ctx.served_model_name}
@@ -107,12 +121,13 @@ class CompletionHandler:
 
     async def complete(self, req: CompletionRequest, header_id: str | None) -> dict[str, Any]:
         prompts, max_tokens = await self.prepare(req)
+        so, grammar = await self.constraint(req)
         public_id, internal_id = new_request_id("cmpl", header_id)
         if req.max_tokens == 0:
             return self._echo_only(req, prompts, public_id)
-        params = req.to_sampling_params(max_tokens, req.logprobs)
+        params = self.sampling_params(req, max_tokens, so)
         done: dict[int, Choice] = {}
-        async for delta in self.ctx.generate(internal_id, prompts, params, req.cache_salt):
+        async for delta in self.ctx.generate(internal_id, prompts, params, req.cache_salt, grammar=grammar):
             if delta.finished:
                 done[delta.choice.index] = delta.choice
         choices = []
@@ -137,9 +152,10 @@ class CompletionHandler:
         prompts, max_tokens = await self.prepare(req)
         if req.max_tokens == 0:
             raise InvalidRequestError("max_tokens=0 with echo is not supported when streaming", "max_tokens")
+        so, grammar = await self.constraint(req)
         public_id, internal_id = new_request_id("cmpl", header_id)
-        params = req.to_sampling_params(max_tokens, req.logprobs)
-        deltas = await started(self.ctx.generate(internal_id, prompts, params, req.cache_salt))
+        params = self.sampling_params(req, max_tokens, so)
+        deltas = await started(self.ctx.generate(internal_id, prompts, params, req.cache_salt, grammar=grammar))
         return self._events(req, prompts, public_id, deltas)
 
     async def _events(

@@ -1,6 +1,8 @@
 """OpenAI API request and response bodies (pydantic), plus the vLLM extensions that
 users of an OpenAI-compatible engine expect (``top_k``, ``min_p``, ``ignore_eos``,
-``cache_salt``, ...). Unknown fields are ignored, as OpenAI-compatible servers do.
+``cache_salt``, structured outputs, tools, ...). A field kvpilot does not implement is
+refused with a 400 that names it (``extra="forbid"``): a client that relies on it must
+not get an answer that quietly ignored it. docs/server.md lists every accepted field.
 
 Ranges are checked here, so a bad value is a 400 naming the field before anything is
 queued; :class:`SamplingParams` checks the same ranges again for the offline API.
@@ -29,7 +31,12 @@ from pydantic import (
     model_validator,
 )
 
-from kvpilot.engine.sampling_params import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams
+from kvpilot.engine.sampling_params import (
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    InvalidRequestError,
+    SamplingParams,
+)
 
 NonNegFloat = Annotated[float, Field(ge=0.0)]
 
@@ -72,20 +79,67 @@ PROMPT_SCHEMA: dict[str, Any] = {
 SEED_SCHEMA: dict[str, Any] = {
     "anyOf": [{"type": "integer", "minimum": 0, "exclusiveMaximum": 2**63}, {"type": "null"}],
 }
-NOT_SUPPORTED_BIAS: dict[str, Any] = {
-    "anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}],
-}
 
 
 class StrictModel(BaseModel):
     """Request bodies: JSON types are not coerced (``"2"`` is no integer, ``1`` no
-    boolean) and floats must be finite; unknown fields are ignored."""
+    boolean), floats must be finite, and unknown fields are refused (400 naming them)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(StrictModel):
     include_usage: bool = Field(False, description="end the stream with one chunk carrying `usage` (empty `choices`)")
+
+
+JsonSchema = Annotated[dict[str, Any] | str, WithJsonSchema({"anyOf": [{"type": "object"}, {"type": "string"}]})]
+
+
+class StructuredOutputsRequest(StrictModel):
+    """vLLM's ``structured_outputs``: exactly one of ``json``, ``json_object``,
+    ``regex``, ``choice``, ``grammar``."""
+
+    json_: JsonSchema | None = Field(None, alias="json", description="a JSON schema (object, or its JSON text)")
+    json_object: bool | None = Field(None, description="true: any JSON object")
+    regex: str | None = Field(None, description="a regular expression the whole output matches")
+    choice: list[str] | None = Field(None, min_length=1, description="the output is exactly one of these strings")
+    grammar: str | None = Field(None, description="an EBNF (GBNF) grammar whose start rule is `root`")
+    disable_any_whitespace: bool = Field(True, description=(
+        "JSON without optional whitespace (the default here; false lets the model put any whitespace "
+        "between JSON tokens, as vLLM's default)"))
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class JsonSchemaFormat(StrictModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON schema; absent: any JSON object")
+    strict: bool | None = Field(None, description=(
+        "refuse properties the schema does not list; the output is constrained to the schema either way"))
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class ResponseFormatText(StrictModel):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(StrictModel):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJsonSchema(StrictModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+# OpenAI's ``response_format``: the type decides which other field it has.
+ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema,
+                           Field(discriminator="type")]
+
+
+GUIDED_BACKENDS = ("auto", "xgrammar")
 
 
 class SamplingFields(StrictModel):
@@ -122,6 +176,21 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(None, min_length=1, max_length=256, description=(
         "requests with different salts never share prefix-cache entries"))
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, description=(
+        "token id (as a string) -> bias added to its logit, in [-100, 100]; ids outside the vocabulary are "
+        "refused (400)"))
+    response_format: ResponseFormat | None = Field(None, description=(
+        "`json_object` or `json_schema`: the output is constrained to match (xgrammar)"))
+    structured_outputs: StructuredOutputsRequest | None = Field(None, description="vLLM's structured outputs")
+    guided_json: JsonSchema | None = Field(None, description="vLLM's older name for structured_outputs.json")
+    guided_regex: str | None = Field(None, description="vLLM's older name for structured_outputs.regex")
+    guided_choice: list[str] | None = Field(None, min_length=1, description="vLLM's older name for structured_outputs.choice")
+    guided_grammar: str | None = Field(None, description="vLLM's older name for structured_outputs.grammar")
+    guided_decoding_backend: Literal["auto", "xgrammar"] | None = Field(None, description=(
+        "only xgrammar (or auto) is available"))
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = Field(None, description=(
+        "log probabilities of every prompt token after the first, and this many alternatives (vLLM's "
+        "extension); the prompt is then computed in full (no prefix-cache reuse for it)"))
 
     @field_validator("stop")
     @classmethod
@@ -157,7 +226,19 @@ class SamplingFields(StrictModel):
             repetition_penalty=self.repetition_penalty,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias_ids(),
         )
+
+    def logit_bias_ids(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` with its keys as token ids. Raises InvalidRequestError for a key
+        that is not a non-negative integer."""
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise InvalidRequestError(
+                    f"logit_bias: keys must be token ids (non-negative integers as strings), got {key!r}", "logit_bias")
+            out.append((int(key), bias))
+        return tuple(out)
 
 
 CONTEXT_RULE = ("the prompt's tokens plus `max_tokens` must fit the model's `max_model_len` "
@@ -183,8 +264,6 @@ class CompletionRequest(SamplingFields):
         Field(None, description="not supported: a non-empty suffix is refused (400)"))
     best_of: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] | None = Field(None, description=(
         "not supported: only null or the value of `n` is accepted (400)"))
-    logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(NOT_SUPPORTED_BIAS)] = Field(
-        None, description="not supported: a non-empty map is refused (400)")
 
 
 class TextPart(StrictModel):
@@ -203,6 +282,27 @@ class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of `type: object`")
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -224,10 +324,16 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
-    logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(NOT_SUPPORTED_BIAS)] = Field(
-        None, description="not supported: a non-empty map is refused (400)")
-    tools: list[dict[str, Any]] | None = Field(None, description=(
-        "passed to the chat template; tool calls are not parsed out of the reply"))
+    tools: list[Tool] | None = Field(None, max_length=128, description=(
+        "functions the model may call; passed to the chat template (every template receives them)"))
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None,
+                           Field(union_mode="left_to_right")] = Field(None, description=(
+        "`none`: no calls; `auto` (the default with tools): the model decides, its calls are parsed by "
+        "`--tool-call-parser` (needs `--enable-auto-tool-choice`); `required` or a named function: calls "
+        "are enforced by constrained decoding, so their arguments always validate"))
+    parallel_tool_calls: bool = Field(True, description="false: at most one call (enforced with `required`)")
+    include_reasoning: bool = Field(True, description=(
+        "with `--reasoning-parser`: return the reasoning as `reasoning_content`; false drops it"))
 
 
 class TokenizeRequest(StrictModel):
@@ -267,7 +373,7 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class CompletionLogprobs(BaseModel):
@@ -320,9 +426,37 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments, a JSON object as text")
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="the answer; null when it is only tool calls")
+    reasoning_content: str | None = Field(None, description="with `--reasoning-parser`: the model's reasoning")
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A call's first delta has its ``id``, ``type`` and ``name`` (and ``arguments: ""``);
+    later deltas of the same ``index`` add to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatCompletionChoice(BaseModel):
@@ -348,6 +482,8 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

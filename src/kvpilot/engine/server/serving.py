@@ -165,9 +165,12 @@ class ServingContext:
         prompts: Sequence[list[int]],
         params: SamplingParams,
         cache_salt: str | None,
+        grammar: Any = None,
     ) -> AsyncIterator[Delta]:
         """Run ``len(prompts) x params.n`` engine requests and yield their deltas as they
         come. Choice ``k`` of prompt ``p`` has index ``p * n + k`` and seed ``seed + k``.
+        ``grammar`` is the compiled grammar of ``params.structured_outputs`` (one per
+        request: every choice gets its own matcher over it).
         Leaving early (disconnect, cancellation) or any failure aborts all of them."""
         n = params.n
         out: asyncio.Queue = asyncio.Queue()
@@ -178,7 +181,7 @@ class ServingContext:
                 for k in range(n):
                     sub = replace(params, n=1, seed=None if params.seed is None else params.seed + k)
                     rid = f"{request_id}-{p_idx}-{k}"
-                    await self.engine.add_request(rid, ids, sub, cache_salt, out=out)
+                    await self.engine.add_request(rid, ids, sub, cache_salt, out=out, grammar=grammar)
                     added.append(rid)
                     choices[rid] = Choice(index=p_idx * n + k, prompt_index=p_idx)
             remaining = len(choices)
