@@ -165,3 +165,33 @@ def test_logit_bias_moves_the_logits(make_engine, tokenizer):
         engine.add_request("oov", prompt, SamplingParams(max_tokens=1, logit_bias={60000: 1.0}))
     with pytest.raises(InvalidRequestError, match=r"logit_bias must be a bias in \[-100, 100\], got 101"):
         SamplingParams(logit_bias={1: 101})
+
+
+def test_prompt_logprobs_are_teacher_forced_and_chunking_does_not_change_them(make_engine, tokenizer):
+    prompt = tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome.")
+    runs = {}
+    for budget in (2048, 8):  # one chunk; many chunks of 8
+        engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=4)
+        # A cached copy of the prompt first: prompt logprobs must not take it from the cache.
+        engine.add_request("warm", prompt, SamplingParams(max_tokens=1, temperature=0))
+        drain(engine)
+        engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3))
+        out = drain(engine)["p"]
+        runs[budget] = out
+        assert out.num_cached_tokens == 0
+    a, b = runs[2048].prompt_logprobs, runs[8].prompt_logprobs
+    assert len(a) == len(prompt) - 1
+    for (lp_a, rank_a, top_a), (lp_b, rank_b, top_b) in zip(a, b, strict=True):
+        assert abs(lp_a - lp_b) < 1e-3 and rank_a == rank_b and [t for t, _ in top_a] == [t for t, _ in top_b]
+        assert len(top_a) == 3 and top_a[0][1] >= lp_a and (rank_a == 1) == (top_a[0][1] == lp_a)
+    # Teacher forcing: the best token after prompt[: i + 1] is what greedy decoding picks there.
+    engine = make_engine()
+    for i in (2, 6, 11):
+        engine.add_request(f"g{i}", prompt[: i + 1], SamplingParams(max_tokens=1, temperature=0, logprobs=0))
+    outs = drain(engine)
+    for i in (2, 6, 11):
+        greedy = outs[f"g{i}"]
+        assert greedy.output_token_ids[0] == a[i][2][0][0]
+        assert abs(a[i][2][0][1] - greedy.new_logprobs[0].logprob) < 1e-3
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)

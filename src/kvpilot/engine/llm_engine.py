@@ -376,6 +376,7 @@ class LLMEngine:
             stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            prompt_logprobs=req.prompt_logprobs if req.num_output_tokens == 1 else None,
         )
         if finished:
             self._release(req)
@@ -383,13 +384,25 @@ class LLMEngine:
         return out
 
     def _finished_stats(self, req: Request, now: float) -> FinishedRequestStats:
-        queue = (req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time is not None else now - req.arrival_time
+        """The finished request's statistics (seconds; phases as vLLM's, see
+        :class:`FinishedRequestStats`). A request that produced no token has no prefill,
+        decode or inference time."""
+        scheduled, first, last = req.first_scheduled_time, req.first_token_time, req.last_token_time
+        queue = (scheduled - req.arrival_time) if scheduled is not None else now - req.arrival_time
+        n_out = req.num_output_tokens
+        timed = scheduled is not None and first is not None and last is not None
+        max_tokens = req.sampling_params.max_tokens
         return FinishedRequestStats(
             finish_reason=req.status.finish_reason or "abort",
             e2e_latency=now - req.arrival_time,
             queue_time=queue,
             num_prompt_tokens=req.num_prompt_tokens,
-            num_generation_tokens=req.num_output_tokens,
+            num_generation_tokens=n_out,
+            prefill_time=first - scheduled if timed else None,
+            decode_time=last - first if timed else None,
+            inference_time=last - scheduled if timed else None,
+            mean_time_per_output_token=(last - first) / (n_out - 1) if timed and n_out > 1 else None,
+            max_tokens=max_tokens if max_tokens is not None else self.config.max_model_len - req.num_prompt_tokens,
         )
 
     def _release(self, req: Request) -> None:

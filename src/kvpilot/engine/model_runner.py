@@ -195,6 +195,8 @@ class ModelRunner:
         )
         capacity = num_blocks * args.block_size
         max_model_len = args.max_model_len or min(loaded.model_max_len, capacity)
+        # (request, first position, count) of this step's prompt-logprob rows (prepare_inputs).
+        self.prompt_spans: list[tuple[Any, int, int]] = []
         self.kv_cache = PagedKVCache(
             model_config.num_layers, num_blocks, args.block_size, model_config.num_kv_heads,
             model_config.head_dim, kv_dtype, device, act_dtype=dtype, rotate_keys=args.kv_cache_key_rotation,
@@ -240,8 +242,12 @@ class ModelRunner:
     # ------------------------------------------------------------- inputs
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten the step into ``input_ids``, ``positions``, attention metadata and the
-        rows whose logits are needed (the last token of each sampling request)."""
+        rows whose logits are needed: the last token of each sampling request, then the
+        prompt positions of requests that asked for prompt logprobs (their spans are in
+        ``self.prompt_spans``)."""
         items = out.scheduled
+        prompt_rows: list[int] = []
+        self.prompt_spans = []
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -258,6 +264,15 @@ class ModelRunner:
             seq_lens.append(it.start_position + n)
             if it.sample:
                 logits_rows.append(qsl[-1] - 1)
+            req = it.request
+            if req.needs_prompt_logprobs:
+                # Position p's logits score prompt token p + 1: positions up to P - 2.
+                first = max(it.start_position, len(req.prompt_logprobs or ()))
+                last = min(it.start_position + n, req.num_prompt_tokens - 1)
+                if last > first:
+                    base = qsl[-2] - it.start_position
+                    prompt_rows.extend(range(base + first, base + last))
+                    self.prompt_spans.append((req, first, last - first))
             max_blocks = max(max_blocks, len(it.block_ids))
         tables: list[int] = []
         for it in items:
@@ -279,14 +294,36 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),
             meta,
-            torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            torch.tensor(logits_rows + prompt_rows, dtype=torch.int64, device=dev),
         )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step. Returns logits ``[num_sampling_requests, vocab]`` fp32, in the
-        order of the sampling entries of ``out.scheduled``. Mutates the KV cache."""
+        order of the sampling entries of ``out.scheduled``. Mutates the KV cache.
+
+        Requests that asked for prompt logprobs get them here: each prompt position
+        computed this step appends ``(logprob of the next prompt token, its rank (1 =
+        most likely), top k)`` to the
+        request's ``prompt_logprobs`` (from the log-softmax of the raw logits)."""
         input_ids, positions, meta, logits_rows = self.prepare_inputs(out)
         calibrate = self.kv_cache.calibrate if self.kv_cache.calibrating else None
         hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, self.backend, logits_rows, calibrate)
-        return self.model.compute_logits(hidden)
+        num_sample = len(logits_rows) - sum(count for _, _, count in self.prompt_spans)
+        if not self.prompt_spans:
+            return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden[:num_sample])
+        row = num_sample
+        for req, first, count in self.prompt_spans:
+            lps = torch.log_softmax(self.model.compute_logits(hidden[row : row + count]), dim=-1)
+            row += count
+            nxt = torch.tensor(req.prompt_token_ids[first + 1 : first + 1 + count], device=lps.device)
+            chosen_t = lps.gather(1, nxt[:, None])
+            ranks = ((lps > chosen_t).sum(dim=-1) + 1).tolist()
+            chosen = chosen_t[:, 0].tolist()
+            k = req.sampling_params.prompt_logprobs or 0
+            tops = lps.topk(k, dim=-1) if k else None
+            for j in range(count):
+                top = list(zip(tops.indices[j].tolist(), tops.values[j].tolist())) if tops is not None else []
+                req.prompt_logprobs.append((chosen[j], ranks[j], top))
+        return logits

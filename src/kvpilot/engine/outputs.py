@@ -23,7 +23,9 @@ class RequestOutput:
     ``abort`` once ``finished``; ``stop_reason`` is the stop string or token id that
     matched (None for EOS). ``error`` is set on the final output of a request the engine
     had to end because of what it asked (a grammar that allows no token): the
-    message names the field.
+    message names the field. ``prompt_logprobs`` comes with the first output of a
+    request that asked for it: entry ``i`` is prompt token ``i + 1``'s
+    ``(logprob, rank, top alternatives)``.
     """
 
     request_id: str
@@ -38,6 +40,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -46,11 +49,40 @@ class RequestOutput:
 
 @dataclass
 class FinishedRequestStats:
+    """One engine request that finished (stopped, hit its length, or was aborted), for
+    metrics. Times are seconds on the engine's clock; the phases follow vLLM's
+    (``vllm/v1/metrics/stats.py``), with preemptions counted inside the phase they hit.
+
+    Attributes:
+        finish_reason: ``stop``, ``length`` or ``abort``.
+        e2e_latency: seconds, arrival to finish.
+        queue_time: seconds, arrival to first scheduling (to the finish for a request
+            aborted before it was ever scheduled).
+        num_prompt_tokens: prompt tokens.
+        num_generation_tokens: output tokens generated.
+        prefill_time: seconds, first scheduling to first token; None when the request
+            produced no token.
+        decode_time: seconds, first token to last token (0 for one token); None when the
+            request produced no token.
+        inference_time: seconds, first scheduling to last token (prefill + decode); None
+            when the request produced no token.
+        mean_time_per_output_token: seconds, ``decode_time / (num_generation_tokens - 1)``
+            (the first token belongs to the prefill); None with fewer than 2 tokens, as
+            there is no interval to average.
+        max_tokens: tokens, the request's output limit: ``max_tokens`` when set, else
+            what ``max_model_len`` leaves after the prompt.
+    """
+
     finish_reason: str
     e2e_latency: float
     queue_time: float
     num_prompt_tokens: int
     num_generation_tokens: int
+    prefill_time: float | None = None
+    decode_time: float | None = None
+    inference_time: float | None = None
+    mean_time_per_output_token: float | None = None
+    max_tokens: int | None = None
 
 
 @dataclass
@@ -62,8 +94,11 @@ class IterationStats:
         num_generation_tokens: tokens generated this step.
         time_to_first_token: seconds, one per first token.
         inter_token_latency: seconds between consecutive tokens of a request.
+        finished: requests that finished (steps and aborts), one entry each.
         num_preemptions: preemptions during this step.
         prefix_queries, prefix_hits: prefix-cache tokens (first admissions only).
+        num_batched_tokens: tokens the scheduled steps computed (prefill chunks and
+            decodes); 0 when no step ran since the last :meth:`LLMEngine.take_stats`.
     """
 
     num_prompt_tokens: int = 0

@@ -57,6 +57,9 @@ class SamplingParams:
             (1 = off).
         logprobs: ``None`` = none; k >= 0 = the sampled token's logprob plus the top k.
         skip_special_tokens: drop special tokens from the detokenized text.
+        prompt_logprobs: ``None`` = none; k >= 0 = the logprob of every prompt token
+            after the first plus the top k alternatives (vLLM's extension). The prompt is
+            then computed in full: the prefix cache is not used for it.
         logit_bias: ``(token_id, bias)`` pairs added to the logits before sampling (OpenAI's
             ``logit_bias``; bias in [-100, 100]; -100 bans a token, 100 all but forces it).
         structured_outputs: the output must match this schema, regex, choice list or
@@ -81,6 +84,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     MAX_LOGPROBS = 20
@@ -121,6 +125,9 @@ class SamplingParams:
                 self.logprobs,
                 f"an integer in [0, {self.MAX_LOGPROBS}]",
             )
+        if self.prompt_logprobs is not None:
+            _check(0 <= self.prompt_logprobs <= self.MAX_LOGPROBS, "prompt_logprobs", self.prompt_logprobs,
+                   f"an integer in [0, {self.MAX_LOGPROBS}]")
         for s in self.stop:
             _check(isinstance(s, str) and len(s) > 0, "stop", s, "a non-empty string")
         for t in self.stop_token_ids:

@@ -252,3 +252,21 @@ def test_openai_client_errors_are_bad_request(client):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
                                        extra_body={"guided_regex": "(unclosed"})
     assert "guided_regex" in str(e.value)
+
+
+def test_prompt_logprobs_on_completions_and_chat(http):
+    r = http.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 1,
+                                           "temperature": 0, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    ids = http.post("/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
+    block = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(block) == len(ids) and block[0] is None
+    for pos, entry in enumerate(block[1:], start=1):
+        own = entry[str(ids[pos])]
+        assert own["logprob"] <= 0 and own["rank"] >= 1
+        ranks = sorted(v["rank"] for k, v in entry.items() if k != str(ids[pos]) or v["rank"] <= 2)
+        assert ranks[:2] == [1, 2]
+    chat = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, "prompt_logprobs": 0})
+    assert chat.status_code == 200 and chat.json()["prompt_logprobs"][0] is None
+    streamed = http.post("/v1/completions", json={"prompt": "x", "stream": True, "prompt_logprobs": 1})
+    assert streamed.status_code == 400 and "stream" in streamed.json()["error"]["message"]

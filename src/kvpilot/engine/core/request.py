@@ -51,6 +51,10 @@ class Request:
         num_published_blocks / last_node: how much of the block table is in the radix
             tree, and the tree node of the last published block.
         num_cached_tokens: prefix-cache hit at the first admission (reported as usage).
+        prompt_logprobs: with ``prompt_logprobs`` asked, entry ``i`` is
+            ``(logprob, rank, top)`` of prompt token ``i + 1``: its logprob, its rank in
+            the distribution (1 = most likely) and the top alternatives
+            ``[(token_id, logprob)]``; filled as prefill chunks compute them.
         grammar: the structured-output matcher (None: free text); advanced by the engine
             over each appended output token.
     """
@@ -86,6 +90,8 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = 0
         self.grammar: GrammarState | None = None
+        self.prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = (
+            [] if sampling_params.prompt_logprobs is not None else None)
         # Per-step sampling results, filled by the engine for outputs.
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         self.sampled_logprobs: list[float] = []
@@ -109,6 +115,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked and not all computed yet: the prompt must be
+        computed, not taken from the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     def block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
         """Chain hashes of the first ``num_blocks`` full blocks: ``h[i]`` identifies the

@@ -290,6 +290,8 @@ class Scheduler:
         while not preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[i]
             nodes, num_hit = self.kv.match_prefix(req)
+            if req.needs_prompt_logprobs:  # every prompt position must be computed for its logprobs
+                nodes, num_hit = [], 0
             if inflight and self._prefix_in_flight(req, len(nodes), inflight):
                 i += 1
                 continue

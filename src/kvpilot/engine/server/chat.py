@@ -219,8 +219,7 @@ class ChatHandler:
         self.ctx.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true", "top_logprobs")
-        if req.prompt_logprobs is not None:
-            raise InvalidRequestError("prompt_logprobs is only supported on /v1/completions", "prompt_logprobs")
+        req.check_prompt_logprobs()
         constraint = structured_outputs_of(req)
         tool_so, tool_mode = self._tool_mode(req)
         if tool_so is not None:
@@ -303,6 +302,8 @@ class ChatHandler:
             })
         body["choices"] = choices
         body["usage"] = usage([len(prep.ids)], list(done.values()), req.n)
+        if req.prompt_logprobs is not None and done:
+            body["prompt_logprobs"] = self.ctx.prompt_logprobs_block(prep.ids, done[min(done)].prompt_logprobs or [])
         return body
 
     async def stream(self, req: ChatCompletionRequest, header_id: str | None) -> AsyncIterator[str]:

@@ -79,6 +79,7 @@ class CompletionHandler:
             raise InvalidRequestError("best_of is not supported (use n)", "best_of")
         if req.suffix:
             raise InvalidRequestError("suffix is not supported", "suffix")
+        req.check_prompt_logprobs()
         if req.echo and req.logprobs is not None:
             raise InvalidRequestError("echo with logprobs (prompt logprobs) is not supported", "echo")
         # Tokenizing a 15 MB prompt takes seconds: in a worker thread, so /health and the
@@ -141,6 +142,9 @@ class CompletionHandler:
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             })
+            if req.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = self.ctx.prompt_logprobs_block(prompts[c.prompt_index],
+                                                                                c.prompt_logprobs or [])
         body = self._base(public_id, int(time.time()))
         body["choices"] = choices
         body["usage"] = usage([len(p) for p in prompts], list(done.values()), req.n)

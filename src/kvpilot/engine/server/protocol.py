@@ -190,7 +190,8 @@ class SamplingFields(StrictModel):
         "only xgrammar (or auto) is available"))
     prompt_logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = Field(None, description=(
         "log probabilities of every prompt token after the first, and this many alternatives (vLLM's "
-        "extension); the prompt is then computed in full (no prefix-cache reuse for it)"))
+        "extension); the prompt is then computed in full (no prefix-cache reuse for it); not with `stream` "
+        "(400), as in vLLM"))
 
     @field_validator("stop")
     @classmethod
@@ -227,7 +228,14 @@ class SamplingFields(StrictModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias_ids(),
+            prompt_logprobs=self.prompt_logprobs,
         )
+
+    def check_prompt_logprobs(self) -> None:
+        """Raises InvalidRequestError for ``prompt_logprobs`` on a stream (as vLLM)."""
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not available when stream is true (as in vLLM)",
+                                      "prompt_logprobs")
 
     def logit_bias_ids(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` with its keys as token ids. Raises InvalidRequestError for a key
@@ -376,6 +384,12 @@ class Usage(BaseModel):
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int = Field(description="1 is the most likely token")
+    decoded_token: str
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float]
@@ -389,6 +403,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
     stop_reason: int | str | None = Field(None, description="the stop string or token id that ended the choice")
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(None, description=(
+        "with `prompt_logprobs`: null for the first prompt token, then per token its own and the top entries"))
 
 
 class CompletionResponse(BaseModel):
@@ -474,6 +490,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(None, description=(
+        "with `prompt_logprobs`: the rendered prompt's, as on completions"))
 
 
 class ChatDelta(BaseModel):

@@ -42,6 +42,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -150,6 +151,19 @@ class ServingContext:
                 return bytes(decoder[ch] for ch in piece)
         return text.encode()
 
+    def prompt_logprobs_block(self, prompt: Sequence[int], entries: list[Any]) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token a
+        map token id (as a string) -> ``{"logprob", "rank", "decoded_token"}`` holding the
+        prompt's own token and the top alternatives (ranks 1..k)."""
+        out: list[dict[str, Any] | None] = [None]
+        for pos, (logprob, rank, top) in enumerate(entries, start=1):
+            d = {str(t): {"logprob": v, "rank": r, "decoded_token": self.token_text(t)}
+                 for r, (t, v) in enumerate(top, start=1)}
+            tok = prompt[pos]
+            d[str(tok)] = {"logprob": logprob, "rank": rank, "decoded_token": self.token_text(tok)}
+            out.append(d)
+        return out
+
     def token_label(self, token_id: int) -> str:
         """The token as logprobs name it: its text, or ``bytes:\\xNN...`` (OpenAI's form)
         when it is only part of a character, so distinct byte tokens stay distinct."""
@@ -194,6 +208,8 @@ class ServingContext:
                 choice.text = item.output_text
                 choice.token_ids = list(item.output_token_ids)
                 choice.num_cached_tokens = item.num_cached_tokens
+                if item.prompt_logprobs is not None:
+                    choice.prompt_logprobs = item.prompt_logprobs
                 if item.new_logprobs:
                     choice.logprobs.extend(item.new_logprobs)
                 if item.finished:
