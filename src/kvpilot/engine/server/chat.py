@@ -164,6 +164,8 @@ class Prepared:
         grammar: its compiled grammar (compiled off the event loop), or None.
         tool_mode: ``"required"``, the forced function's name, ``"auto"`` (parse calls
             from free text) or None (no tool calls).
+        reasoning: the output starts with reasoning (a reasoning parser is set and the
+            prompt did not close the reasoning block): it is split off the answer.
     """
 
     ids: list[int]
@@ -172,6 +174,7 @@ class Prepared:
     constraint: StructuredOutputsParams | None = None
     grammar: Any = None
     tool_mode: str | None = None
+    reasoning: bool = False
 
 
 @dataclass
@@ -236,12 +239,14 @@ class ChatHandler:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.ctx.resolve_max_tokens(len(ids), req.max_completion_tokens or req.max_tokens, param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        reasoning = self._reasoning_open(ids)
         grammar = None
         if constraint is not None:
-            if self.reasoning is not None and self._reasoning_open(ids):
+            if reasoning:
+                assert self.reasoning is not None
                 constraint = dataclasses.replace(constraint, after=self.reasoning.end)
             grammar = await asyncio.to_thread(self.ctx.llm.compile_grammar, constraint)
-        return Prepared(ids, max_tokens, logprobs, constraint, grammar, tool_mode)
+        return Prepared(ids, max_tokens, logprobs, constraint, grammar, tool_mode, reasoning)
 
     def sampling_params(self, req: ChatCompletionRequest, prep: Prepared) -> Any:
         params = req.to_sampling_params(prep.max_tokens, prep.logprobs)
@@ -255,7 +260,7 @@ class ChatHandler:
         """The message of a finished choice: reasoning split off, tool calls parsed."""
         text = choice.text
         reasoning = None
-        if self.reasoning is not None:
+        if self.reasoning is not None and prep.reasoning:
             reasoning, text = self.reasoning.extract(text)
             text = text or ""
         out = ChoiceOutput(content=text, reasoning=reasoning if req.include_reasoning else None)
@@ -315,7 +320,7 @@ class ChatHandler:
 
     def _choice_stream(self, req: ChatCompletionRequest, prep: Prepared) -> ChoiceStream:
         return ChoiceStream(
-            reasoning=self.reasoning.streamer() if self.reasoning is not None else None,
+            reasoning=self.reasoning.streamer() if (self.reasoning is not None and prep.reasoning) else None,
             include_reasoning=req.include_reasoning,
             tool_mode=prep.tool_mode,
             tool_streamer=self.tool_parser.streamer() if (prep.tool_mode == "auto" and self.tool_parser) else None,

@@ -1,0 +1,80 @@
+"""A server started with vLLM's `--reasoning-parser deepseek_r1` and `--chat-template`:
+reasoning goes to `reasoning_content` (streams: `delta.reasoning_content`), and a prompt
+whose template already closed the reasoning (thinking off) gets a plain answer that a
+structured-output constraint governs from the first token. Bad chat flags stop the
+server at start with a message naming the flag."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.serverproc import ServerProcess
+
+# The embedded model's own ChatML layout, plus the switch real reasoning templates have:
+# thinking on opens <think> in the prompt (DeepSeek-R1), off closes an empty block (Qwen3).
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tmp_path_factory):
+    template = tmp_path_factory.mktemp("tpl") / "reasoning.jinja"
+    template.write_text(TEMPLATE)
+    proc = ServerProcess("--reasoning-parser", "deepseek_r1", "--chat-template", str(template),
+                         "--kv-cache-memory", "0.25", "--max-model-len", "1024", "--log-level", "warning")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_reasoning_goes_to_reasoning_content(reasoning_server):
+    with httpx.Client(base_url=reasoning_server.url, timeout=120) as http:
+        body = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0}
+        r = http.post("/v1/chat/completions", json=body).json()
+        msg = r["choices"][0]["message"]
+        # No </think> within 12 tokens: all of it is reasoning, nothing is the answer yet.
+        assert msg["reasoning_content"] and msg["content"] in (None, "")
+        rendered = http.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+        assert http.post("/detokenize", json={"tokens": rendered}).json()["prompt"].endswith("<think>\n")
+        events = []
+        with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+        streamed = "".join(c["delta"].get("reasoning_content") or "" for e in events for c in e["choices"])
+        assert streamed == msg["reasoning_content"]
+        assert not any(c["delta"].get("content") for e in events for c in e["choices"])
+        off = http.post("/v1/chat/completions", json={**body, "include_reasoning": False}).json()
+        assert "reasoning_content" not in off["choices"][0]["message"]
+
+
+def test_thinking_off_answers_plainly_and_the_constraint_applies_at_once(reasoning_server):
+    with httpx.Client(base_url=reasoning_server.url, timeout=120) as http:
+        body = {"messages": MESSAGES, "max_tokens": 20, "temperature": 1.0,
+                "chat_template_kwargs": {"enable_thinking": False}, "guided_choice": ["Paris", "Rome"]}
+        msg = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert msg["content"] in ("Paris", "Rome") and "reasoning_content" not in msg
+
+
+@pytest.mark.parametrize(("flags", "text"), [
+    (["--reasoning-parser", "nope"], "--reasoning-parser"),
+    (["--tool-call-parser", "nope"], "--tool-call-parser"),
+    (["--enable-auto-tool-choice"], "--tool-call-parser"),
+    (["--chat-template", "no-such-file.jinja"], "--chat-template"),
+])
+def test_bad_chat_flags_stop_the_server_naming_the_flag(flags, text):
+    p = subprocess.run([sys.executable, "-m", "kvpilot.cli", "serve", *flags], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and text in p.stderr, p.stderr
