@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvpilot.engine.server.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputsRequest
+from kvpilot.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    StructuredOutputsRequest,
+)
 
 DOCS = (Path(__file__).parents[3] / "docs/server.md").read_text()
 
