@@ -9,12 +9,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 
 def scrape(url: str) -> dict[str, float]:
-    """sample name (with sorted labels except model_name) -> value."""
+    """sample name (with sorted labels except model_name and vLLM's engine index) -> value."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = {k: v for k, v in s.labels.items() if k != "model_name"}
+            labels = {k: v for k, v in s.labels.items() if k not in ("model_name", "engine")}
             key = s.name + (str(sorted(labels.items())) if labels else "")
             out[key] = s.value
     return out

@@ -329,7 +329,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.kv = state
     fastapi_openapi = app.openapi
     app.openapi = lambda: as_served(fastapi_openapi(), STREAM_MODELS)  # type: ignore[method-assign]
-    ctx = ServingContext(state.engine, state.served_model_name)
+    ctx = ServingContext(state.engine, state.served_model_name, state.metrics)
     completions = CompletionHandler(ctx)
     chat = ChatHandler(ctx, state.chat_options)
 

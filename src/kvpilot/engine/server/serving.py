@@ -61,11 +61,14 @@ class ServingContext:
     Args:
         engine: the running :class:`AsyncEngine`.
         served_model_name: the id clients must use (``model``).
+        metrics: the server's :class:`EngineMetrics`; fed once per prompt of a request
+            when all its ``n`` choices have finished (vLLM's per-request ``n`` metrics).
     """
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: Any = None) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+        self.metrics = metrics
 
     @property
     def llm(self) -> Any:
@@ -216,10 +219,21 @@ class ServingContext:
                     choice.finish_reason = item.finish_reason
                     choice.stop_reason = item.stop_reason
                     remaining -= 1
+                    self._observe_parent(choice.prompt_index, choices, n)
                 yield Delta(choice, item.new_text, item.new_logprobs, item.finished)
         finally:
             unfinished = [rid for rid in added if choices[rid].finish_reason is None]
             self.engine.abort(unfinished)
+
+
+    def _observe_parent(self, prompt_index: int, choices: dict[str, Choice], n: int) -> None:
+        """When every choice of prompt ``prompt_index`` has finished, report the parent
+        request (``n`` and its longest output) to the metrics."""
+        if self.metrics is None:
+            return
+        siblings = [c for c in choices.values() if c.prompt_index == prompt_index]
+        if len(siblings) == n and all(c.finish_reason is not None for c in siblings):
+            self.metrics.observe_finished_parent(n, max(len(c.token_ids) for c in siblings))
 
 
 async def started(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
