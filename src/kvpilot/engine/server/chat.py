@@ -249,7 +249,12 @@ class ChatHandler:
         return Prepared(ids, max_tokens, logprobs, constraint, grammar, tool_mode, reasoning)
 
     def sampling_params(self, req: ChatCompletionRequest, prep: Prepared) -> Any:
+        """The engine's parameters. With ``tool_choice: auto`` special tokens stay in the
+        text (as vLLM's parsers ask): tool-call markers such as Mistral's
+        ``[TOOL_CALLS]`` or Llama 3's ``<|python_tag|>`` are special tokens."""
         params = req.to_sampling_params(prep.max_tokens, prep.logprobs)
+        if prep.tool_mode == "auto":
+            params = dataclasses.replace(params, skip_special_tokens=False)
         return dataclasses.replace(params, structured_outputs=prep.constraint) if prep.constraint else params
 
     def _base(self, public_id: str, created: int, obj: str) -> dict[str, Any]:
