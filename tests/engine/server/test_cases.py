@@ -205,8 +205,15 @@ def test_metrics_hit_rate_rises_after_shared_prefix_traffic(http, server):
     after = scrape(server.url)
     queries = after["kvpilot:prefix_cache_queries_total"] - before["kvpilot:prefix_cache_queries_total"]
     hits = after["kvpilot:prefix_cache_hits_total"] - before["kvpilot:prefix_cache_hits_total"]
-    assert hits / queries > 0.5
-    assert after["kvpilot:prefix_cache_hit_rate"] > before["kvpilot:prefix_cache_hit_rate"]
+    rate = hits / queries
+    assert rate > 0.5
+    # The gauge is a window over the last 1000 admissions; the shared server has seen
+    # fewer, so it is the running ratio, and this traffic moves it toward ``rate``
+    # (up or down, depending on what earlier tests sent).
+    assert after["kvpilot:prefix_cache_hit_rate"] == pytest.approx(
+        after["kvpilot:prefix_cache_hits_total"] / after["kvpilot:prefix_cache_queries_total"])
+    moved = after["kvpilot:prefix_cache_hit_rate"] - before["kvpilot:prefix_cache_hit_rate"]
+    assert moved * (rate - before["kvpilot:prefix_cache_hit_rate"]) > 0
     assert after["vllm:prefix_cache_hits_total"] == after["kvpilot:prefix_cache_hits_total"]
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
