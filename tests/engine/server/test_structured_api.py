@@ -227,6 +227,10 @@ def test_logit_bias(client, http):
     ({"structured_outputs": {"choice": ["a"], "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern",
      "unknown or unsupported field"),
     ({"min_tokens": 30, "max_tokens": 40, "guided_choice": ["yes"]}, "guided_choice", "min_tokens"),
+    # SGLang's fields that vllm-router sends: only their defaults are accepted.
+    ({"no_stop_trim": True}, "no_stop_trim", "Input should be False (got True)"),
+    ({"separate_reasoning": False}, "separate_reasoning", "Input should be True (got False)"),
+    ({"return_hidden_states": True}, "return_hidden_states", "Input should be False"),
 ])
 def test_bad_constraints_are_400s_naming_the_field_and_the_engine_serves_on(http, body, param, text):
     r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 8, **body})
@@ -270,3 +274,20 @@ def test_prompt_logprobs_on_completions_and_chat(http):
     assert chat.status_code == 200 and chat.json()["prompt_logprobs"][0] is None
     streamed = http.post("/v1/completions", json={"prompt": "x", "stream": True, "prompt_logprobs": 1})
     assert streamed.status_code == 400 and "stream" in streamed.json()["error"]["message"]
+
+
+# What vllm-router 0.1.17 forwards for a plain request (captured from the router in front
+# of a recording server): SGLang's fields with their defaults ride along on every request.
+ROUTER_CHAT_EXTRAS = {"stream": False, "logprobs": False, "no_stop_trim": False, "ignore_eos": False,
+                      "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+                      "stream_reasoning": True, "return_hidden_states": False, "include_reasoning": True}
+ROUTER_COMPLETION_EXTRAS = {"stream": False, "echo": False, "no_stop_trim": False, "ignore_eos": False,
+                            "skip_special_tokens": True, "return_hidden_states": False}
+
+
+def test_bodies_as_vllm_router_forwards_them_are_served(http):
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, **ROUTER_CHAT_EXTRAS})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 2,
+                                           "temperature": 0, **ROUTER_COMPLETION_EXTRAS})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith(" Paris"), r.text

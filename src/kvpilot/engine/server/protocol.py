@@ -193,6 +193,13 @@ class SamplingFields(StrictModel):
         "extension); the prompt is then computed in full (no prefix-cache reuse for it); not with `stream` "
         "(400), as in vLLM"))
 
+    # SGLang's fields, which vllm-router adds to every request it forwards with SGLang's
+    # defaults: accepted at those values (nothing to do), any other value refused by name.
+    no_stop_trim: Literal[False] = Field(False, description=(
+        "sent by vllm-router; only false (stop strings are trimmed; `include_stop_str_in_output: true` "
+        "keeps them)"))
+    return_hidden_states: Literal[False] = Field(False, description="sent by vllm-router; only false")
+
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
@@ -331,6 +338,10 @@ class ChatCompletionRequest(SamplingFields):
         None, description="alternatives per token; needs `logprobs: true` (400)")
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    separate_reasoning: Literal[True] = Field(True, description=(
+        "sent by vllm-router; only true (with `--reasoning-parser` the reasoning is returned apart, in "
+        "`reasoning_content`)"))
+    stream_reasoning: Literal[True] = Field(True, description="sent by vllm-router; only true")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
     tools: list[Tool] | None = Field(None, max_length=128, description=(
         "functions the model may call; passed to the chat template (every template receives them)"))
