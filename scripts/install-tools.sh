@@ -7,6 +7,8 @@
 #   containerd, runc, CNI plugins, buildah, debootstrap, iptables, conntrack  from Debian's
 #             packages (apt): the real node of `make e2e` (e2e/realnode.py) and the image
 #             builds (e2e/images.py); the Debian service is not started, the suite runs its own
+#   g++       from Debian (apt): compiles the engine's CPU attention kernels once per
+#             machine (src/kvpilot/kernels/cpu_attention.py); without it they fall back to torch
 # Idempotent and fast when everything is already there (a version check per tool).
 # CI runs it as root on a clean machine, so apt-get is called directly when needed.
 # The Kubernetes JSON schemas used to validate rendered manifests come from the PyPI
@@ -57,7 +59,7 @@ install_prometheus() {
   ln -sf "$(command -v prometheus)" "$TOOLS_BIN/prometheus"
 }
 
-NODE_PACKAGES=(containerd runc containernetworking-plugins buildah debootstrap iptables conntrack)
+NODE_PACKAGES=(containerd runc containernetworking-plugins buildah debootstrap iptables conntrack g++)
 install_node_packages() {
   local missing=()
   for pkg in "${NODE_PACKAGES[@]}"; do

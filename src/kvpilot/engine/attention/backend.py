@@ -9,6 +9,7 @@ one :class:`AttentionMetadata` per step; all layers share it.
 from __future__ import annotations
 
 import importlib
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ import torch
 
 from kvpilot.kernels.kv4 import KV4Args
 from kvpilot.kernels.rotation import rotate_heads
+
+logger = logging.getLogger("kvpilot.engine")
 
 
 @dataclass
@@ -129,18 +132,30 @@ class AttentionBackend(ABC):
 # name -> "module:Class", imported on first use so CPU installs never import triton.
 ATTENTION_BACKENDS = {
     "torch": "kvpilot.engine.attention.torch_backend:TorchAttentionBackend",
+    "cpu": "kvpilot.engine.attention.cpu_backend:CpuAttentionBackend",
     "triton": "kvpilot.engine.attention.triton_backend:TritonAttentionBackend",
 }
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """``auto`` = triton on CUDA (when registered), torch elsewhere.
+    """``auto`` = triton on CUDA (when registered); on CPU the ``cpu`` backend when its
+    kernels build here (compiled once per machine), else torch with a warning that says
+    why; torch on any other device.
 
     Raises:
         ValueError: an unknown backend name.
     """
     if name == "auto":
-        return "triton" if device.type == "cuda" and "triton" in ATTENTION_BACKENDS else "torch"
+        if device.type == "cuda" and "triton" in ATTENTION_BACKENDS:
+            return "triton"
+        if device.type == "cpu" and "cpu" in ATTENTION_BACKENDS:
+            from kvpilot.kernels import cpu_attention
+
+            ok, why = cpu_attention.available()
+            if ok:
+                return "cpu"
+            logger.warning("%s; decode attention falls back to the torch backend (slower)", why)
+        return "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(ATTENTION_BACKENDS)}")
     return name

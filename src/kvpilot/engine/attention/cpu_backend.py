@@ -1,0 +1,76 @@
+"""The ``cpu`` attention backend: decode reads K/V from the pages in place (C++), the
+prefill/extend chunks go to PyTorch's fused SDPA kernel. The default on CPU when the
+kernels build (:mod:`kvpilot.kernels.cpu_attention`).
+
+Why two paths: a decode query is one token over a long context, memory bound, and on
+CPU the torch reference spent more time copying K/V out of the pages than attending;
+the C++ kernel walks the block table instead. A prefill chunk has many queries per K/V
+row, compute bound: gathering its context once is small next to the attention itself,
+and SDPA's flash kernel for CPU (``_scaled_dot_product_flash_attention_for_cpu``, chosen
+for a boolean mask without dropout) does the product.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpilot.engine.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerKVCache,
+    rotate_query_key,
+)
+from kvpilot.kernels import cpu_attention, reference
+
+
+class CpuAttentionBackend(AttentionBackend):
+    """Store with the reference's vectorized writes, then the in-place C++ decode over the
+    batch's leading single-token sequences and SDPA over each prefill chunk.
+
+    Raises:
+        ValueError: on a non-CPU device, or when the kernels cannot be built here (the
+            message says why; ``--attention-backend torch`` always works).
+    """
+
+    name = "cpu"
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ValueError(f"the cpu attention backend runs on CPU only (got {device})")
+        ok, why = cpu_attention.available()
+        if not ok:
+            raise ValueError(f"{why}; use --attention-backend torch")
+        self.device = device
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        q, k = rotate_query_key(q, k, kv)
+        kv4 = kv.kv4
+        reference.store_kv(k, v, kv.key_cache, kv.value_cache, meta.slot_mapping, kv.k_scale, kv.v_scale, **kv4)
+        nd = meta.num_decodes
+        if nd == meta.num_seqs:
+            return cpu_attention.paged_decode_attention(
+                q, kv.key_cache, kv.value_cache, meta.block_tables, meta.seq_lens, scale, kv.k_scale, kv.v_scale,
+                **kv4,
+            )
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = cpu_attention.paged_decode_attention(
+                q[:nd], kv.key_cache, kv.value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                kv.k_scale, kv.v_scale, **kv4,
+            )
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        for i in range(nd, meta.num_seqs):
+            s, e = qsl[i], qsl[i + 1]
+            out[s:e] = reference.paged_prefill_attention(
+                q[s:e], kv.key_cache, kv.value_cache, meta.block_tables[i], lens[i], scale, kv.k_scale,
+                kv.v_scale, **kv4,
+            )
+        return out

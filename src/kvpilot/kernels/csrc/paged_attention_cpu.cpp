@@ -1,0 +1,424 @@
+// Paged decode attention on CPU, reading K/V from the pages in place.
+//
+// One query token per sequence attends to its whole paged context. Work item: one
+// (sequence, KV head) pair; the G query heads that share the KV head are computed
+// together, so each K/V row is read once per group, straight from its page (no
+// gathered copy of the context, no padding to the longest sequence, no mask).
+//
+// Per work item, two passes over the context (the classic two-pass softmax):
+//   1. logits[g][t] = (q_g * scale * k_factor) . k_t        (K rows decoded on the fly)
+//   2. p = exp(logits - max) ; out_g = sum_t p[g][t] v_t / sum_t p[g][t] * v_factor
+// A quantized row is decoded into a small fp32 buffer (head_dim values) with lookup
+// tables: FP8 E4M3/E5M2 through a 256-entry table, 4-bit codes (fp4_e2m1 / int4, the
+// layout of kvpilot/kernels/kv4.py: byte j = code[j] | code[j + D/2] << 4, one E4M3
+// group scale per 16 values) through a 16-entry table times the group scale.
+//
+// Deterministic and batch invariant: a sequence's result depends only on its own
+// query and context (fixed summation order, no split over threads inside a sequence).
+// Dot products keep 16 independent partial sums (vectorizable without reassociating).
+// Source of the design: vLLM's CPU paged attention (csrc/cpu/attention.cpp) and the
+// two-pass softmax of FlashDecoding's reduction, simplified to one split per sequence.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <torch/library.h>
+
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// How the cache stores a value. Must match kvpilot/kernels/cpu_attention.py.
+enum Kind : int64_t {
+  kFloat32 = 0,
+  kBFloat16 = 1,
+  kFloat16 = 2,
+  kFp8E4M3 = 3,
+  kFp8E5M2 = 4,
+  kFp4E2M1 = 5,
+  kInt4 = 6,
+};
+
+struct Tables {
+  float e4m3[256];
+  float e5m2[256];
+  float e2m1[16];
+  float int4[16];
+};
+
+const Tables& tables() {
+  static const Tables t = [] {
+    Tables x;
+    for (int i = 0; i < 256; ++i) {
+      x.e4m3[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+      x.e5m2[i] = static_cast<float>(c10::Float8_e5m2(static_cast<uint8_t>(i), c10::Float8_e5m2::from_bits()));
+    }
+    const float mags[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+    for (int i = 0; i < 16; ++i) {
+      x.e2m1[i] = (i & 8) ? -mags[i & 7] : mags[i & 7];
+      x.int4[i] = static_cast<float>(i - 8);
+    }
+    return x;
+  }();
+  return t;
+}
+
+constexpr int kLanes = 16;
+
+// sum_d a[d] * b[d] with kLanes independent partial sums (a fixed order, so the compiler
+// vectorizes it without reassociating). DC > 0: head_dim known at compile time.
+template <int DC>
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  const int64_t D = DC ? DC : n;
+  float acc[kLanes] = {0.f};
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    for (int i = 0; i < kLanes; ++i) acc[i] += a[d + i] * b[d + i];
+  }
+  for (int i = 0; d < D; ++d, ++i) acc[i] += a[d] * b[d];
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += acc[i];
+  return s;
+}
+
+// out[d] += p * v[d]
+template <int DC>
+inline void axpy(float* __restrict out, float p, const float* __restrict v, int64_t n) {
+  const int64_t D = DC ? DC : n;
+  for (int64_t d = 0; d < D; ++d) out[d] += p * v[d];
+}
+
+// exp(x) for x <= 0 (softmax weights after subtracting the max): Cephes' expf
+// polynomial after a Cody-Waite reduction, about 1 ulp, in plain float/int ops that
+// the compiler vectorizes across the array (std::exp is a scalar call per value).
+inline void exp_inplace(float* __restrict x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float v = x[i] < -87.0f ? -87.0f : x[i];
+    const float fx = std::floor(v * 1.44269504088896341f + 0.5f);
+    v = v - fx * 0.693359375f + fx * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * v + 1.3981999507e-3f;
+    y = y * v + 8.3334519073e-3f;
+    y = y * v + 4.1665795894e-2f;
+    y = y * v + 1.6666665459e-1f;
+    y = y * v + 5.0000001201e-1f;
+    y = y * v * v + v + 1.0f;
+    const int32_t e = (static_cast<int32_t>(fx) + 127) << 23;
+    x[i] = y * std::bit_cast<float>(e);
+  }
+}
+
+inline float sum(const float* __restrict x, int64_t n) {
+  float acc[kLanes] = {0.f};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += x[i + j];
+  for (int j = 0; i < n; ++i, ++j) acc[j] += x[i];
+  float s = 0.f;
+  for (int j = 0; j < kLanes; ++j) s += acc[j];
+  return s;
+}
+
+// An FP4 E2M1 code (s.ee.m) as fp32 bits, branch-free: 0, 0.5 (e = 0) or
+// (1 + m/2) * 2^(e-1).
+inline uint32_t e2m1_bits(uint32_t c) {
+  const uint32_t e = (c >> 1) & 3u, m = c & 1u;
+  const uint32_t normal = ((126u + e) << 23) | (m << 22);
+  const uint32_t sub = m ? (126u << 23) : 0u;
+  return (e ? normal : sub) | ((c & 8u) << 28);
+}
+
+// One row (head_dim values of one token and KV head) as fp32. `row` indexes rows of the
+// cache viewed as [num_blocks * block_size * num_kv_heads, row_bytes]. Returns a pointer
+// to the values: into the cache itself for fp32, else into `buf`. FP8 E4M3 rows are
+// returned 2^-8 times too small through the half-precision bit trick (the caller folds
+// kFp8Factor into the scale), exactly as kvpilot/kernels/fast_dequant.py documents.
+template <Kind K, int DC>
+inline const float* read_row(const uint8_t* __restrict base, int64_t row, int64_t row_bytes,
+                             const uint8_t* __restrict groups, int64_t n, float* __restrict buf) {
+  const int64_t D = DC ? DC : n;
+  const uint8_t* __restrict p = base + row * row_bytes;
+  if constexpr (K == kFloat32) {
+    return reinterpret_cast<const float*>(p);
+  } else if constexpr (K == kBFloat16) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+    for (int64_t d = 0; d < D; ++d) buf[d] = std::bit_cast<float>(static_cast<uint32_t>(h[d]) << 16);
+    return buf;
+  } else if constexpr (K == kFloat16 || K == kFp8E4M3 || K == kFp8E5M2) {
+    uint16_t half_bits[256];
+    const uint16_t* hb;
+    if constexpr (K == kFloat16) {
+      hb = reinterpret_cast<const uint16_t*>(p);
+    } else {
+      for (int64_t d = 0; d < D; ++d) {
+        uint16_t h = static_cast<uint16_t>(p[d]);
+        if constexpr (K == kFp8E5M2) {
+          h = static_cast<uint16_t>(h << 8);
+        } else {
+          h = static_cast<uint16_t>(h << 7);
+          h = static_cast<uint16_t>(h + (h & 0x4000));
+        }
+        half_bits[d] = h;
+      }
+      hb = half_bits;
+    }
+#if defined(__F16C__)
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8)
+      _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hb + d))));
+    for (; d < D; ++d) buf[d] = static_cast<float>(c10::Half(hb[d], c10::Half::from_bits()));
+#else
+    for (int64_t d = 0; d < D; ++d) buf[d] = static_cast<float>(c10::Half(hb[d], c10::Half::from_bits()));
+#endif
+    return buf;
+  } else {  // 4-bit: byte j = code[j] | code[j + D/2] << 4; E4M3 group scale per 16 values
+    const float* e4m3 = tables().e4m3;
+    const uint8_t* g = groups + row * (D / 16);
+    const int64_t half = D / 2, ng = half / 16;
+    for (int64_t grp = 0; grp < ng; ++grp) {
+      const float lo_scale = e4m3[g[grp]], hi_scale = e4m3[g[grp + ng]];
+#if defined(__AVX2__)
+      // 8 bytes at a time: both nibbles widened to int32 lanes; E2M1 magnitudes through
+      // an 8-entry in-register table (vpermps) with the sign bit moved into place.
+      const __m256 mags = _mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+      for (int64_t i = 0; i < 16; i += 8) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + grp * 16 + i)));
+        const __m256i codes[2] = {_mm256_and_si256(bytes, _mm256_set1_epi32(15)), _mm256_srli_epi32(bytes, 4)};
+        const float scales[2] = {lo_scale, hi_scale};
+        for (int part = 0; part < 2; ++part) {
+          __m256 val;
+          if constexpr (K == kInt4) {
+            val = _mm256_cvtepi32_ps(_mm256_sub_epi32(codes[part], _mm256_set1_epi32(8)));
+          } else {
+            const __m256 mag = _mm256_permutevar8x32_ps(mags, _mm256_and_si256(codes[part], _mm256_set1_epi32(7)));
+            const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes[part], _mm256_set1_epi32(8)), 28);
+            val = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), sign));
+          }
+          _mm256_storeu_ps(buf + part * half + grp * 16 + i, _mm256_mul_ps(val, _mm256_set1_ps(scales[part])));
+        }
+      }
+      continue;
+#endif
+      for (int64_t i = 0; i < 16; ++i) {
+        const uint32_t b = p[grp * 16 + i];
+        float lo, hi;
+        if constexpr (K == kInt4) {
+          lo = static_cast<float>(static_cast<int32_t>(b & 15u) - 8);
+          hi = static_cast<float>(static_cast<int32_t>(b >> 4) - 8);
+        } else {
+          lo = std::bit_cast<float>(e2m1_bits(b & 15u));
+          hi = std::bit_cast<float>(e2m1_bits(b >> 4));
+        }
+        buf[grp * 16 + i] = lo * lo_scale;
+        buf[half + grp * 16 + i] = hi * hi_scale;
+      }
+    }
+    return buf;
+  }
+}
+
+constexpr float kFp8E4M3Factor = 256.0f;  // read_row's E4M3 values are 2^-8 of the truth
+
+struct Problem {
+  const uint8_t* key;
+  const uint8_t* value;
+  const uint8_t* key_groups;
+  const uint8_t* value_groups;
+  int64_t row_bytes, block_size, Hkv, G, D, max_blocks;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  float k_mult, v_mult;  // scale * k_factor (* FP8 factor), v_factor (* FP8 factor)
+};
+
+struct Scratch {
+  std::vector<float> q, acc, row, logits;
+};
+
+// One (sequence s, KV head h): the G query heads' outputs into `w.acc` [G, D],
+// normalised and scaled. `q` holds the G query rows in fp32 [G, D].
+template <Kind K, int DC>
+void attend(const Problem& P, int64_t s, int64_t h, Scratch& w) {
+  const int64_t D = DC ? DC : P.D, G = P.G, bs = P.block_size, Hkv = P.Hkv;
+  const int64_t len = P.seq_lens[s];
+  const int32_t* table = P.block_tables + s * P.max_blocks;
+  float* logits = w.logits.data();
+  float* row = w.row.data();
+  const float* q = w.q.data();
+  // Pass 1: logits[g][t] = q_g . k_t, K read from its page.
+  for (int64_t t = 0, b = 0; t < len; ++b) {
+    const int64_t n = std::min(bs, len - t);
+    int64_t r = static_cast<int64_t>(table[b]) * bs * Hkv + h;
+    for (int64_t i = 0; i < n; ++i, ++t, r += Hkv) {
+      const float* k = read_row<K, DC>(P.key, r, P.row_bytes, P.key_groups, D, row);
+      for (int64_t g = 0; g < G; ++g) logits[g * len + t] = dot<DC>(q + g * D, k, D);
+    }
+  }
+  // Softmax weights, unnormalised: exp(logit - max).
+  float denom[64];
+  std::vector<float> denom_big;
+  float* den = denom;
+  if (G > 64) {
+    denom_big.resize(G);
+    den = denom_big.data();
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* l = logits + g * len;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; ++t) m = std::max(m, l[t]);
+    for (int64_t t = 0; t < len; ++t) l[t] -= m;
+    exp_inplace(l, len);
+    den[g] = sum(l, len);
+  }
+  // Pass 2: acc_g = sum_t p[g][t] v_t, V read from its page.
+  float* acc = w.acc.data();
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t t = 0, b = 0; t < len; ++b) {
+    const int64_t n = std::min(bs, len - t);
+    int64_t r = static_cast<int64_t>(table[b]) * bs * Hkv + h;
+    for (int64_t i = 0; i < n; ++i, ++t, r += Hkv) {
+      const float* v = read_row<K, DC>(P.value, r, P.row_bytes, P.value_groups, D, row);
+      for (int64_t g = 0; g < G; ++g) axpy<DC>(acc + g * D, logits[g * len + t], v, D);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float norm = P.v_mult / den[g];
+    for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= norm;
+  }
+}
+
+template <typename QT>
+void run(const Problem& P, const QT* qp, QT* op, int64_t S, int64_t max_len,
+         void (*item)(const Problem&, int64_t, int64_t, Scratch&)) {
+  const int64_t G = P.G, D = P.D, H = P.Hkv * G;
+  at::parallel_for(0, S * P.Hkv, 1, [&](int64_t begin, int64_t end) {
+    Scratch w;
+    w.q.resize(G * D);
+    w.acc.resize(G * D);
+    w.row.resize(D);
+    w.logits.resize(G * max_len);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t s = it / P.Hkv, h = it % P.Hkv;
+      const QT* qs = qp + (s * H + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) w.q[i] = static_cast<float>(qs[i]) * P.k_mult;
+      item(P, s, h, w);
+      QT* os = op + (s * H + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) os[i] = static_cast<QT>(w.acc[i]);
+    }
+  });
+}
+
+template <Kind K>
+auto pick(int64_t D) -> void (*)(const Problem&, int64_t, int64_t, Scratch&) {
+  if (D == 64) return &attend<K, 64>;
+  if (D == 128) return &attend<K, 128>;
+  return &attend<K, 0>;
+}
+
+auto pick(int64_t kind, int64_t D) -> void (*)(const Problem&, int64_t, int64_t, Scratch&) {
+  switch (kind) {
+    case kFloat32: return pick<kFloat32>(D);
+    case kBFloat16: return pick<kBFloat16>(D);
+    case kFloat16: return pick<kFloat16>(D);
+    case kFp8E4M3: return pick<kFp8E4M3>(D);
+    case kFp8E5M2: return pick<kFp8E5M2>(D);
+    case kFp4E2M1: return pick<kFp4E2M1>(D);
+    default: return pick<kInt4>(D);
+  }
+}
+
+// out [S, H, D] (q's dtype) <- attention of q [S, H, D] over the paged context.
+// key_cache/value_cache: uint8 views of the caches, [num_blocks, block_size, Hkv, row_bytes].
+// key_groups/value_groups: 4-bit caches' E4M3 group scales as uint8
+// [num_blocks, block_size, Hkv, D/16] (empty tensors otherwise).
+// block_tables [S, max_blocks] int32, seq_lens [S] int32 (>= 1).
+// k_factor/v_factor: fp32 0-d tensors, the factors that turn stored values into K/V.
+void paged_decode_attention(
+    at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& key_groups, const at::Tensor& value_groups, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, double scale, const at::Tensor& k_factor, const at::Tensor& v_factor,
+    int64_t kind, int64_t head_dim) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous(), "q/out must be contiguous [S, H, D]");
+  TORCH_CHECK(q.size(2) == head_dim && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "out must match q");
+  TORCH_CHECK(key_cache.scalar_type() == at::kByte && value_cache.scalar_type() == at::kByte &&
+              key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 4 &&
+              value_cache.sizes() == key_cache.sizes(),
+              "caches must be contiguous uint8 views [num_blocks, block_size, Hkv, row_bytes]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+              block_tables.size(0) == q.size(0), "block_tables: int32 [S, max_blocks]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() == q.size(0),
+              "seq_lens: int32 [S]");
+  TORCH_CHECK(kind >= kFloat32 && kind <= kInt4, "unknown cache kind ", kind);
+  const bool kv4 = kind == kFp4E2M1 || kind == kInt4;
+  const int64_t S = q.size(0), H = q.size(1), D = head_dim;
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1), Hkv = key_cache.size(2);
+  const int64_t row_bytes = key_cache.size(3);
+  static const int64_t kBytes[] = {4, 2, 2, 1, 1, 0, 0};
+  TORCH_CHECK(kv4 ? (D % 32 == 0 && row_bytes * 2 == D) : row_bytes == D * kBytes[kind],
+              "cache rows of ", row_bytes, " bytes do not hold head_dim ", D, " values of kind ", kind);
+  TORCH_CHECK(!kv4 || (key_groups.scalar_type() == at::kByte && value_groups.scalar_type() == at::kByte &&
+                       key_groups.is_contiguous() && value_groups.is_contiguous() &&
+                       key_groups.numel() == num_blocks * block_size * Hkv * (D / 16) &&
+                       value_groups.numel() == key_groups.numel()),
+              "4-bit caches need uint8 group scales [num_blocks, block_size, Hkv, head_dim / 16]");
+  TORCH_CHECK(H % Hkv == 0, "num_heads ", H, " is not a multiple of num_kv_heads ", Hkv);
+  const int64_t max_blocks = block_tables.size(1);
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  int64_t max_len = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(lens[s] >= 1, "seq_lens[", s, "] = ", lens[s], " < 1");
+    const int64_t nb = (lens[s] + block_size - 1) / block_size;
+    TORCH_CHECK(nb <= max_blocks, "seq_lens[", s, "] = ", lens[s], " exceeds the block table (", max_blocks,
+                " blocks of ", block_size, ")");
+    for (int64_t b = 0; b < nb; ++b) {
+      const int32_t blk = bt[s * max_blocks + b];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block_tables[", s, ", ", b, "] = ", blk,
+                  " out of range (", num_blocks, " blocks)");
+    }
+    max_len = std::max<int64_t>(max_len, lens[s]);
+  }
+  const float fp8 = kind == kFp8E4M3 ? kFp8E4M3Factor : 1.0f;
+  Problem P{key_cache.data_ptr<uint8_t>(), value_cache.data_ptr<uint8_t>(),
+            kv4 ? key_groups.data_ptr<uint8_t>() : nullptr, kv4 ? value_groups.data_ptr<uint8_t>() : nullptr,
+            row_bytes, block_size, Hkv, H / Hkv, D, max_blocks, bt, lens,
+            k_factor.item<float>() * fp8 * static_cast<float>(scale), v_factor.item<float>() * fp8};
+  auto item = pick(kind, D);
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      run<float>(P, q.data_ptr<float>(), out.data_ptr<float>(), S, max_len, item);
+      break;
+    case at::kBFloat16:
+      run<c10::BFloat16>(P, q.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), S, max_len, item);
+      break;
+    case at::kHalf:
+      run<c10::Half>(P, q.data_ptr<c10::Half>(), out.data_ptr<c10::Half>(), S, max_len, item);
+      break;
+    default:
+      TORCH_CHECK(false, "query dtype ", q.scalar_type(), " is not float32, bfloat16 or float16");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvpilot_cpu, m) {
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, "
+      "Tensor key_groups, Tensor value_groups, Tensor block_tables, Tensor seq_lens, float scale, "
+      "Tensor k_factor, Tensor v_factor, int kind, int head_dim) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvpilot_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
