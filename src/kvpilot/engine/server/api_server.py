@@ -184,6 +184,7 @@ class ServerState:
     api_key: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
     draining: bool = False
+    drain_expired: bool = False  # the drain deadline passed: what is left gets a 503
     inflight: int = 0  # generation requests being served
     kv_events: KVEventsConfig | None = None
     kv_publisher: Any = None
@@ -316,11 +317,41 @@ class GuardMiddleware:
         else:
             state.inflight += 1
             try:
-                await self.app(scope, receive, send)
+                await self.app(scope, self._body_until_drain_deadline(receive), send)
             finally:
                 state.inflight -= 1
             return
         await resp(scope, receive, send)
+
+    def _body_until_drain_deadline(self, receive: Callable) -> Callable:
+        """``receive`` that gives up waiting for a body that has not arrived by the drain
+        deadline: a client that sent headers and stalls would otherwise hold its handler
+        until uvicorn cancels it at shutdown (a traceback and a cut connection). The
+        503 it raises reaches the client through the HTTP error handler. Once the body is
+        in, later calls (disconnect watchers) go straight to ``receive``."""
+        state = self.state
+        body_done = False
+
+        async def receive_body() -> dict:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            pending = asyncio.ensure_future(receive())
+            try:
+                while not (await asyncio.wait({pending}, timeout=0.1))[0]:
+                    if state.drain_expired:
+                        raise StarletteHTTPException(
+                            503, "the server is shutting down: the drain timeout passed before the request "
+                                 "body arrived")
+                msg = pending.result()
+            finally:
+                if not pending.done():
+                    pending.cancel()
+            if msg["type"] != "http.request" or not msg.get("more_body", False):
+                body_done = True
+            return msg
+
+        return receive_body
 
 
 def build_app(state: ServerState) -> FastAPI:

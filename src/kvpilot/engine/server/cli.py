@@ -190,6 +190,7 @@ class DrainingServer(uvicorn.Server):
             # Fail what is left cleanly (503 / an SSE error event) rather than let uvicorn
             # cancel the handlers mid-response, which cuts connections with a 500.
             logger.warning("drain timeout: aborting %d requests still in flight", self.state.inflight)
+            self.state.drain_expired = True  # handlers still waiting for a body answer 503
             self.state.engine.abort_all(
                 f"the server is shutting down: the drain timeout of {self.drain_timeout:g}s passed")
             end = time.monotonic() + ABORT_FLUSH_SECONDS
