@@ -83,14 +83,14 @@ def generate(engine, tokenizer, prompts, params):
 
 @needs_kernels
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_engine_greedy_tokens_match_the_torch_backend(make_engine, tokenizer, kv_cache_dtype):
     """Chunked prefill (32-token budget), then the same prompts again (prefix hits), on a
-    pool small enough to preempt. fp8_e5m2 and fp4_e2m1 are compared layer by layer above:
-    on their coarse grids (2 and 1 mantissa bits) the backends' fp32 rounding differences
-    (1e-7) flip a code in a later layer's cache and then a near-tie token over 24 steps
-    (seen with e5m2), so exact tokens would test luck (see
-    test_triton_backend)."""
+    pool small enough to preempt. fp8_e5m2, int4 and fp4_e2m1 are compared layer by layer
+    above (cache bytes equal, outputs within tolerance): on their coarse grids the
+    backends' fp32 rounding differences (1e-7) flip a code in a later layer's cache and
+    then a near-tie token over 24 steps (seen with e5m2, and with int4 in one run of two),
+    so exact tokens would test luck (see test_triton_backend)."""
     prompts = [SYSTEM_PREFIX + q for q in QUESTIONS[:6]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     tokens = {}
