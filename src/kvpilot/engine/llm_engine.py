@@ -161,7 +161,8 @@ class LLMEngine:
         state = None
         if params.structured_outputs is not None:
             compiled = grammar if grammar is not None else self.compile_grammar(params.structured_outputs)
-            state = GrammarState(compiled, params.structured_outputs)
+            state = GrammarState(compiled, params.structured_outputs,
+                                 (*self.eos_token_ids, *params.stop_token_ids) if not params.ignore_eos else ())
         req = Request(
             request_id,
             [int(t) for t in prompt_token_ids],

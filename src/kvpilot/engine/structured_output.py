@@ -193,12 +193,16 @@ class GrammarState:
         params: what the grammar came from.
     """
 
-    def __init__(self, compiled: Any, params: StructuredOutputsParams) -> None:
+    def __init__(self, compiled: Any, params: StructuredOutputsParams, end_token_ids: Sequence[int] = ()) -> None:
+        """``end_token_ids``: EOS and stop token ids, banned while the constraint waits for
+        ``params.after``: a request that asked for constrained output must not end before
+        its answer starts (it runs to ``max_tokens`` instead, ``finish_reason: length``)."""
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
         self.params = params
         self.active = params.after is None
+        self.end_token_ids = list(dict.fromkeys(int(t) for t in end_token_ids))
 
     def accept(self, token_id: int) -> bool:
         """Advance over a sampled token (no-op while inactive). False when the grammar
@@ -232,7 +236,8 @@ class BitmaskBuffer:
 def apply_grammar_masks(logits: torch.Tensor, states: Sequence[GrammarState | None], buffer: BitmaskBuffer) -> dict[int, str]:
     """Mask, in place, the logits of constrained rows to the tokens their grammar allows
     next: every row's bitmask is filled, then applied to the batch in one
-    ``xgrammar.apply_token_bitmask_inplace`` call (free rows untouched).
+    ``xgrammar.apply_token_bitmask_inplace`` call (free rows untouched). Rows still
+    waiting for their reasoning to end get their end tokens banned (:class:`GrammarState`).
 
     Args:
         logits: ``[rows, vocab]`` fp32, mutated.
@@ -245,6 +250,9 @@ def apply_grammar_masks(logits: torch.Tensor, states: Sequence[GrammarState | No
     """
     import xgrammar as xgr
 
+    for i, s in enumerate(states):  # waiting for the reasoning to end: it may not end the output
+        if s is not None and not s.active and s.end_token_ids:
+            logits[i, s.end_token_ids] = float("-inf")
     rows = [i for i, s in enumerate(states) if s is not None and s.active]
     if not rows:
         return {}

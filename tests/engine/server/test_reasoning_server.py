@@ -68,6 +68,29 @@ def test_thinking_off_answers_plainly_and_the_constraint_applies_at_once(reasoni
         assert msg["content"] in ("Paris", "Rome") and "reasoning_content" not in msg
 
 
+def test_a_constrained_request_does_not_end_while_still_reasoning(reasoning_server):
+    """Found by a new-user trial: the constraint starts after </think>, and a model that
+    ended its output while reasoning returned `finish_reason: stop` and no answer. End
+    tokens are banned until the answer starts: such a request now runs to `length`."""
+    schema = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 20}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "strict": True, "schema": schema}}
+    with httpx.Client(base_url=reasoning_server.url, timeout=120) as http:
+        stopped_while_reasoning = 0
+        for seed in range(8):
+            body = {"messages": MESSAGES, "max_tokens": 24, "temperature": 1.0, "seed": seed}
+            free = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+            if free["finish_reason"] == "stop" and not free["message"]["content"]:
+                stopped_while_reasoning += 1
+                constrained = http.post("/v1/chat/completions", json={**body, "response_format": fmt}).json()
+                choice = constrained["choices"][0]
+                if choice["finish_reason"] == "stop":
+                    assert json.loads(choice["message"]["content"])["city"], choice
+                else:
+                    assert choice["finish_reason"] == "length", choice
+        # The case the fix is about did occur with these seeds (else this test proves nothing).
+        assert stopped_while_reasoning > 0
+
+
 @pytest.mark.parametrize(("flags", "text"), [
     (["--reasoning-parser", "nope"], "--reasoning-parser"),
     (["--tool-call-parser", "nope"], "--tool-call-parser"),
