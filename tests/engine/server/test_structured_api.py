@@ -227,6 +227,14 @@ def test_logit_bias(client, http):
     ({"structured_outputs": {"choice": ["a"], "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern",
      "unknown or unsupported field"),
     ({"min_tokens": 30, "max_tokens": 40, "guided_choice": ["yes"]}, "guided_choice", "min_tokens"),
+    # Field paths without pydantic's union tags (found by a new-user trial).
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "string"}}},
+     "response_format.json_schema.schema", "valid dictionary"),
+    ({"tool_choice": "requried", "tools": [WEATHER]}, "tool_choice", "'none', 'auto' or 'required'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "intger"}}}}}], "tool_choice": "required"},
+     "tools", "intger"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
     # SGLang's fields that vllm-router sends: only their defaults are accepted.
     ({"no_stop_trim": True}, "no_stop_trim", "Input should be False (got True)"),
     ({"separate_reasoning": False}, "separate_reasoning", "Input should be True (got False)"),
@@ -291,3 +299,41 @@ def test_bodies_as_vllm_router_forwards_them_are_served(http):
     r = http.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 2,
                                            "temperature": 0, **ROUTER_COMPLETION_EXTRAS})
     assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith(" Paris"), r.text
+
+
+def test_a_function_without_parameters_is_called_with_an_empty_object(http):
+    """Found by a new-user trial: under `required` a tool without `parameters` got an
+    open object and the model filled it with junk keys until `length`."""
+    tools = [{"type": "function", "function": {"name": "noargs"}}]
+    for choice in ("required", {"type": "function", "function": {"name": "noargs"}}):
+        r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 30, "tools": tools,
+                                                    "tool_choice": choice, "temperature": 1.0, "seed": 3,
+                                                    "parallel_tool_calls": False})
+        body = r.json()
+        assert r.status_code == 200, body
+        calls = body["choices"][0]["message"]["tool_calls"]
+        assert calls and all(c["function"]["name"] == "noargs" and json.loads(c["function"]["arguments"]) == {}
+                             for c in calls), calls
+
+
+def test_required_calls_cut_by_max_tokens_agree_streamed_and_not(http):
+    """Found by a new-user trial: a `required` array cut by `max_tokens` returned no call
+    (the text as content) while the stream had already sent the complete ones. Both now
+    give the calls completed before the cut, with `finish_reason: length`."""
+    tools = [{"type": "function", "function": {"name": "noargs"}}]
+    body = {"messages": MESSAGES, "max_tokens": 30, "tools": tools, "tool_choice": "required",
+            "temperature": 1.0, "seed": 3}
+    plain = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    streamed_calls, finish = [], None
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed_calls += [t["function"]["name"] for t in c["delta"].get("tool_calls", ())
+                                       if "id" in t]
+                    finish = c.get("finish_reason") or finish
+    calls = [c["function"]["name"] for c in plain["message"]["tool_calls"] or []]
+    if plain["finish_reason"] == "length":
+        assert calls == streamed_calls and finish == "length" and calls, (plain, streamed_calls)
+    else:
+        assert plain["finish_reason"] == finish == "tool_calls" and calls == streamed_calls

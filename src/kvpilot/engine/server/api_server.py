@@ -194,6 +194,22 @@ class ServerState:
     chat_options: ChatOptions = field(default_factory=ChatOptions)
 
 
+def _field_path(loc: Any) -> list[str]:
+    """A pydantic error location as the request's field path: without ``body``, the
+    member tags pydantic adds inside unions (``literal['none','auto']``,
+    ``function-after[...]``) and the repeated tag of a discriminated union
+    (``response_format.json_schema.json_schema.schema`` is ``response_format.json_schema.schema``)."""
+    parts: list[str] = []
+    for x in loc:
+        text = str(x)
+        if text == "body" or "[" in text:
+            continue
+        if parts and parts[-1] == text:
+            continue
+        parts.append(text)
+    return parts
+
+
 def error(status: int, message: str, err_type: str, code: int | str | None = None, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, err_type, code if code is not None else status, param), status_code=status)
 
@@ -372,7 +388,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
         first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        loc = _field_path(first.get("loc", ()))
         param = ".".join(loc) or None
         msg = first.get("msg", "invalid request")
         if first.get("type") == "extra_forbidden":

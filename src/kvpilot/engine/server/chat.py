@@ -270,6 +270,13 @@ class ChatHandler:
             text = text or ""
         out = ChoiceOutput(content=text, reasoning=reasoning if req.include_reasoning else None)
         mode = prep.tool_mode
+        if mode == "required" and choice.finish_reason == "length":
+            # Cut mid-array: the calls completed before the cut are kept (a stream has sent
+            # them already); with none complete the raw text stays the content.
+            elements = ArrayElements().feed(text)
+            if elements:
+                out.content, out.tool_calls = None, required_calls(f"[{','.join(elements)}]", self._parser_name())
+            return out
         if mode is None or choice.finish_reason != "stop":
             return out
         if mode == "auto":
@@ -307,7 +314,7 @@ class ChatHandler:
                 "index": i,
                 "message": message,
                 "logprobs": chat_logprobs(self.ctx, c.logprobs) if req.logprobs else None,
-                "finish_reason": "tool_calls" if parsed.tool_calls else c.finish_reason,
+                "finish_reason": "tool_calls" if parsed.tool_calls and c.finish_reason == "stop" else c.finish_reason,
                 "stop_reason": c.stop_reason,
             })
         body["choices"] = choices
@@ -456,6 +463,9 @@ class ChoiceStream:
             out += self._reasoning_delta(think) + self._answer_deltas(answer)
         if self.tool_streamer is not None:
             out += self._track(self.tool_streamer.finish())
+        if self.tool_mode == "required" and not self.tool_calls and self._answer:
+            out.append({"content": self._answer})  # cut before any call completed: as content, like the
+            # non-streamed answer
         return out
 
     def _reasoning_delta(self, think: str) -> list[dict[str, Any]]:

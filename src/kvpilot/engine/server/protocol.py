@@ -152,7 +152,7 @@ class SamplingFields(StrictModel):
         f"0 is greedy; default 1; values in (0, {MIN_TEMPERATURE}) are raised to {MIN_TEMPERATURE}, as vLLM does"))
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling; default 1 (off)")
     stream: bool = Field(False, description="answer with server-sent events (`text/event-stream`)")
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with `stream: true` (400 otherwise)")
     stop: Annotated[str | list[str] | None, WithJsonSchema(STOP_SCHEMA)] = Field(
         None, description=f"at most {MAX_STOP_STRINGS} non-empty stop strings")
     # The OpenAPI document writes bounds as floats: 2**63 - 1 would read as 2**63, 2**63 is exact.
@@ -239,10 +239,13 @@ class SamplingFields(StrictModel):
         )
 
     def check_prompt_logprobs(self) -> None:
-        """Raises InvalidRequestError for ``prompt_logprobs`` on a stream (as vLLM)."""
+        """Raises InvalidRequestError for ``prompt_logprobs`` on a stream (as vLLM), and
+        for ``stream_options`` without ``stream`` (as OpenAI and vLLM)."""
         if self.stream and self.prompt_logprobs is not None:
             raise InvalidRequestError("prompt_logprobs is not available when stream is true (as in vLLM)",
                                       "prompt_logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
 
     def logit_bias_ids(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` with its keys as token ids. Raises InvalidRequestError for a key

@@ -71,11 +71,12 @@ def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None
 
 
 def tool_parameters(tool: Tool) -> dict[str, Any]:
-    """A tool's parameter schema (``{"type": "object"}`` when it has none). Raises
-    InvalidRequestError when it is not a JSON schema of an object."""
+    """A tool's parameter schema; a function without ``parameters`` takes no arguments
+    (an empty object, as OpenAI reads it). Raises InvalidRequestError when it is not a
+    JSON schema of an object."""
     params = tool.function.parameters
     if params is None:
-        return {"type": "object"}
+        return {"type": "object", "properties": {}, "additionalProperties": False}
     kind = params.get("type", "object")
     if kind != "object":
         raise InvalidRequestError(
@@ -117,11 +118,12 @@ def tool_constraint(req: ChatCompletionRequest) -> tuple[StructuredOutputsParams
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if not req.parallel_tool_calls:
             schema["maxItems"] = 1
-        return SO(json=_schema(schema, "tools"), param="tool_choice"), "required"
+        # A schema xgrammar cannot compile is the tools' fault: the 400 names `tools`.
+        return SO(json=_schema(schema, "tools"), param="tools"), "required"
     assert not isinstance(choice, str)
     name = choice.function.name
     tool = next((t for t in tools if t.function.name == name), None)
     if tool is None:
         raise InvalidRequestError(
             f"tool_choice: function {name!r} is not among the tools ({', '.join(names)})", "tool_choice")
-    return SO(json=_schema(tool_parameters(tool), "tools"), param="tool_choice"), name
+    return SO(json=_schema(tool_parameters(tool), "tools"), param="tools"), name
