@@ -35,7 +35,8 @@ def one_round(loaded, dtype: str, prompt: list[int], others: list[list[int]], ar
 
     engine = LLMEngine(
         EngineArgs(device="cpu", kv_cache_dtype=dtype, kv_cache_memory=args.kv_cache_memory,
-                   max_num_batched_tokens=args.chunk, enable_prefix_caching=False),
+                   max_num_batched_tokens=args.chunk, enable_prefix_caching=False,
+                   attention_backend=args.attention_backend),
         loaded=loaded,
     )
     params = SamplingParams(max_tokens=args.decodes + 1, temperature=0.0, ignore_eos=True)
@@ -67,6 +68,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kv-cache-memory", type=float, default=0.25)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch"],
+                    help="auto: the in-place cpu backend where it builds")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                     help="cpu: process CPU time (steady on a shared machine); wall: elapsed time")
     args = ap.parse_args()
