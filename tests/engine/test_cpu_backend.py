@@ -1,7 +1,8 @@
-"""The ``cpu`` attention backend (in-place C++ decode, SDPA prefill) against the ``torch``
-reference backend: one layer's mixed batch, the engine's greedy tokens through chunked
-prefill, prefix hits and preemption for every KV dtype, and proof that decode steps
-read the pages in place (no gather of the context)."""
+"""The ``cpu`` attention backend (in-place C++ decode, SDPA prefill, fused layer ops)
+against the ``torch`` reference backend: one layer's mixed batch, the engine's greedy
+tokens through chunked prefill, prefix hits and preemption for every KV dtype, and proof
+that decode steps read the pages in place (no gather of the context) and that every
+layer runs the fused ops."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from kvpilot.engine.attention.backend import resolve_backend_name
 from kvpilot.engine.attention.cpu_backend import CpuAttentionBackend
 from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
+from kvpilot.engine.model.layer_ops import CpuLayerOps
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.kernels import cpu_attention, fast_dequant
 from tests.kernels.cases import assert_attention_close, make_paged_batch
@@ -90,7 +92,9 @@ def test_engine_greedy_tokens_match_the_torch_backend(make_engine, tokenizer, kv
     above (cache bytes equal, outputs within tolerance): on their coarse grids the
     backends' fp32 rounding differences (1e-7) flip a code in a later layer's cache and
     then a near-tie token over 24 steps (seen with e5m2, and with int4 in one run of two),
-    so exact tokens would test luck (see test_triton_backend)."""
+    so exact tokens would test luck (see test_triton_backend). With the fp32 cache the
+    whole stack is compared (the cpu backend's fused layer ops against torch's); with FP8
+    both run the fused ops and only attention differs."""
     prompts = [SYSTEM_PREFIX + q for q in QUESTIONS[:6]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     tokens = {}
@@ -98,6 +102,11 @@ def test_engine_greedy_tokens_match_the_torch_backend(make_engine, tokenizer, kv
         engine = make_engine(attention_backend=name, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=32,
                              num_gpu_blocks_override=10, max_model_len=160)
         assert engine.config.attention_backend == name
+        if name == "torch" and kv_cache_dtype != "auto":
+            # Same layer ops on both sides, so only attention differs: the fused ops'
+            # fp32 roundings (1e-7, checked op by op in tests/kernels) can otherwise move
+            # an FP8 code and flip a near tie, as above.
+            engine.runner.backend.layer_ops = CpuLayerOps()
         first, preempted = generate(engine, tokenizer, prompts, params)
         hits = engine.scheduler.prefix_stats.hits
         second, _ = generate(engine, tokenizer, prompts, params)
@@ -155,3 +164,62 @@ def test_prefill_chunks_reach_the_fused_cpu_sdpa_kernel(chunk, seq_len):
     ops = {e.key for e in prof.key_averages()}
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops, ops
     assert "aten::_scaled_dot_product_attention_math" not in ops
+
+
+def test_a_whole_context_chunk_without_gather_reaches_the_fused_kernel_and_matches():
+    """The cpu backend's path for a chunk with no cached prefix (its own K/V, no pages):
+    the flash kernel, and the reference's result over the same values in the pages."""
+    from kvpilot.engine.attention.cpu_backend import causal_attention
+    from kvpilot.kernels import reference
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(40, 9, 64, generator=g), torch.randn(40, 3, 64, generator=g), torch.randn(40, 3, 64, generator=g)
+    kc, vc = torch.zeros(4, 16, 3, 64), torch.zeros(4, 16, 3, 64)
+    kc.view(-1, 3, 64)[:40], vc.view(-1, 3, 64)[:40] = k, v
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = causal_attention(q, k, v, 0.125)
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in {e.key for e in prof.key_averages()}
+    expect = reference.paged_prefill_attention(q, kc, vc, torch.arange(4, dtype=torch.int32), 40, 0.125)
+    assert torch.equal(out, expect)
+
+
+@needs_kernels
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_the_cpu_backend_runs_the_fused_layer_ops(make_engine, tokenizer, monkeypatch, backend):
+    """With the cpu backend every layer's RMSNorm(+residual), rotary and SiLU-and-mul are
+    the fused kernels (counted per step) and none of the torch operators they replace
+    runs; a fresh prompt's prefill attends without gathering its context from the pages.
+    The torch backend, the contrast, runs the torch formulation."""
+    engine = make_engine(attention_backend=backend)
+    layers = len(engine.runner.model.layers)
+    assert isinstance(engine.runner.backend.layer_ops, CpuLayerOps) == (backend == "cpu")
+    gathers = []
+    real = fast_dequant.gather_blocks
+
+    def counting(cache, blocks):
+        gathers.append(blocks.numel())
+        return real(cache, blocks)
+
+    monkeypatch.setattr(fast_dequant, "gather_blocks", counting)
+    monkeypatch.setattr("kvpilot.kernels.reference.gather_blocks", counting)
+    engine.add_request("r", tokenizer.encode(SYSTEM_PREFIX + QUESTIONS[0]),
+                       SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    steps = 0
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+            if steps == 1:
+                prefill_gathers = len(gathers)
+    counts = {e.key: e.count for e in prof.key_averages()}
+    replaced = {"aten::silu", "aten::pow", "aten::rsqrt", "aten::neg"}
+    if backend == "cpu":
+        assert steps == 3 and prefill_gathers == 0
+        assert counts.get("kvpilot_cpu::fused_add_rms_norm") == steps * 2 * layers  # final norm included
+        assert counts.get("kvpilot_cpu::rms_norm") == steps  # the first layer's input norm
+        assert counts.get("kvpilot_cpu::rotary_embedding") == steps * layers
+        assert counts.get("kvpilot_cpu::silu_and_mul") == steps * layers
+        assert not replaced & counts.keys(), replaced & counts.keys()
+    else:
+        assert replaced <= counts.keys() and not any(k.startswith("kvpilot_cpu::") for k in counts)
+        assert prefill_gathers > 0

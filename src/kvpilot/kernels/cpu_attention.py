@@ -32,7 +32,13 @@ from .kv4 import kv4_format
 
 log = logging.getLogger("kvpilot.engine")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+# One extension: the paged decode attention and the fused layer ops
+# (:mod:`kvpilot.kernels.cpu_layer_ops`) of ``csrc/layer_ops_cpu.cpp``.
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp")
+# -fno-trapping-math / -fno-math-errno: no FP exception or errno is ever read, and without
+# them GCC keeps a branch per clamp or sqrt and leaves the exp loops scalar.
+CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno"]
 
 # Cache value kinds; must match ``enum Kind`` in the C++ source.
 KINDS: dict[torch.dtype | str, int] = {
@@ -72,8 +78,8 @@ def build_dir() -> Path:
     """Where the compiled kernels of this source, torch, compiler and CPU live."""
     cxx = os.environ.get("CXX", "c++")
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _compiler_version(cxx).encode(),
-                 _cpu_flags().encode()):
+    for part in (*(src.read_bytes() for src in SOURCES), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+                 _compiler_version(cxx).encode(), _cpu_flags().encode()):
         key.update(part)
     root = Path(os.environ.get("KVPILOT_CACHE_DIR", Path.home() / ".cache" / "kvpilot"))
     return root / "cpu_kernels" / key.hexdigest()[:16]
@@ -98,11 +104,11 @@ def load() -> None:
             path = build_dir()
             path.mkdir(parents=True, exist_ok=True)
             if not any(path.glob("*.so")):
-                log.info("building the CPU attention kernels in %s (once per machine)", path)
+                log.info("building the CPU kernels in %s (once per machine)", path)
             cpp_extension.load(
                 name="kvpilot_cpu_attention",
-                sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native"],
+                sources=[str(src) for src in SOURCES],
+                extra_cflags=CFLAGS,
                 build_directory=str(path),
                 is_python_module=False,
                 verbose=False,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpilot.engine.model.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
 from kvpilot.kernels.kv4 import KV4Args
 from kvpilot.kernels.rotation import rotate_heads
 
@@ -101,9 +102,15 @@ def rotate_query_key(q: torch.Tensor, k: torch.Tensor, kv: LayerKVCache) -> tupl
 
 
 class AttentionBackend(ABC):
-    """Writes K/V into the paged cache and computes paged attention."""
+    """Writes K/V into the paged cache and computes paged attention.
+
+    ``layer_ops`` are the model's elementwise ops that go with this backend (RMSNorm,
+    rotary, SiLU-and-mul; :mod:`kvpilot.engine.model.layer_ops`): the torch reference
+    unless a backend brings fused kernels of its own (the ``cpu`` backend does).
+    """
 
     name: str = ""
+    layer_ops: TorchLayerOps = TORCH_LAYER_OPS
 
     @abstractmethod
     def forward(

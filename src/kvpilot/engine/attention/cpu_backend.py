@@ -13,6 +13,7 @@ for a boolean mask without dropout) does the product.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvpilot.engine.attention.backend import (
     AttentionBackend,
@@ -20,6 +21,7 @@ from kvpilot.engine.attention.backend import (
     LayerKVCache,
     rotate_query_key,
 )
+from kvpilot.engine.model.layer_ops import CpuLayerOps
 from kvpilot.kernels import cpu_attention, reference
 
 
@@ -41,6 +43,7 @@ class CpuAttentionBackend(AttentionBackend):
         if not ok:
             raise ValueError(f"{why}; use --attention-backend torch")
         self.device = device
+        self.layer_ops = CpuLayerOps()
 
     def forward(
         self,
@@ -67,10 +70,31 @@ class CpuAttentionBackend(AttentionBackend):
                 kv.k_scale, kv.v_scale, **kv4,
             )
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        # A cache that stores the activations unchanged holds exactly this step's k/v: a
+        # chunk that is its sequence's whole context attends to them without a gather.
+        exact_cache = kv.kv4_format is None and kv.key_cache.dtype == q.dtype
         for i in range(nd, meta.num_seqs):
             s, e = qsl[i], qsl[i + 1]
+            if exact_cache and e - s == lens[i]:
+                out[s:e] = causal_attention(q[s:e], k[s:e], v[s:e], scale)
+                continue
             out[s:e] = reference.paged_prefill_attention(
                 q[s:e], kv.key_cache, kv.value_cache, meta.block_tables[i], lens[i], scale, kv.k_scale,
                 kv.v_scale, **kv4,
             )
         return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal self-attention of one sequence's whole context (PyTorch's fused SDPA; GQA
+    without repeating K/V).
+
+    Args:
+        q: ``[n, num_heads, head_dim]``; k, v: ``[n, num_kv_heads, head_dim]``.
+    Returns:
+        ``[n, num_heads, head_dim]``.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         is_causal=True, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)

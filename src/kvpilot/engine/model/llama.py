@@ -18,7 +18,8 @@ from torch import nn
 
 from kvpilot.engine.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvpilot.engine.model.config import ModelConfig
-from kvpilot.engine.model.rotary import RotaryEmbedding, apply_rotary
+from kvpilot.engine.model.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
+from kvpilot.engine.model.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -28,25 +29,30 @@ class ForwardContext:
     meta: AttentionMetadata
     kv_caches: list[LayerKVCache]
     backend: AttentionBackend
-    cos: torch.Tensor
-    sin: torch.Tensor
+    # The elementwise ops (the backend's: fused C++ on the cpu backend, else torch) and
+    # their per-step rotary state (``ops.rotary_tables``).
+    ops: TorchLayerOps
+    rotary: object
     # FP8 scale calibration hook: (layer, k, v) -> None, set only until calibrated.
     calibrate: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight``, computed in fp32 (Zhang & Sennrich 2019)."""
+    """``x / sqrt(mean(x^2) + eps) * weight``, computed in fp32 (Zhang & Sennrich 2019);
+    the math is in :mod:`kvpilot.engine.model.layer_ops`."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, ops: TorchLayerOps = TORCH_LAYER_OPS) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
+                    ops: TorchLayerOps = TORCH_LAYER_OPS) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; the cpu ops mutate ``x`` and ``residual``."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -65,8 +71,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), ctx.cos, ctx.sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), ctx.cos, ctx.sin)
+        q, k = ctx.ops.rotary(q.view(-1, self.num_heads, self.head_dim),
+                              k.view(-1, self.num_kv_heads, self.head_dim), ctx.rotary)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if ctx.calibrate is not None:
             ctx.calibrate(self.layer_idx, k, v)
@@ -83,9 +89,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchLayerOps = TORCH_LAYER_OPS) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -96,9 +101,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, residual)`` in, ``(mlp output, residual stream)`` out: the layer's output
+        is their sum, which the next layer's input norm (or the final norm) forms."""
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h, ctx.ops)
+        else:
+            h, residual = self.input_layernorm.add_forward(h, residual, ctx.ops)
+        h = self.self_attn(h, ctx)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual, ctx.ops)
+        return self.mlp(h, ctx.ops), residual
 
 
 # HF checkpoint names of the projections we fuse: (fused module, shard index).
@@ -155,11 +169,15 @@ class LlamaForCausalLM(nn.Module):
         """
         assert self.rotary is not None, "call init_rotary() first"
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        ctx = ForwardContext(meta, kv_caches, backend, cos, sin, calibrate)
+        ops = backend.layer_ops
+        ctx = ForwardContext(meta, kv_caches, backend, ops, ops.rotary_tables(self.rotary, positions, h.dtype),
+                             calibrate)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            h = layer(h, ctx)
-        return self.norm(h[logits_indices])
+            h, residual = layer(h, residual, ctx)
+        assert residual is not None
+        # Only the rows whose logits are wanted need the last residual add and norm.
+        return self.norm.add_forward(h[logits_indices], residual[logits_indices], ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` fp32."""
