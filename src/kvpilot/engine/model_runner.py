@@ -36,7 +36,7 @@ from kvpilot.engine.kv_scales import (
     calibration_token_ids,
 )
 from kvpilot.engine.model.config import ModelConfig
-from kvpilot.engine.model.llama import LlamaForCausalLM
+from kvpilot.engine.model.llama import LlamaForCausalLM, can_pack_linears
 from kvpilot.engine.model.loader import (
     GGUFModelFile,
     ModelSource,
@@ -82,6 +82,12 @@ def build_model(
         model.load_weights(iter_weights(source, config, gguf_file))
     model.init_rotary(device)
     model.eval()
+    if can_pack_linears(device, dtype):
+        try:
+            packed = model.pack_linears()
+            logger.info("packed %d linear weights for oneDNN (CPU)", packed)
+        except RuntimeError as e:  # oneDNN cannot pack here: plain F.linear (MKL) stays
+            logger.warning("oneDNN weight packing unavailable, using F.linear: %s", e)
     return model
 
 
@@ -138,7 +144,7 @@ class LoadedModel:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + self.model.packed_bytes
 
 
 def load_model(args: EngineArgs) -> LoadedModel:
