@@ -31,6 +31,11 @@ def machine_info() -> dict[str, Any]:
             for line in f:
                 if line.startswith("model name"):
                     info["cpu"] = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    # The vector ISA decides which kernels run (MKL/oneDNN paths, vLLM's
+                    # _C_AVX512 or _C_AVX2, kvpilot's -march=native build).
+                    flags = set(line.split(":", 1)[1].split())
+                    info["cpu_isa"] = " ".join(sorted(f for f in flags if f.startswith(("avx", "amx")) or f == "fma"))
                     break
     except OSError:
         pass
