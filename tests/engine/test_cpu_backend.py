@@ -71,6 +71,21 @@ def test_mixed_batch_matches_the_torch_backend(dtype, cache_dtype, rotate):
     assert_attention_close(outs[1], outs[0].float(), dtype, "cpu vs torch backend")
 
 
+def count_gathers(monkeypatch) -> list[int]:
+    """From now on, append the number of blocks of every gather of cache blocks (torch
+    reference and fast_dequant paths) to the returned list."""
+    gathers: list[int] = []
+    real = fast_dequant.gather_blocks
+
+    def counting(cache, blocks):
+        gathers.append(blocks.numel())
+        return real(cache, blocks)
+
+    monkeypatch.setattr(fast_dequant, "gather_blocks", counting)
+    monkeypatch.setattr("kvpilot.kernels.reference.gather_blocks", counting)
+    return gathers
+
+
 def generate(engine, tokenizer, prompts, params, logprobs=None):
     """Token ids per prompt and the number of preemptions; with ``logprobs`` (a dict) also
     each prompt's per-token top alternatives, ``{token: logprob}`` per position."""
@@ -152,15 +167,7 @@ def test_decode_steps_read_the_pages_in_place(make_engine, tokenizer, monkeypatc
     # published, to hit it); from the third step on every request decodes.
     engine.step()
     engine.step()
-    gathers = []
-    real = fast_dequant.gather_blocks
-
-    def counting(cache, blocks):
-        gathers.append(blocks.numel())
-        return real(cache, blocks)
-
-    monkeypatch.setattr(fast_dequant, "gather_blocks", counting)
-    monkeypatch.setattr("kvpilot.kernels.reference.gather_blocks", counting)
+    gathers = count_gathers(monkeypatch)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             engine.step()
@@ -191,7 +198,6 @@ def test_prefill_chunks_reach_the_fused_cpu_sdpa_kernel(chunk, seq_len):
 def test_a_whole_context_chunk_without_gather_reaches_the_fused_kernel_and_matches():
     """The cpu backend's path for a chunk with no cached prefix (its own K/V, no pages):
     the flash kernel, and the reference's result over the same values in the pages."""
-    from kvpilot.engine.attention.cpu_backend import causal_attention
     from kvpilot.kernels import reference
 
     g = torch.Generator().manual_seed(3)
@@ -199,7 +205,7 @@ def test_a_whole_context_chunk_without_gather_reaches_the_fused_kernel_and_match
     kc, vc = torch.zeros(4, 16, 3, 64), torch.zeros(4, 16, 3, 64)
     kc.view(-1, 3, 64)[:40], vc.view(-1, 3, 64)[:40] = k, v
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        out = causal_attention(q, k, v, 0.125)
+        out = reference.causal_attention(q, k, v, 0.125)
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in {e.key for e in prof.key_averages()}
     expect = reference.paged_prefill_attention(q, kc, vc, torch.arange(4, dtype=torch.int32), 40, 0.125)
     assert torch.equal(out, expect)
@@ -215,15 +221,7 @@ def test_the_cpu_backend_runs_the_fused_layer_ops(make_engine, tokenizer, monkey
     engine = make_engine(attention_backend=backend)
     layers = len(engine.runner.model.layers)
     assert isinstance(engine.runner.backend.layer_ops, CpuLayerOps) == (backend == "cpu")
-    gathers = []
-    real = fast_dequant.gather_blocks
-
-    def counting(cache, blocks):
-        gathers.append(blocks.numel())
-        return real(cache, blocks)
-
-    monkeypatch.setattr(fast_dequant, "gather_blocks", counting)
-    monkeypatch.setattr("kvpilot.kernels.reference.gather_blocks", counting)
+    gathers = count_gathers(monkeypatch)
     engine.add_request("r", tokenizer.encode(SYSTEM_PREFIX + QUESTIONS[0]),
                        SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     steps = 0

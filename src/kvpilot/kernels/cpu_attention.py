@@ -36,6 +36,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # One extension: the paged decode attention and the fused layer ops
 # (:mod:`kvpilot.kernels.cpu_layer_ops`) of ``csrc/layer_ops_cpu.cpp``.
 SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp")
+HEADERS = (CSRC / "cpu_math.h",)
 # -fno-trapping-math / -fno-math-errno: no FP exception or errno is ever read, and without
 # them GCC keeps a branch per clamp or sqrt and leaves the exp loops scalar.
 CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno"]
@@ -78,7 +79,7 @@ def build_dir() -> Path:
     """Where the compiled kernels of this source, torch, compiler and CPU live."""
     cxx = os.environ.get("CXX", "c++")
     key = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+    for part in (*(src.read_bytes() for src in SOURCES + HEADERS), " ".join(CFLAGS).encode(), torch.__version__.encode(),
                  _compiler_version(cxx).encode(), _cpu_flags().encode()):
         key.update(part)
     root = Path(os.environ.get("KVPILOT_CACHE_DIR", Path.home() / ".cache" / "kvpilot"))
@@ -91,6 +92,8 @@ def load() -> None:
     Raises:
         RuntimeError: no C++ compiler, or the build failed (the message says why).
     """
+    if _state.get("loaded"):  # every kernel call lands here: no lock once loaded
+        return
     with _lock:
         if _state.get("loaded"):
             return

@@ -275,16 +275,29 @@ def paged_prefill_attention(
     v, v_factor = gather_kv_unscaled(value_cache, block_table, seq_len, q.dtype, v_scale, value_group_scales,
                                      kv4_format)
     q = _times(q, k_factor)
+    if chunk == seq_len:
+        return _times(causal_attention(q, k, v, scale), v_factor)
     k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     qh = q.transpose(0, 1)[None]  # [1, H, chunk, D]
-    gqa = num_heads != num_kv_heads
-    if chunk == seq_len:
-        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        q_pos = torch.arange(seq_len - chunk, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    q_pos = torch.arange(seq_len - chunk, seq_len, device=q.device)
+    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads)
     return _times(out[0].transpose(0, 1), v_factor)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal self-attention of one sequence's whole context (PyTorch's fused SDPA; GQA
+    without repeating K/V).
+
+    Args:
+        q: ``[n, num_heads, head_dim]``; k, v: ``[n, num_kv_heads, head_dim]``.
+    Returns:
+        ``[n, num_heads, head_dim]``.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         is_causal=True, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(

@@ -13,7 +13,6 @@ for a boolean mask without dropout) does the product.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvpilot.engine.attention.backend import (
     AttentionBackend,
@@ -76,7 +75,7 @@ class CpuAttentionBackend(AttentionBackend):
         for i in range(nd, meta.num_seqs):
             s, e = qsl[i], qsl[i + 1]
             if exact_cache and e - s == lens[i]:
-                out[s:e] = causal_attention(q[s:e], k[s:e], v[s:e], scale)
+                out[s:e] = reference.causal_attention(q[s:e], k[s:e], v[s:e], scale)
                 continue
             out[s:e] = reference.paged_prefill_attention(
                 q[s:e], kv.key_cache, kv.value_cache, meta.block_tables[i], lens[i], scale, kv.k_scale,
@@ -84,17 +83,3 @@ class CpuAttentionBackend(AttentionBackend):
             )
         return out
 
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal self-attention of one sequence's whole context (PyTorch's fused SDPA; GQA
-    without repeating K/V).
-
-    Args:
-        q: ``[n, num_heads, head_dim]``; k, v: ``[n, num_kv_heads, head_dim]``.
-    Returns:
-        ``[n, num_heads, head_dim]``.
-    """
-    gqa = q.shape[1] != k.shape[1]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         is_causal=True, scale=scale, enable_gqa=gqa)
-    return out[0].transpose(0, 1)

@@ -22,11 +22,14 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <bit>
+#include "cpu_math.h"
+
 #include <cmath>
 #include <cstdint>
 
 namespace {
+
+using kvpilot_cpu::exp_poly;
 
 constexpr int kLanes = 16;
 
@@ -43,28 +46,6 @@ inline float round_t(float x) {
   } else {
     return static_cast<float>(static_cast<T>(x));
   }
-}
-
-// exp(x) for any finite x: Cephes' expf polynomial after a Cody-Waite reduction, about
-// 1 ulp, clamped to [-87, 88] (exp(-87) ~ 1.6e-38, exp(88) ~ 1.7e38). n = round(x log2 e)
-// comes from adding 1.5 * 2^23 (the float's low mantissa bits then hold n), so every step
-// is a plain float or int operation and a loop calling it vectorizes (std::floor and
-// std::exp do not, under the default math flags).
-inline float exp_poly(float v) {
-  constexpr float kShift = 12582912.0f;  // 1.5 * 2^23
-  v = v < -87.0f ? -87.0f : (v > 88.0f ? 88.0f : v);
-  const float shifted = v * 1.44269504088896341f + kShift;
-  const int32_t n = std::bit_cast<int32_t>(shifted) - std::bit_cast<int32_t>(kShift);
-  const float fx = shifted - kShift;
-  v = v - fx * 0.693359375f + fx * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * v + 1.3981999507e-3f;
-  y = y * v + 8.3334519073e-3f;
-  y = y * v + 4.1665795894e-2f;
-  y = y * v + 1.6666665459e-1f;
-  y = y * v + 5.0000001201e-1f;
-  y = y * v * v + v + 1.0f;
-  return y * std::bit_cast<float>((n + 127) << 23);
 }
 
 // 1 / sqrt(mean(row^2) + eps) with kLanes fixed partial sums.
@@ -101,6 +82,12 @@ void check_rows(const at::Tensor& t, const char* name) {
               t.sizes(), " strides ", t.strides());
 }
 
+void check_weight(const at::Tensor& weight, const at::Tensor& x, const char* op) {
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              op, ": weight must be contiguous [hidden] of x's dtype");
+}
+
 template <typename F>
 void dispatch(at::ScalarType st, const char* op, F&& f) {
   switch (st) {
@@ -123,9 +110,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, do
   check_rows(x, "x");
   check_rows(out, "out");
   TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(), "rms_norm: out must match x");
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
-                  weight.scalar_type() == x.scalar_type(),
-              "rms_norm: weight must be contiguous [hidden] of x's dtype");
+  check_weight(weight, x, "rms_norm");
   const int64_t N = x.size(0), H = x.size(1), xs = x.stride(0), os = out.stride(0);
   dispatch(x.scalar_type(), "rms_norm", [&](auto tag) {
     using T = decltype(tag);
@@ -147,9 +132,7 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
   check_rows(residual, "residual");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
               "fused_add_rms_norm: residual must match x");
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
-                  weight.scalar_type() == x.scalar_type(),
-              "fused_add_rms_norm: weight must be contiguous [hidden] of x's dtype");
+  check_weight(weight, x, "fused_add_rms_norm");
   const int64_t N = x.size(0), H = x.size(1), xs = x.stride(0), rs = residual.stride(0);
   dispatch(x.scalar_type(), "fused_add_rms_norm", [&](auto tag) {
     using T = decltype(tag);

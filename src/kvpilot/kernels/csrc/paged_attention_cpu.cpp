@@ -27,6 +27,8 @@
 #include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -135,24 +137,9 @@ inline void axpy(float* __restrict out, float p, const float* __restrict v, int6
   for (int64_t d = 0; d < D; ++d) out[d] += p * v[d];
 }
 
-// exp(x) for x <= 0 (softmax weights after subtracting the max): Cephes' expf
-// polynomial after a Cody-Waite reduction, about 1 ulp, in plain float/int ops that
-// the compiler vectorizes across the array (std::exp is a scalar call per value).
+// exp(x) in place over an array (softmax weights after subtracting the max).
 inline void exp_inplace(float* __restrict x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    float v = x[i] < -87.0f ? -87.0f : x[i];
-    const float fx = std::floor(v * 1.44269504088896341f + 0.5f);
-    v = v - fx * 0.693359375f + fx * 2.12194440e-4f;
-    float y = 1.9875691500e-4f;
-    y = y * v + 1.3981999507e-3f;
-    y = y * v + 8.3334519073e-3f;
-    y = y * v + 4.1665795894e-2f;
-    y = y * v + 1.6666665459e-1f;
-    y = y * v + 5.0000001201e-1f;
-    y = y * v * v + v + 1.0f;
-    const int32_t e = (static_cast<int32_t>(fx) + 127) << 23;
-    x[i] = y * std::bit_cast<float>(e);
-  }
+  for (int64_t i = 0; i < n; ++i) x[i] = kvpilot_cpu::exp_poly(x[i]);
 }
 
 inline float sum(const float* __restrict x, int64_t n) {
