@@ -154,12 +154,13 @@ def test_engine_greedy_tokens_match_the_torch_backend(make_engine, tokenizer, kv
 
 
 @needs_kernels
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_decode_steps_read_the_pages_in_place(make_engine, tokenizer, monkeypatch, backend):
-    """Count gathers of cache blocks during decode-only steps: none with the cpu backend
-    (the C++ kernel runs once per layer instead); the torch backend, the contrast, gathers
-    in every layer."""
-    engine = make_engine(attention_backend=backend)
+@pytest.mark.parametrize(("backend", "kv_cache_dtype"), [("cpu", "auto"), ("cpu", "fp8_e4m3"), ("cpu", "fp8_e5m2"),
+                                                         ("cpu", "int4"), ("cpu", "fp4_e2m1"), ("torch", "auto")])
+def test_decode_steps_read_the_pages_in_place(make_engine, tokenizer, monkeypatch, backend, kv_cache_dtype):
+    """Count gathers of cache blocks during decode-only steps: none with the cpu backend,
+    for every KV dtype (the C++ kernel dequantizes as it reads, once per layer); the torch
+    backend, the contrast, gathers in every layer."""
+    engine = make_engine(attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     for i, q in enumerate(QUESTIONS[:3]):
         engine.add_request(f"r{i}", tokenizer.encode(SYSTEM_PREFIX + q), params)
