@@ -36,7 +36,7 @@ from kvpilot.engine.kv_scales import (
     calibration_token_ids,
 )
 from kvpilot.engine.model.config import ModelConfig
-from kvpilot.engine.model.llama import LlamaForCausalLM, can_pack_linears
+from kvpilot.engine.model.llama import LlamaForCausalLM, can_pack_linears, probe_batch_invariance
 from kvpilot.engine.model.loader import (
     GGUFModelFile,
     ModelSource,
@@ -88,6 +88,14 @@ def build_model(
             logger.info("packed %d linear weights for oneDNN (CPU)", packed)
         except RuntimeError as e:  # oneDNN cannot pack here: plain F.linear (MKL) stays
             logger.warning("oneDNN weight packing unavailable, using F.linear: %s", e)
+    model.batch_invariant, detail = probe_batch_invariance(model)
+    if model.batch_invariant:
+        logger.info("matrix products are batch invariant here (%s): a request's bytes do not depend on its batch",
+                    detail)
+    else:
+        logger.info("matrix products are not batch invariant here (%s): a request's last bits, and with a quantized "
+                    "KV cache sometimes its tokens, can depend on what it was batched with (docs/engine.md, "
+                    "Determinism)", detail)
     return model
 
 

@@ -92,6 +92,48 @@ def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def probe_batch_invariance(model: nn.Module, rows: int = 40, seed: int = 0) -> tuple[bool, str]:
+    """Whether this model's matrix products give a row the same bits whatever the number
+    of rows in the call: the property that lets a request's answer not depend on what it
+    was batched with (vLLM's and SGLang's "batch invariance"). Every other per-token op of
+    the CPU path is row-local by construction; the products are the library's choice
+    (MKL's sgemm rounds a lone row differently from a row among several; oneDNN's packed
+    kernels were found not to), so it is measured on this machine, once at load.
+
+    For each distinct weight shape among the ``nn.Linear``/:class:`PackedLinear`
+    modules (and the packed LM head), ``rows`` random rows go through once together and
+    again as calls of 1, 2, 3, 8 and 17 rows; any bit of difference is a failure. A
+    sample, not a proof: a library that changes kernels at a row count not sampled would
+    pass.
+
+    Args:
+        model: the loaded model (on its device, in its dtype).
+        rows: rows of the full call; seed: for the random rows.
+    Returns:
+        ``(invariant, detail)``; detail names the first shape and row count that differed.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    products: dict[tuple[int, int], tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = {}
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, PackedLinear)):
+            param = m.weight if isinstance(m, nn.Linear) else m.packed
+            products.setdefault((m.in_features, m.out_features), (m, param))
+    embed = getattr(model, "embed_tokens", None)
+    if embed is not None and getattr(model, "lm_head", None) is None and getattr(model, "packed_head", None) is None:
+        head = embed.weight  # a tied head left unpacked: F.linear over the embedding table
+        products.setdefault((head.shape[1], head.shape[0]), (lambda h: F.linear(h, head), head))
+    for (inp, out), (fn, param) in products.items():
+        x = torch.randn(rows, inp, generator=gen).to(device=param.device, dtype=param.dtype)
+        with torch.no_grad():
+            full = fn(x)
+            for n in (1, 2, 3, 8, 17):
+                for start in (0, rows - n):
+                    if not torch.equal(fn(x[start:start + n]), full[start:start + n]):
+                        return False, (f"{inp}x{out} product: rows {start}..{start + n - 1} alone differ from "
+                                       f"the same rows among {rows}")
+    return True, f"{len(products)} weight shapes, calls of 1-17 rows against one of {rows}"
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -182,6 +224,7 @@ class LlamaForCausalLM(nn.Module):
         # Set by pack_linears (CPU): the LM head's packed copy and the packed weights' bytes.
         self.packed_head: nn.Module | None = None
         self.packed_bytes = 0
+        self.batch_invariant = False  # set at load by probe_batch_invariance
 
     def init_rotary(self, device: torch.device) -> None:
         self.rotary = RotaryEmbedding(self.config, self.max_positions, device)
