@@ -156,3 +156,16 @@ def test_every_alert_has_a_runbook_section(alerts):
         assert anchor in anchors, f"{name}: docs/operations.md has no section #{anchor}"
         assert rule["labels"]["severity"] in ("warning", "critical")
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+
+
+def test_the_documented_rule_render_command_runs_as_written(groups):
+    """docs/operations.md tells clusters without the Prometheus Operator to render the
+    rules with one `helm template` command: run exactly that line (helm from `make
+    tools`) and get the same rule groups the chart ships."""
+    import shlex
+
+    (line,) = re.findall(r"`(helm template [^`]+)`", OPERATIONS.read_text())
+    argv = shlex.split(line)
+    out = run([tool("helm"), *argv[1:]], cwd=REPO).stdout
+    (doc,) = [d for d in yaml.safe_load_all(out) if d]
+    assert doc["kind"] == "PrometheusRule" and doc["spec"]["groups"] == groups

@@ -162,6 +162,13 @@ def test_a_ttft_bound_that_is_no_bucket_fails_the_render():
         helm_template(sets=["alerts.ttftSlo.thresholdSeconds=3"])
 
 
+def test_the_retired_preemption_rate_value_fails_the_render_by_name():
+    """``alerts.preemptions.ratePerSecond`` (which fired on a single preemption) is no
+    longer read; a values file that still sets it is refused, not silently ignored."""
+    with pytest.raises(AssertionError, match="alerts.preemptions.ratePerSecond is no longer read.*perRequest"):
+        helm_template(sets=["alerts.preemptions.ratePerSecond=0.5"])
+
+
 def test_selector_labels_never_carry_a_version(rendered):
     for docs in rendered.values():
         for doc in docs:
