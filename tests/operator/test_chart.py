@@ -165,7 +165,7 @@ def test_a_ttft_bound_that_is_no_bucket_fails_the_render():
 def test_the_retired_preemption_rate_value_fails_the_render_by_name():
     """``alerts.preemptions.ratePerSecond`` (which fired on a single preemption) is no
     longer read; a values file that still sets it is refused, not silently ignored."""
-    with pytest.raises(AssertionError, match="alerts.preemptions.ratePerSecond is no longer read.*perRequest"):
+    with pytest.raises(AssertionError, match=r"alerts\.preemptions\.ratePerSecond is no longer read.*perRequest"):
         helm_template(sets=["alerts.preemptions.ratePerSecond=0.5"])
 
 
