@@ -268,6 +268,8 @@ def test_api_outage_is_retried_and_logged_once(caplog):
     warnings = [r for r in caplog.records if "api down" in r.getMessage()
                 and r.levelname == "WARNING"]
     assert len(warnings) == 1
+    # The line names its InferenceDeployment (Kopf's formatters print it as [llm/chat]).
+    assert warnings[0].k8s_ref["namespace"] == "llm" and warnings[0].k8s_ref["name"] == "chat"
     assert fleet.loop.tick_safely(fleet.body()) == 15.0
     assert fleet.replicas == 3
 

@@ -90,13 +90,21 @@ def test_operator_deployment(rendered):
     assert container["args"] == [
         "--engine-image=kvpilot/engine:0.1.0", "--router-image=kvpilot/router:0.1.0",
         "--pod-monitor=auto", "--resync-seconds=300",
-        "--metrics-port=9090", "--health-port=8080", "--log-level=INFO",
+        "--metrics-port=9090", "--health-port=8080", "--log-level=INFO", "--log-format=text",
     ]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    resources = container["resources"]
+    assert set(resources["requests"]) == {"cpu", "memory"} and set(resources["limits"]) == {"cpu", "memory"}
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["serviceAccountName"] == "kvp-kvpilot"
+
+
+def test_an_unknown_log_format_fails_the_render_by_name():
+    with pytest.raises(AssertionError, match="logFormat"):
+        helm_template(sets=["logFormat=yaml"])
 
 
 def test_namespaced_scenario_args_and_roles(rendered):

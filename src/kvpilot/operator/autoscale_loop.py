@@ -35,6 +35,7 @@ from kvpilot.operator.api import ApiError
 from kvpilot.operator.autoscale import AutoscalePlan, plan_autoscale
 from kvpilot.operator.fleet import observe_fleet
 from kvpilot.operator.handlers import OperatorContext, ReconcileRefused, run_reconcile
+from kvpilot.operator.logs import object_logger
 from kvpilot.operator.metrics_source import MetricsSource, SourceConfig
 from kvpilot.operator.metrics_source.episodes import EpisodeLog
 from kvpilot.operator.reconcile import Resource
@@ -50,14 +51,14 @@ DUE_SLACK_SECONDS = 0.05
 _log = logging.getLogger(__name__)
 
 
-def state_from_status(status: Mapping[str, Any]) -> PolicyState:
-    """``status.autoscaler.policyState``; a malformed or newer one starts fresh (logged):
-    acting on half-read history is worse than rebuilding it over one window."""
+def state_from_status(status: Mapping[str, Any], log: logging.Logger | logging.LoggerAdapter[logging.Logger] = _log) -> PolicyState:
+    """``status.autoscaler.policyState``; a malformed or newer one starts fresh (logged to
+    ``log``): acting on half-read history is worse than rebuilding it over one window."""
     raw = (status.get("autoscaler") or {}).get("policyState")
     try:
         return PolicyState.from_dict(raw)
     except ValueError as exc:
-        _log.warning("ignoring stored autoscaler state, starting fresh: %s", exc)
+        log.warning("ignoring stored autoscaler state, starting fresh: %s", exc)
         return PolicyState()
 
 
@@ -86,7 +87,9 @@ class AutoscalerLoop:
     def __init__(self, ctx: OperatorContext, body: Mapping[str, Any]) -> None:
         self.ctx = ctx
         status = body.get("status") or {}
-        self.state = state_from_status(status)
+        meta = body.get("metadata") or {}
+        self._log = object_logger(_log, meta.get("namespace"), meta.get("name"))
+        self.state = state_from_status(status, self._log)
         self.decided_at = last_decision_time(status)
         self._source: MetricsSource | None = None
         self._source_config: SourceConfig | None = None
@@ -95,8 +98,7 @@ class AutoscalerLoop:
         self._written_conditions: list[dict[str, Any]] | None = None
         # (generation, count) whose Deployment the API refused (a PermanentError).
         self._refused: tuple[int | None, int] | None = None
-        meta = body.get("metadata") or {}
-        self._episodes = EpisodeLog(logging.getLogger(__name__))
+        self._episodes = EpisodeLog(self._log)
         self._key = f"{meta.get('namespace')}/{meta.get('name')} autoscaler"
 
     def close(self) -> None:
@@ -140,7 +142,7 @@ class AutoscalerLoop:
                                    self.ctx.clock().timestamp())
             return RETRY_SECONDS
         except Exception as exc:  # a bug must not stop autoscaling for good
-            _log.exception("%s: unexpected error", self._key)
+            self._log.exception("%s: unexpected error", self._key)
             self._episodes.failing(self._key, repr(exc), self.ctx.clock().timestamp())
             return RETRY_SECONDS
         self._episodes.ok(self._key, self.ctx.clock().timestamp())

@@ -10,16 +10,20 @@ Flags (each also read from the environment variable in brackets, as the Helm cha
   --resync-seconds S        period of the drift-repair reconcile (default 300)
   --metrics-port P          operator metrics on 0.0.0.0:P/metrics (0 = off; default 9090)
   --health-port P           Kopf liveness probe on 0.0.0.0:P/healthz (0 = off; default 8080)
+  --log-level LEVEL         DEBUG | INFO | WARNING | ERROR (default INFO)
+  --log-format FORMAT       text | json: every line about an InferenceDeployment names its
+                            namespace and name (``[ns/name]``, or JSON ``object``)
+                            [KVPILOT_LOG_FORMAT]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from kvpilot.operator.logs import LOG_FORMATS, configure_logging
 from kvpilot.operator.options import POD_MONITOR_MODES, OperatorOptions
 
 if TYPE_CHECKING:
@@ -52,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="port of the liveness endpoint /healthz (0 = off)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-format", choices=LOG_FORMATS,
+                        default=os.environ.get("KVPILOT_LOG_FORMAT", "text"),
+                        help="text: [time] logger [LEVEL] [namespace/name] message; json: one object"
+                             " per line with the resource under 'object'")
 
 
 def _label(text: str) -> tuple[str, str]:
@@ -88,7 +96,10 @@ def run(args: argparse.Namespace) -> int:
     from kvpilot.operator.kube import KubernetesApi
     from kvpilot.operator.metrics import OperatorMetrics
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        configure_logging(args.log_level, args.log_format)
+    except ValueError as exc:  # KVPILOT_LOG_FORMAT bypasses argparse's choices
+        raise SystemExit(f"kvpilot operator: {exc}") from exc
     try:
         options = options_from_args(args)
     except ValueError as exc:

@@ -29,6 +29,7 @@ from kvpilot.operator.api import (
     InvalidObjectError,
     KubeApi,
 )
+from kvpilot.operator.logs import object_ref
 from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.metrics_source import MetricsSource, SourceConfig, build_source
 from kvpilot.operator.options import OperatorOptions
@@ -211,7 +212,7 @@ def on_deployment_event(body: kopf.Body, type: str | None, memo: OperatorContext
     except ApiError as exc:
         # Not worth a retry loop: the resync timer and the next event repair it.
         logging.getLogger(__name__).warning("status refresh for %s/%s failed: %s",
-                                            namespace, name, exc)
+                                            namespace, name, exc, extra=object_ref(namespace, name))
 
 
 def _refresh_router_condition(memo: OperatorContext, owner: Mapping[str, Any],
@@ -271,7 +272,7 @@ def on_engine_pod_event(body: kopf.Body, type: str | None, memo: OperatorContext
         owner = memo.api.get(c.API_VERSION, c.KIND, namespace, name)
     except ApiError as exc:
         logging.getLogger(__name__).warning("engine restart on %s/%s not posted: %s",
-                                            namespace, name, exc)
+                                            namespace, name, exc, extra=object_ref(namespace, name))
         return
     if owner is not None:
         for restart in restarts:

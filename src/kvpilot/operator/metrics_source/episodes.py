@@ -15,7 +15,7 @@ import threading
 class EpisodeLog:
     """Thread-safe; one per source instance (keys are free-form strings)."""
 
-    def __init__(self, logger: logging.Logger) -> None:
+    def __init__(self, logger: logging.Logger | logging.LoggerAdapter[logging.Logger]) -> None:
         self._logger = logger
         self._open: dict[str, float] = {}
         self._lock = threading.Lock()

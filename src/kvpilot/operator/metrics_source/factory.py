@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+from kvpilot.operator.logs import object_logger
+from kvpilot.operator.metrics_source import pods, prometheus
 from kvpilot.operator.metrics_source.pods import PodScrapeSource
 from kvpilot.operator.metrics_source.prometheus import PrometheusSource
 from kvpilot.operator.metrics_source.promql import SeriesSelector
@@ -40,5 +43,7 @@ def build_source(config: SourceConfig) -> MetricsSource:
     """A new source for ``config`` (the caller closes it when done)."""
     if config.kind == "prometheus":
         assert config.url is not None
-        return PrometheusSource(config.url, SeriesSelector(config.namespace, config.name))
-    return PodScrapeSource(f"{config.namespace}/{config.name}")
+        log = object_logger(logging.getLogger(prometheus.__name__), config.namespace, config.name)
+        return PrometheusSource(config.url, SeriesSelector(config.namespace, config.name), log=log)
+    log = object_logger(logging.getLogger(pods.__name__), config.namespace, config.name)
+    return PodScrapeSource(f"{config.namespace}/{config.name}", log=log)

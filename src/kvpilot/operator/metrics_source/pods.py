@@ -75,7 +75,8 @@ class PodScrapeSource:
     def __init__(self, label: str, names: EngineMetricNames | None = None,
                  timeout_seconds: float = SCRAPE_TIMEOUT_SECONDS,
                  client: httpx.Client | None = None,
-                 router_names: RouterMetricNames | None = None) -> None:
+                 router_names: RouterMetricNames | None = None,
+                 log: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None) -> None:
         if not timeout_seconds > 0:
             raise ValueError(f"timeout_seconds must be > 0; got {timeout_seconds}")
         self.label = label
@@ -86,7 +87,7 @@ class PodScrapeSource:
         self._owns_client = client is None
         self._client = client or httpx.Client(timeout=timeout, follow_redirects=False)
         self._previous: dict[tuple[str, str | None], _Previous] = {}
-        self._episodes = EpisodeLog(_log)
+        self._episodes = EpisodeLog(log or _log)  # log: the resource's, naming it
 
     def close(self) -> None:
         if self._owns_client:

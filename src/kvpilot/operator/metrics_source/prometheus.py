@@ -91,7 +91,8 @@ class PrometheusSource:
     def __init__(self, url: str, selector: SeriesSelector, names: EngineMetricNames | None = None,
                  rate_window: str = DEFAULT_RATE_WINDOW,
                  timeout_seconds: float = QUERY_BUDGET_SECONDS,
-                 router_names: RouterMetricNames | None = None) -> None:
+                 router_names: RouterMetricNames | None = None,
+                 log: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"the Prometheus url must start with http:// or https://; got {url!r}")
         if not timeout_seconds > 0:
@@ -105,7 +106,8 @@ class PrometheusSource:
         self.timeout_seconds = timeout_seconds
         self._client = PrometheusConnect(url=self.url, retry=Retry(total=0),
                                          timeout=timeout_seconds)
-        self._episodes = EpisodeLog(_log)
+        self._log = log or _log  # the resource's logger, naming it
+        self._episodes = EpisodeLog(self._log)
 
     def close(self) -> None:
         self._client.close()
@@ -145,7 +147,7 @@ class PrometheusSource:
                 result = self._client.custom_query(self.router_query, timeout=left)
             except (requests.RequestException, PrometheusApiClientException, ValueError,
                     KeyError) as exc:
-                _log.debug("router query %s failed: %s", self.router_query, exc)
+                self._log.debug("router query %s failed: %s", self.router_query, exc)
             else:
                 values["router_in_flight"] = _per_pod(result, self.router_names.worker_label)
         return values, failed, empty, answered
