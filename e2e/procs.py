@@ -88,17 +88,28 @@ def stop_all() -> None:
         proc.stop(grace_seconds=5)
 
 
-def install_signal_handlers() -> None:
-    """On SIGTERM/SIGINT/SIGHUP stop every child, then die of the signal as usual."""
+def install_signal_handlers(*, interrupt: bool = False) -> None:
+    """On SIGTERM/SIGHUP (and SIGINT) clean up before dying.
+
+    ``interrupt=False`` (the demo): stop every child, then die of the signal as usual.
+    ``interrupt=True`` (a pytest session): raise KeyboardInterrupt in the main thread, as
+    Ctrl-C does, so pytest unwinds and the session fixture's ``finally`` tears the node
+    down (pods deleted through the API, then mounts, network namespaces and cgroups
+    removed); stopping the children first would leave all of that behind. A second
+    signal kills at once (the handler is reset before raising).
+    """
 
     def handler(signum: int, _frame: object) -> None:
-        stop_all()
         signal.signal(signum, signal.SIG_DFL)
+        if interrupt:
+            raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+        stop_all()
         os.kill(os.getpid(), signum)
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
-    signal.signal(signal.SIGINT, lambda s, f: (stop_all(), signal.default_int_handler(s, f)))
+    if not interrupt:  # with interrupt, SIGINT keeps Python's KeyboardInterrupt
+        signal.signal(signal.SIGINT, lambda s, f: (stop_all(), signal.default_int_handler(s, f)))
 
 
 atexit.register(stop_all)

@@ -16,7 +16,8 @@ from e2e.cluster import Cluster
 
 @pytest.fixture(scope="session")
 def cluster():
-    procs.install_signal_handlers()
+    # SIGTERM/SIGHUP (a CI timeout, `kill`) unwind like Ctrl-C, so the finally below runs.
+    procs.install_signal_handlers(interrupt=True)
     logging.getLogger("e2e").setLevel(logging.INFO)
     c = Cluster.create()
     try:
