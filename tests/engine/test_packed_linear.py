@@ -51,12 +51,11 @@ def test_the_probe_passes_a_row_local_product_and_catches_a_batch_dependent_one(
     assert not ok_rows and detail.startswith("32x24 product: rows 0..0 alone differ"), detail
 
 
+@needs_onednn
 def test_the_loaded_model_is_packed_and_says_whether_it_is_batch_invariant(smollm2):
     """On fp32 CPU every projection and the tied LM head are packed; the flag set at load
     agrees with a wider check of the packed products (more row counts than the probe)."""
     model = smollm2.model
-    if not can_pack_linears(torch.device("cpu"), torch.float32):
-        pytest.skip("this torch build has no oneDNN weight packing")
     assert not [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert isinstance(model.packed_head, PackedLinear)
     assert model.packed_bytes == sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))

@@ -35,7 +35,7 @@ from kvpilot.operator.api import ApiError
 from kvpilot.operator.autoscale import AutoscalePlan, plan_autoscale
 from kvpilot.operator.fleet import observe_fleet
 from kvpilot.operator.handlers import OperatorContext, ReconcileRefused, run_reconcile
-from kvpilot.operator.logs import object_logger
+from kvpilot.operator.logs import ObjectLog, object_logger
 from kvpilot.operator.metrics_source import MetricsSource, SourceConfig
 from kvpilot.operator.metrics_source.episodes import EpisodeLog
 from kvpilot.operator.reconcile import Resource
@@ -51,7 +51,7 @@ DUE_SLACK_SECONDS = 0.05
 _log = logging.getLogger(__name__)
 
 
-def state_from_status(status: Mapping[str, Any], log: logging.Logger | logging.LoggerAdapter[logging.Logger] = _log) -> PolicyState:
+def state_from_status(status: Mapping[str, Any], log: ObjectLog = _log) -> PolicyState:
     """``status.autoscaler.policyState``; a malformed or newer one starts fresh (logged to
     ``log``): acting on half-read history is worse than rebuilding it over one window."""
     raw = (status.get("autoscaler") or {}).get("policyState")

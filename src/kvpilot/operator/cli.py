@@ -23,7 +23,7 @@ import asyncio
 import os
 from typing import TYPE_CHECKING, Any
 
-from kvpilot.operator.logs import LOG_FORMATS, configure_logging
+from kvpilot.operator.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
 from kvpilot.operator.options import POD_MONITOR_MODES, OperatorOptions
 
 if TYPE_CHECKING:
@@ -54,8 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="port of the operator's /metrics (0 = off)")
     parser.add_argument("--health-port", type=int, default=8080,
                         help="port of the liveness endpoint /healthz (0 = off)")
-    parser.add_argument("--log-level", default="INFO",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
     parser.add_argument("--log-format", choices=LOG_FORMATS,
                         default=os.environ.get("KVPILOT_LOG_FORMAT", "text"),
                         help="text: [time] logger [LEVEL] [namespace/name] message; json: one object"

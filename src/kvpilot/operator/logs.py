@@ -10,11 +10,14 @@ object, and :func:`object_logger` gives our own modules the same reference.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, TypeAlias
 
 from kvpilot.operator import constants as c
 
 LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# A module's logger, or one bound to a resource by :func:`object_logger`.
+ObjectLog: TypeAlias = "logging.Logger | logging.LoggerAdapter[logging.Logger]"  # a string: 3.10 cannot subscript it
 
 
 def configure_logging(level: str, log_format: str) -> None:
@@ -32,8 +35,8 @@ def configure_logging(level: str, log_format: str) -> None:
 
     if log_format not in LOG_FORMATS:
         raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}; got {log_format!r}")
-    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise ValueError(f"--log-level must be DEBUG, INFO, WARNING or ERROR; got {level!r}")
+    if level not in LOG_LEVELS:
+        raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {level!r}")
     json_lines = log_format == "json"
     kopf.configure(debug=level == "DEBUG",
                    log_format=kopf.LogFormat.JSON if json_lines else kopf.LogFormat.FULL,

@@ -8,14 +8,15 @@ hour of Prometheus downtime therefore logs two lines, not 240 (or 240 x pods).
 
 from __future__ import annotations
 
-import logging
 import threading
+
+from kvpilot.operator.logs import ObjectLog
 
 
 class EpisodeLog:
     """Thread-safe; one per source instance (keys are free-form strings)."""
 
-    def __init__(self, logger: logging.Logger | logging.LoggerAdapter[logging.Logger]) -> None:
+    def __init__(self, logger: ObjectLog) -> None:
         self._logger = logger
         self._open: dict[str, float] = {}
         self._lock = threading.Lock()

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvpilot.autoscaler import PodSignals, counter_rate
+from kvpilot.operator.logs import ObjectLog
 from kvpilot.operator.metrics_source.episodes import EpisodeLog
 from kvpilot.operator.metrics_source.exposition import (
     EngineSample,
@@ -76,7 +77,7 @@ class PodScrapeSource:
                  timeout_seconds: float = SCRAPE_TIMEOUT_SECONDS,
                  client: httpx.Client | None = None,
                  router_names: RouterMetricNames | None = None,
-                 log: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None) -> None:
+                 log: ObjectLog | None = None) -> None:
         if not timeout_seconds > 0:
             raise ValueError(f"timeout_seconds must be > 0; got {timeout_seconds}")
         self.label = label

@@ -24,6 +24,7 @@ import requests
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
 from urllib3.util.retry import Retry
 
+from kvpilot.operator.logs import ObjectLog
 from kvpilot.operator.metrics_source.episodes import EpisodeLog
 from kvpilot.operator.metrics_source.names import EngineMetricNames, RouterMetricNames
 from kvpilot.operator.metrics_source.promql import (
@@ -92,7 +93,7 @@ class PrometheusSource:
                  rate_window: str = DEFAULT_RATE_WINDOW,
                  timeout_seconds: float = QUERY_BUDGET_SECONDS,
                  router_names: RouterMetricNames | None = None,
-                 log: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None) -> None:
+                 log: ObjectLog | None = None) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"the Prometheus url must start with http:// or https://; got {url!r}")
         if not timeout_seconds > 0:
