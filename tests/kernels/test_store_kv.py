@@ -130,3 +130,31 @@ def test_4bit_launcher_rejects_bad_arguments_with_a_clear_message(head_dim, kwar
                  key_group_scales=args["key_group_scales"],
                  value_group_scales=torch.zeros(2, 4, 1, head_dim // 16).to(group_dtype),
                  kv4_format=args["kv4_format"])
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 160, 256])
+def test_4bit_store_tile_is_a_power_of_two_tokens_for_every_head_dim(head_dim):
+    """The GPU store's token tile feeds ``tl.arange``: head_dim 96 once gave 42 and the
+    kernel failed to compile on the H200 (the interpreter accepts any length)."""
+    from kvpilot.kernels.kv4_triton import MAX_TILE, store_block_tokens
+
+    t = store_block_tokens(head_dim)
+    assert t >= 1 and t & (t - 1) == 0
+    assert t * head_dim <= MAX_TILE * 2  # about MAX_TILE elements of K per program
+
+
+def test_4bit_reference_divides_exactly_whatever_the_scale_type():
+    """The reference's group scale is amax / qmax correctly rounded and its input is
+    x / tensor_scale correctly rounded, for a float or a tensor scale: CUDA torch computes
+    ``a / python_float`` as ``a * (1 / b)``, which differed from the kernels in 0.2% of
+    the codes on the H200."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(512, 64, generator=g) * 3
+    for fmt in KV4_FORMATS.values():
+        a = quantize_kv4(x, fmt, 0.37)
+        b = quantize_kv4(x, fmt, torch.tensor(0.37))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1].view(torch.uint8), b[1].view(torch.uint8))
+        groups = (x / torch.tensor(0.37)).view(512, 4, 16)
+        exact = groups.abs().amax(-1).double() / fmt.qmax  # fp64, then one rounding to fp32
+        want = exact.float().clamp(max=448.0).to(torch.float8_e4m3fn)
+        assert torch.equal(a[1].view(torch.uint8), want.view(torch.uint8))

@@ -141,9 +141,13 @@ def quantize_kv4(x: torch.Tensor, fmt: KV4Format | str, tensor_scale: torch.Tens
     fmt = kv4_format(fmt) if isinstance(fmt, str) else fmt
     d = x.shape[-1]
     check_kv4_head_dim(d, fmt.name)
-    y = x.float() / tensor_scale
+    # Divisors are tensors on x's device: CUDA torch turns ``a / python_float`` (and a
+    # division by a CPU scalar) into ``a * (1 / b)``, which rounds differently from the
+    # kernels' correctly rounded division and moved codes across rounding boundaries.
+    y = x.float() / torch.as_tensor(tensor_scale, dtype=torch.float32, device=x.device)
     groups = torch.unflatten(y, -1, (d // GROUP_SIZE, GROUP_SIZE))
-    s = (groups.abs().amax(-1) / fmt.qmax).clamp_(max=GROUP_SCALE_MAX).to(GROUP_SCALE_DTYPE)
+    amax = groups.abs().amax(-1)
+    s = (amax / torch.full_like(amax, fmt.qmax)).clamp_(max=GROUP_SCALE_MAX).to(GROUP_SCALE_DTYPE)
     sf = s.float()[..., None]
     v = torch.where(sf > 0, groups / torch.where(sf > 0, sf, 1.0), 0.0).flatten(-2)
     codes = _encode(v, fmt)

@@ -180,6 +180,12 @@ def _store_kv4_kernel(  # type: ignore[no-untyped-def]
         tl.store(gs_ptr + gdst[:, None] + HALF // 16 + groups[None, :], s_hi.to(gs_dtype), mask=gmask)
 
 
+def store_block_tokens(head_dim: int) -> int:
+    """Tokens per store program on the GPU: about :data:`MAX_TILE` elements of K, and a
+    power of two (``tl.arange``; head_dim 96 gave 42 and failed to compile)."""
+    return max(1, MAX_TILE // (2 * triton.next_power_of_2(head_dim // 2)))
+
+
 def check_any_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -279,7 +285,7 @@ def store_kv4(
         return
     half = head_dim // 2
     block_dh = triton.next_power_of_2(half)
-    block_t = max(1, MAX_TILE // head_dim) if not INTERPRET else 32
+    block_t = store_block_tokens(head_dim) if not INTERPRET else 32
     fmt = kv4_format(fmt_name)
     _store_kv4_kernel[(triton.cdiv(num_tokens, block_t), num_heads)](
         key,
