@@ -238,11 +238,30 @@ def choose_num_splits(
     return max(1, min(want, longest, MAX_SPLITS))
 
 
-def default_config(head_dim: int, group: int, dtype: torch.dtype) -> dict[str, int]:
-    """Tile sizes and launch settings (tuned on the H200 by benchmarks/gpu_check.py)."""
+# Tokens per tile by cache kind, for head_dim <= 128 (halved above). Chosen from the
+# H200 sweep of benchmarks/gpu_check.py (section decode_tune, 2026-12-04; Llama-3-8B
+# attention, 64 x 4,096 and 1 x 32,768, all in benchmarks/README.md): 8-bit tiles of 64
+# tokens left the loads too short to hide latency (128: 1 x 32,768 went from 109 to
+# 71 us); 4-bit tiles are bound by the in-register decode, and 32 tokens keep more
+# programs resident (int4 at 1 x 32,768: 272 -> 118 us; fp4 at 64 x 4,096: 790 -> 730).
+BLOCK_N_BY_CACHE = {"model": 64, "fp8": 128, "kv4": 32}
+
+
+def default_config(head_dim: int, group: int, dtype: torch.dtype, cache: str = "model") -> dict[str, int]:
+    """Tile sizes and launch settings.
+
+    Args:
+        head_dim: the (unpacked) head size.
+        group: query heads per KV head.
+        dtype: the query dtype (unused: the settings did not depend on it on the H200).
+        cache: ``"model"`` (the cache holds q's dtype), ``"fp8"`` or ``"kv4"``.
+    Raises:
+        KeyError: an unknown ``cache``.
+    """
     block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
+    block_n = BLOCK_N_BY_CACHE[cache]
     return {
-        "BLOCK_N": 64 if head_dim <= 128 else 32,
+        "BLOCK_N": block_n if head_dim <= 128 else max(16, block_n // 2),
         "BLOCK_H": block_h,
         "MIN_SPLIT_TOKENS": MIN_TOKENS_PER_SPLIT,
         "num_warps": 4,
@@ -330,7 +349,7 @@ def paged_decode_attention(
         return out
 
     group = num_heads // num_kv_heads
-    cfg = default_config(head_dim, group, q.dtype)
+    cfg = default_config(head_dim, group, q.dtype, "kv4" if kv4 else "fp8" if is_fp8(key_cache.dtype) else "model")
     cfg.update(config or {})
     block_n, block_d = cfg["BLOCK_N"], triton.next_power_of_2(head_dim)
     check(

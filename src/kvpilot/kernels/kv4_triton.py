@@ -66,12 +66,24 @@ def load_kv4_tile(  # type: ignore[no-untyped-def]
     IS_INT4: tl.constexpr,
 ):
     """Load ``[N, HALF]`` packed bytes and return the dequantized halves ``(lo, hi)``,
-    each ``[N, BLOCK_DH]`` fp32 times its group scale (the tensor scale is not applied)."""
+    each ``[N, BLOCK_DH]`` fp32 times its group scale (the tensor scale is not applied).
+
+    The group scales are loaded as ``[N, BLOCK_DH // 16]`` tiles (a few contiguous bytes
+    per row) and broadcast to the 16 dims of each group in registers: a gather of one
+    scale per element issued 16 times the loads and made 4-bit decode several times
+    slower than bf16 on the H200 (benchmarks/README.md, GPU)."""
+    N: tl.constexpr = row_off.shape[0]
+    BLOCK_DH: tl.constexpr = dims.shape[0]
+    BLOCK_G: tl.constexpr = BLOCK_DH // 16
     mask = row_mask[:, None] & dim_mask[None, :]
     packed = tl.load(cache_ptr + row_off[:, None] + dims[None, :], mask=mask, other=0).to(tl.int32)
-    groups = scale_row_off[:, None] + (dims // 16)[None, :]
-    s_lo = tl.load(group_scale_ptr + groups, mask=mask, other=0.0).to(tl.float32)
-    s_hi = tl.load(group_scale_ptr + groups + HALF // 16, mask=mask, other=0.0).to(tl.float32)
+    g = tl.arange(0, BLOCK_G)
+    gmask = row_mask[:, None] & (g < HALF // 16)[None, :]
+    groups = group_scale_ptr + scale_row_off[:, None] + g[None, :]
+    s_lo = tl.load(groups, mask=gmask, other=0.0).to(tl.float32)
+    s_hi = tl.load(groups + HALF // 16, mask=gmask, other=0.0).to(tl.float32)
+    s_lo = tl.reshape(tl.broadcast_to(s_lo[:, :, None], (N, BLOCK_G, 16)), (N, BLOCK_DH))
+    s_hi = tl.reshape(tl.broadcast_to(s_hi[:, :, None], (N, BLOCK_G, 16)), (N, BLOCK_DH))
     lo = kv4_values(packed & 15, IS_INT4) * s_lo
     hi = kv4_values(packed >> 4, IS_INT4) * s_hi
     return lo, hi
