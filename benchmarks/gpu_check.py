@@ -17,7 +17,13 @@ Sections:
                 bound by KV reads, and one long context): median time of our split-KV kernel
                 per cache dtype, L2 flushed before every run; bytes = K + V read (group scales
                 included) + Q + O; speed-up against our bf16 decode in the same run.
-                Goal: 4-bit at least 2.5x bf16 at batch 64 x 4,096.
+                Goal: 4-bit at least 2.5x bf16 at batch 64 x 4,096. Baseline in the same
+                run: torch SDPA (flash) over contiguous bf16 K/V of the same shape
+                (row ``sdpa_contiguous_bf16``; its "vs bf16" is our paged bf16 time over
+                SDPA's, so above 1 means SDPA is faster).
+
+A kernel_tests section killed at its timeout keeps the tests it finished (the JSON is
+rewritten after each test).
 
 Needs only torch and triton (the GPU machine has nothing else): the repo's ``src`` and
 root are put on ``sys.path``. ``--smoke`` sets ``TRITON_INTERPRET=1`` for the sections and
@@ -27,6 +33,7 @@ shrinks every shape so the whole run takes well under a minute on CPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -38,7 +45,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("env", "kernel_tests", "decode_bench")
+SECTIONS = ("env", "kernel_tests", "decode_bench", "decode_tune", "engine")
 CACHE_DTYPES = ("bfloat16", "fp8_e4m3", "int4", "fp4_e2m1")
 
 
@@ -120,7 +127,7 @@ def _real_cases():
     return decode, prefill
 
 
-def section_kernel_tests(smoke: bool) -> dict:
+def section_kernel_tests(smoke: bool, progress: Path | None = None) -> dict:
     import torch
     from tests.kernels import cases as c
 
@@ -152,6 +159,9 @@ def section_kernel_tests(smoke: bool) -> dict:
             results.append({"test": name, "ok": False, "error": f"{type(e).__name__}: {e}"})
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if progress is not None:  # a section killed at its timeout keeps what it finished
+            progress.write_text(json.dumps({"section": "kernel_tests", "ok": False, "partial": True,
+                                            "done": len(results), "of": len(jobs), "results": results}, indent=2))
     return {"passed": sum(r["ok"] for r in results), "failed": sum(not r["ok"] for r in results),
             "results": results}
 
@@ -188,6 +198,36 @@ def _decode_inputs(cache_dtype: str, batch: int, ctx: int, hq: int, hkv: int, d:
     return q, kc, vc, tables, seq_lens, scales, kw, kv_bytes
 
 
+def _sdpa_baseline_row(batch: int, ctx: int, hq: int, hkv: int, d: int, device, flush, smoke: bool,
+                       paged_bf16_s: float) -> dict:
+    """The named baseline: torch SDPA (flash on CUDA) over *contiguous* bf16 K/V of the
+    same shape, one query token per sequence. No paging, no block-table indirection: the
+    speed a paged kernel should approach. ``speedup_vs_bf16`` > 1 means SDPA is faster
+    than our paged bf16 decode."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn(batch, hq, 1, d, device=device, generator=g).to(torch.bfloat16)
+    k = torch.randn(batch, hkv, ctx, d, device=device, generator=g).to(torch.bfloat16)
+    v = torch.randn_like(k)
+    kv_bytes = 2 * k.numel() * k.element_size()
+
+    def call(q=q, k=k, v=v):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    sec = statistics.median(_time(call, device, reps=1 if smoke else 30, flush=flush))
+    out = call()
+    del call
+    row = {"batch": batch, "context": ctx, "kv_cache_dtype": "sdpa_contiguous_bf16", "median_us": sec * 1e6,
+           "bandwidth_tb_s": (kv_bytes + 2 * q.numel() * q.element_size()) / sec / 1e12, "kv_bytes": kv_bytes,
+           "speedup_vs_bf16": paged_bf16_s / sec, "finite": bool(torch.isfinite(out).all())}
+    del q, k, v, out
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
 def section_decode_bench(smoke: bool) -> dict:
     import torch
 
@@ -219,10 +259,117 @@ def section_decode_bench(smoke: bool) -> dict:
             del q, kc, vc, kw, out
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        rows.append(_sdpa_baseline_row(batch, ctx, hq, hkv, d, device, flush, smoke, base_s))
     goal = next((r["speedup_vs_bf16"] for r in rows
                  if (r["batch"], r["context"], r["kv_cache_dtype"]) == (64, 4096, "fp4_e2m1")), None)
     return {"shapes": {"num_heads": hq, "num_kv_heads": hkv, "head_dim": d, "page": page},
             "rows": rows, "fp4_speedup_goal_2_5x_met": None if goal is None else goal >= 2.5}
+
+
+# ----------------------------------------------------------------------------- decode tune
+TUNE_CONFIGS = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
+                for n in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+
+
+def section_decode_tune(smoke: bool) -> dict:
+    """The paged decode's launch settings swept per cache dtype and shape: BLOCK_N x
+    num_warps x num_stages (and, for one long sequence, the number of splits), median of
+    10 runs with L2 flushed, so :func:`kvpilot.kernels.decode_attention.default_config`
+    is chosen from measurements. Reports every point and the best per (shape, dtype)."""
+    import torch
+
+    from kvpilot.kernels.decode_attention import paged_decode_attention
+
+    device = _device()
+    hq, hkv, d, page = (4, 2, 64, 16) if smoke else (32, 8, 128, 16)
+    shapes = [(2, 40)] if smoke else [(64, 4096), (1, 32768)]
+    configs = TUNE_CONFIGS[:2] if smoke else TUNE_CONFIGS
+    flush_buf = torch.empty(1 << 20 if smoke else 256 << 20, dtype=torch.uint8, device=device)
+    flush = None if smoke else (lambda: flush_buf.zero_())
+    points, best = [], {}
+    for batch, ctx in shapes:
+        splits_options = [None] if batch > 1 or smoke else [None, 128]
+        for cache_dtype in CACHE_DTYPES:
+            q, kc, vc, tables, lens, (ks, vs), kw, kv_bytes = _decode_inputs(
+                cache_dtype, batch, ctx, hq, hkv, d, page, device)
+            out = torch.empty_like(q)
+            for cfg in configs:
+                for splits in splits_options:
+                    call = functools.partial(paged_decode_attention, q, kc, vc, tables, lens, d**-0.5, ks, vs,
+                                             max_seq_len=ctx, out=out, config=cfg, num_splits=splits, **kw)
+                    try:
+                        sec = statistics.median(_time(call, device, reps=1 if smoke else 10, flush=flush))
+                    except Exception as e:  # a config that does not compile (shared memory) is a data point
+                        points.append({"batch": batch, "context": ctx, "kv_cache_dtype": cache_dtype, **cfg,
+                                       "num_splits": splits, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                        continue
+                    row = {"batch": batch, "context": ctx, "kv_cache_dtype": cache_dtype, **cfg,
+                           "num_splits": splits, "median_us": sec * 1e6,
+                           "bandwidth_tb_s": (kv_bytes + 2 * q.numel() * q.element_size()) / sec / 1e12}
+                    points.append(row)
+                    key = f"{batch}x{ctx}/{cache_dtype}"
+                    if key not in best or row["median_us"] < best[key]["median_us"]:
+                        best[key] = row
+            del q, kc, vc, kw, out
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return {"points": points, "best": best}
+
+
+# ----------------------------------------------------------------------------- engine
+def section_engine(smoke: bool) -> dict:
+    """The whole engine on the device: Llama-3-8B architecture with random weights
+    (``preset:llama-3-8b``, ``load_format="dummy"``), N requests of random token ids
+    (seeded, lengths uniform in [lo, hi]) and exactly ``output_len`` output tokens each
+    (``ignore_eos``), per KV cache dtype. Reports output and total tokens/s, the KV cache
+    capacity in tokens and the wall time of the first step (Triton compile included)."""
+    import gc
+    import random
+
+    import torch
+
+    from kvpilot.engine.config import EngineArgs
+    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.model_runner import load_model
+    from kvpilot.engine.sampling_params import SamplingParams
+
+    model, n, lo, hi, output_len = (("preset:tiny-gqa3", 4, 8, 24, 4) if smoke
+                                    else ("preset:llama-3-8b", 256, 256, 1024, 256))
+    rng = random.Random(0)
+    top = 500 if smoke else 20000  # token ids inside the preset's vocabulary
+    prompts = [[rng.randrange(10, top) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    rows = []
+    t0 = time.perf_counter()
+    loaded = load_model(EngineArgs(model=model, load_format="dummy", skip_tokenizer_init=True))
+    load_s = time.perf_counter() - t0
+    for kv in ("auto", "fp8_e4m3", "fp4_e2m1"):
+        try:
+            llm = LLM(loaded=loaded, model=model, load_format="dummy", kv_cache_dtype=kv, skip_tokenizer_init=True,
+                      max_num_batched_tokens=8192 if not smoke else 64, max_num_seqs=256 if not smoke else 8,
+                      gpu_memory_utilization=0.85)
+            t1 = time.perf_counter()
+            llm.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+            first_s = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            results = llm.generate(prompts, params)
+            sec = time.perf_counter() - t2
+            out_tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
+            in_tokens = sum(len(p) for p in prompts)
+            rows.append({"kv_cache_dtype": kv, "ok": out_tokens == n * output_len, "load_s": round(load_s, 1),
+                         "warmup_s": round(first_s, 1), "seconds": round(sec, 2),
+                         "output_tok_s": out_tokens / sec, "total_tok_s": (in_tokens + out_tokens) / sec,
+                         "kv_capacity_tokens": llm.engine.config.num_blocks * llm.engine.config.block_size,
+                         "device": str(llm.engine.config.device)})
+            del llm, results
+        except Exception as e:  # recorded; the next dtype still runs
+            rows.append({"kv_cache_dtype": kv, "ok": False, "error": f"{type(e).__name__}: {e}",
+                         "trace": traceback.format_exc()[-3000:]})
+        gc.collect()  # the KV cache of this dtype goes before the next one is sized
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return {"model": model, "requests": n, "prompt_len": [lo, hi], "output_len": output_len,
+            "ok": all(r["ok"] for r in rows), "rows": rows}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -230,7 +377,8 @@ def run_section(name: str, smoke: bool, out: Path) -> int:
     _setup_path()
     t0 = time.perf_counter()
     try:
-        result = {"section": name, "ok": True, **globals()[f"section_{name}"](smoke)}
+        kw = {"progress": out / f"{name}.json"} if name == "kernel_tests" else {}
+        result = {"section": name, "ok": True, **globals()[f"section_{name}"](smoke, **kw)}
     except Exception:
         result = {"section": name, "ok": False, "error": traceback.format_exc()}
     result["seconds"] = round(time.perf_counter() - t0, 1)
@@ -246,11 +394,32 @@ def render(summary: dict) -> str:
         detail = ""
         if name == "kernel_tests" and "passed" in r:
             detail = f"{r['passed']} passed, {r['failed']} failed"
+        elif name == "kernel_tests" and r.get("partial"):
+            done = r["results"]
+            detail = (f"{r.get('error', '')}: {sum(x['ok'] for x in done)} passed, "
+                      f"{sum(not x['ok'] for x in done)} failed of {r['done']} run, {r['of']} planned")
         elif name == "env" and "device" in r:
             detail = f"{r['device']}, torch {r['torch']}, triton {r['triton']}, copy {r['copy_bandwidth_tb_s']:.2f} TB/s"
         elif not r.get("ok"):
             detail = (r.get("error") or "").strip().splitlines()[-1:][0] if r.get("error") else ""
         lines.append(f"| {name} | {'yes' if r.get('ok') else 'NO'} | {r.get('seconds', '-')} | {detail} |")
+    engine = summary["sections"].get("engine", {})
+    if engine.get("rows"):
+        lines += ["", f"| engine {engine['model']}, {engine['requests']} requests | KV cache | output tok/s | "
+                  "total tok/s | seconds |", "|---|---|---|---|---|"]
+        for r in engine["rows"]:
+            if r.get("ok"):
+                lines.append(f"| | {r['kv_cache_dtype']} | {r['output_tok_s']:.0f} | {r['total_tok_s']:.0f} | "
+                             f"{r['seconds']} |")
+            else:
+                lines.append(f"| | {r['kv_cache_dtype']} | FAILED: {r.get('error', '')[:120]} | | |")
+    tune = summary["sections"].get("decode_tune", {})
+    if tune.get("best"):
+        lines += ["", "| decode tune: best | BLOCK_N | warps | stages | splits | median us | TB/s |",
+                  "|---|---|---|---|---|---|---|"]
+        for key, r in tune["best"].items():
+            lines.append(f"| {key} | {r['BLOCK_N']} | {r['num_warps']} | {r['num_stages']} | "
+                         f"{r['num_splits'] or 'auto'} | {r['median_us']:.1f} | {r['bandwidth_tb_s']:.2f} |")
     bench = summary["sections"].get("decode_bench", {})
     if bench.get("rows"):
         lines += ["", "| batch x context | KV cache | median us | TB/s | vs bf16 |", "|---|---|---|---|---|"]
@@ -267,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     ap.add_argument("--section", choices=SECTIONS, help=argparse.SUPPRESS)  # child process
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per section")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds for the whole run: a section gets at most what is left of it, so the "
+                         "summary is written before an outer time limit (the GPU lease's) kills the run")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -276,16 +448,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         env["TRITON_INTERPRET"] = "1"
     summary: dict = {"smoke": args.smoke, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "sections": {}}
+    start = time.monotonic()
     for name in args.sections:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--out", str(out)]
         cmd += ["--smoke"] if args.smoke else []
+        timeout = args.timeout
+        if args.deadline is not None:
+            timeout = min(timeout, args.deadline - (time.monotonic() - start) - 5)
+            if timeout < 10:
+                summary["sections"][name] = {"ok": False, "error": "not run: the --deadline was spent"}
+                print(f"{name}: not run (deadline)", flush=True)
+                continue
         try:
-            proc = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
+            proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
             path = out / f"{name}.json"
             result = json.loads(path.read_text()) if path.exists() else {
                 "ok": False, "error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
         except subprocess.TimeoutExpired:
-            result = {"ok": False, "error": f"timed out after {args.timeout:.0f} s"}
+            path = out / f"{name}.json"
+            result = json.loads(path.read_text()) if path.exists() else {}
+            result.update(ok=False, error=f"timed out after {timeout:.0f} s")
         summary["sections"][name] = result
         print(f"{name}: {'ok' if result.get('ok') else 'FAILED'}", flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -19,15 +19,31 @@ def test_smoke_run_passes_every_section_and_writes_results(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["smoke"] and set(summary["sections"]) == {"env", "kernel_tests", "decode_bench"}
+    assert summary["smoke"] and set(summary["sections"]) == {"env", "kernel_tests", "decode_bench", "engine"}
     assert all(r["ok"] for r in summary["sections"].values())
     tests = summary["sections"]["kernel_tests"]
     assert tests["failed"] == 0 and tests["passed"] >= 7
     assert any("fp4" in r["test"] or "int4" in r["test"] for r in tests["results"])
     rows = summary["sections"]["decode_bench"]["rows"]
-    assert {r["kv_cache_dtype"] for r in rows} == {"bfloat16", "fp8_e4m3", "int4", "fp4_e2m1"}
+    assert {r["kv_cache_dtype"] for r in rows} == {"bfloat16", "fp8_e4m3", "int4", "fp4_e2m1", "sdpa_contiguous_bf16"}
     assert all(r["finite"] for r in rows)
     # 4-bit reads 0.5625 B per value (group scales counted), bf16 2 B
     by = {r["kv_cache_dtype"]: r["kv_bytes"] for r in rows}
     assert by["bfloat16"] / by["fp4_e2m1"] == 16 / 4.5
     assert "| 2 x 40 | fp4_e2m1 |" in proc.stdout
+    engine = summary["sections"]["engine"]
+    assert [r["kv_cache_dtype"] for r in engine["rows"]] == ["auto", "fp8_e4m3", "fp4_e2m1"]
+    assert all(r["ok"] and r["output_tok_s"] > 0 for r in engine["rows"])
+    # a 4-bit cache holds more tokens than the model-dtype one in the same memory
+    cap = {r["kv_cache_dtype"]: r["kv_capacity_tokens"] for r in engine["rows"]}
+    assert cap["fp4_e2m1"] > cap["fp8_e4m3"] > cap["auto"]
+
+
+def test_a_section_past_the_deadline_is_reported_not_lost(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path), "--sections", "env",
+                           "kernel_tests", "--deadline", "12"], capture_output=True, text=True, timeout=120)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert proc.returncode == 1
+    section = summary["sections"]["kernel_tests"]
+    assert not section["ok"] and ("timed out" in section["error"] or "deadline" in section["error"])
+
