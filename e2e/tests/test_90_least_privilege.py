@@ -28,6 +28,7 @@ ALLOWED = [
     ("bind", "clusterroles.rbac.authorization.k8s.io:kvpilot-router"),
     ("delete", "deployments.apps"),
     ("delete", "services"),
+    ("watch", "services"),  # children restored within seconds of a delete or edit
 ]
 DENIED = [
     ("bind", "clusterroles.rbac.authorization.k8s.io:cluster-admin"),

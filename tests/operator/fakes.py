@@ -35,6 +35,11 @@ class Clock:
         self.now += timedelta(seconds=seconds)
 
 
+# Kinds whose objects the API server gives no metadata.generation (it moves only for
+# kinds with a spec/status split that count spec changes).
+NO_GENERATION = frozenset({"Service", "ServiceAccount"})
+
+
 class FakeKubeApi:
     def __init__(self, apis: tuple[str, ...] = ()) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -50,7 +55,8 @@ class FakeKubeApi:
         obj = copy.deepcopy(obj)
         meta = obj.setdefault("metadata", {})
         meta["resourceVersion"] = str(next(self._rv))
-        meta.setdefault("generation", 1)
+        if obj["kind"] not in NO_GENERATION:
+            meta.setdefault("generation", 1)
         self.objects[(obj["kind"], meta["namespace"], meta["name"])] = obj
         return obj
 
@@ -95,10 +101,11 @@ class FakeKubeApi:
             raise ConflictError(f"the object {key} has been modified", 409)
         generation = 1
         if current is not None:
-            generation = current["metadata"]["generation"]
+            generation = current["metadata"].get("generation", 0)
             if current.get("spec") != obj.get("spec"):
                 generation += 1
-        meta["generation"] = generation
+        if obj["kind"] not in NO_GENERATION:
+            meta["generation"] = generation
         meta["resourceVersion"] = str(next(self._rv))
         meta.setdefault("uid", f"uid-{key[0].lower()}-{key[2]}")
         if current is not None and "status" in current:

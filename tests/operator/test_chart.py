@@ -226,6 +226,8 @@ def test_rbac_covers_what_the_operator_does(rendered, scenario):
     assert bind == {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"],
                     "resourceNames": [c.ROUTER_CLUSTER_ROLE], "verbs": ["bind"]}
     assert {"get", "list", "watch"} <= _granted(rules, "apps", "deployments")
+    # The child watches (deleted or edited children restored, kvpilot.operator.repair).
+    assert {"list", "watch"} <= _granted(rules, "", "services")
     assert {"get", "list", "watch", "patch"} <= _granted(rules, c.GROUP, c.PLURAL)
     assert {"patch"} <= _granted(rules, c.GROUP, f"{c.PLURAL}/status")
     assert {"create"} <= _granted(rules, "", "events")

@@ -198,10 +198,13 @@ def test_register_wires_every_trigger():
     assert daemon.when(spec={"autoscaling": {"maxReplicas": 3}}) is True
     assert daemon.when(spec={"replicas": 2}) is False
     watching = {h.id: h for h in registry._watching.get_all_handlers()}
-    assert set(watching) == {"child-deployment", "engine-restarts"}
+    assert set(watching) == {"child-deployment", "child-service", "engine-restarts"}
     watch = watching["child-deployment"]  # engine and router Deployments
     assert (watch.selector.group, watch.selector.any_name) == ("apps", "deployments")
     assert watch.labels == {c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
+    services = watching["child-service"]  # engine and router Services: restored when edited
+    assert (services.selector.group, services.selector.any_name) == ("", "services")
+    assert services.labels == {c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
     pods = watching["engine-restarts"]  # engine pods only: restarts reported on the owner
     assert (pods.selector.group, pods.selector.any_name) == ("", "pods")
     assert pods.labels == {c.LABEL_MANAGED_BY: c.FIELD_MANAGER,

@@ -24,15 +24,21 @@ request-router objects the operator made, when a spec turns its router off or sw
   verbs: ["update"]
 # Server-side apply the engine and router Deployments (create on the first apply), read the
 # engine's replica count before each apply, and watch both to copy pod readiness into the
-# owner's status (Ready, RouterReady); delete the router's when its spec no longer wants it.
+# owner's status (Ready, RouterReady) and to restore one within seconds when someone
+# deletes or edits it; delete the router's when its spec no longer wants it.
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # Server-side apply the engine and router Services (create on the first apply); read them
 # first, so an existing Service of that name that kvpilot does not control is never taken
-# over; delete the router's as above. The router's ServiceAccount likewise.
+# over; delete the router's as above; watch them (only those labelled as kvpilot's) to
+# restore one within seconds when someone deletes or edits it.
 - apiGroups: [""]
-  resources: ["services", "serviceaccounts"]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The router's ServiceAccount: the same apply, read-first and delete rules.
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
   verbs: ["get", "create", "patch", "delete"]
 # The same for the engine and router PodDisruptionBudgets.
 - apiGroups: ["policy"]

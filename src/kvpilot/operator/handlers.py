@@ -34,6 +34,7 @@ from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.metrics_source import MetricsSource, SourceConfig, build_source
 from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.reconcile import ReconcileResult, Resource, reconcile
+from kvpilot.operator.repair import ChildFingerprints, RecordingApi, RepairBackoff
 from kvpilot.operator.restarts import RestartTracker
 from kvpilot.operator.spec import SpecError, parse_spec
 from kvpilot.operator.status.conditions import set_conditions
@@ -70,6 +71,11 @@ class OperatorContext:
             tests).
         restarts: engine restart counts last seen per pod (shared by every copy of the
             memo: Kopf copies it shallowly per object).
+        fingerprints, repairs: what each child last looked like and the per-owner repair
+            back-off (:mod:`kvpilot.operator.repair`; shared likewise).
+        monotonic: seconds for the back-off (a fake in tests).
+
+    ``api`` is wrapped in a :class:`~kvpilot.operator.repair.RecordingApi`.
     """
 
     api: KubeApi
@@ -79,6 +85,15 @@ class OperatorContext:
     post_event: EventPoster = post_kopf_event
     source_factory: Callable[[SourceConfig], MetricsSource] = build_source
     restarts: RestartTracker = field(default_factory=RestartTracker)
+    fingerprints: ChildFingerprints = field(default_factory=ChildFingerprints)
+    repairs: RepairBackoff = field(default_factory=RepairBackoff)
+    monotonic: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        # Every apply records what it stored, so our own writes' watch events are known
+        # as ours (kvpilot.operator.repair).
+        if not isinstance(self.api, RecordingApi):
+            object.__setattr__(self, "api", RecordingApi(self.api, self.fingerprints))
 
 
 class ReconcileRefused(kopf.PermanentError):
@@ -185,12 +200,64 @@ def on_resync(body: kopf.Body, memo: OperatorContext, **_: Any) -> None:
     reconcile_and_write_status(memo, body)
 
 
+def repair_child(memo: OperatorContext, body: Mapping[str, Any], type: str | None) -> bool:
+    """Reconcile the owner of a child that someone else deleted or edited
+    (:mod:`kvpilot.operator.repair`), unless the owner is gone or going, or the back-off
+    defers it. Returns True when a reconcile ran. Logs, never raises: the resync is the
+    fallback."""
+    meta = body.get("metadata") or {}
+    if type == "DELETED":
+        memo.fingerprints.forget(body)
+        cause = "deleted"
+    elif memo.fingerprints.changed(body):
+        cause = "changed"
+    else:
+        return False
+    name, namespace = (meta.get("labels") or {}).get(c.LABEL_OWNER), meta.get("namespace")
+    if not name or not namespace:
+        return False
+    log = logging.getLogger(__name__)
+    extra = object_ref(namespace, name)
+    kind, child = body.get("kind") or "child", meta.get("name", "")
+    try:
+        owner = memo.api.get(c.API_VERSION, c.KIND, namespace, name)
+    except ApiError as exc:
+        log.warning("%s %s was %s; its owner could not be read: %s", kind, child, cause, exc, extra=extra)
+        return False
+    if owner is None or (owner.get("metadata") or {}).get("deletionTimestamp"):
+        return False  # garbage collection or our own delete of a child the spec dropped
+    allowed, remaining = memo.repairs.allow(namespace, name, memo.monotonic())
+    if not allowed:
+        memo.metrics.count_repair(kind, cause, "deferred")
+        log.warning("%s %s was %s again; repair deferred by the back-off (%.0f s left: is another "
+                    "controller writing it?); the next event or the resync restores it",
+                    kind, child, cause, remaining, extra=extra)
+        return False
+    memo.metrics.count_repair(kind, cause, "repaired")
+    log.info("%s %s was %s by someone else: reconciling to restore it", kind, child, cause, extra=extra)
+    try:
+        reconcile_and_write_status(memo, owner)
+    except (kopf.PermanentError, kopf.TemporaryError) as exc:
+        log.warning("restoring %s %s failed: %s; the resync retries", kind, child, exc, extra=extra)
+        return True
+    memo.post_event(owner, "Warning", "ChildRestored",
+                    f"{kind} {child} was {cause} by someone else; restored from the spec "
+                    "(edit the InferenceDeployment instead)")
+    return True
+
+
+def on_service_event(body: kopf.Body, type: str | None, memo: OperatorContext, **_: Any) -> None:
+    """An engine or router Service changed or went: restore it (:func:`repair_child`)."""
+    repair_child(memo, body, type)
+
+
 def on_deployment_event(body: kopf.Body, type: str | None, memo: OperatorContext,
                         **_: Any) -> None:
-    """An engine or router Deployment changed: refresh its owner's counts and conditions
-    (engine) or its RouterReady condition (router) at once (the resync timer would catch up
-    anyway; this keeps ``kubectl get`` current)."""
-    if type == "DELETED":
+    """An engine or router Deployment changed: restore it when someone else deleted or
+    edited it (:func:`repair_child`); else refresh its owner's counts and conditions
+    (engine) or its RouterReady condition (router) at once (the resync timer would catch
+    up anyway; this keeps ``kubectl get`` current)."""
+    if repair_child(memo, body, type) or type == "DELETED":
         return
     labels = body.get("metadata", {}).get("labels") or {}
     name, namespace = labels.get(c.LABEL_OWNER), body.get("metadata", {}).get("namespace")

@@ -72,11 +72,19 @@ class OperatorMetrics:
                                        "Engine container restarts seen, by termination reason",
                                        [*_KEYS, "reason"], registry=r)
         self._restart_series: set[tuple[str, str, str]] = set()
+        self.child_repairs = Counter("kvpilot_operator_child_repairs",
+                                     "Children seen deleted or edited by someone else, by kind, "
+                                     "cause (deleted, changed) and result (repaired, deferred by "
+                                     "the back-off)", ["kind", "cause", "result"], registry=r)
 
     def count_restarts(self, namespace: str, name: str, reason: str, count: int) -> None:
         """Add ``count`` engine restarts of ``reason`` for a resource."""
         self._restart_series.add((namespace, name, reason))
         self.engine_restarts.labels(namespace, name, reason).inc(count)
+
+    def count_repair(self, kind: str, cause: str, result: str) -> None:
+        """One child repair (``kvpilot.operator.repair``) of ``kind`` for ``cause``."""
+        self.child_repairs.labels(kind=kind, cause=cause, result=result).inc()
 
     def count_reconcile(self, result: str, seconds: float) -> None:
         if result not in RESULTS:

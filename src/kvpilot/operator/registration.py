@@ -8,6 +8,9 @@ InferenceDeployment create/update/     :func:`~kvpilot.operator.handlers.on_spec
 resume
 every ``--resync-seconds``             :func:`~kvpilot.operator.handlers.on_resync`
 engine or router Deployment event      :func:`~kvpilot.operator.handlers.on_deployment_event`
+                                       (restored when someone deleted or edited it)
+engine or router Service event         :func:`~kvpilot.operator.handlers.on_service_event`
+                                       (likewise: :mod:`kvpilot.operator.repair`)
 engine pod event (watch)               :func:`~kvpilot.operator.handlers.on_engine_pod_event`
                                        (restarts reported on the owner)
 InferenceDeployment delete             :func:`~kvpilot.operator.handlers.on_delete`
@@ -29,6 +32,7 @@ from kvpilot.operator.handlers import (
     on_deployment_event,
     on_engine_pod_event,
     on_resync,
+    on_service_event,
     on_spec,
 )
 from kvpilot.operator.options import OperatorOptions
@@ -71,6 +75,8 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
                initial_delay=options.resync_seconds)(on_resync)
     kopf.on.event("apps", "v1", "deployments", registry=registry, id="child-deployment",
                   labels={c.LABEL_MANAGED_BY: c.FIELD_MANAGER})(on_deployment_event)
+    kopf.on.event("", "v1", "services", registry=registry, id="child-service",
+                  labels={c.LABEL_MANAGED_BY: c.FIELD_MANAGER})(on_service_event)
     # Engine pods: their restarts are reported on the owner (watch only; nothing is
     # written to the pods, so no progress or diff-base annotations on them).
     kopf.on.event("", "v1", "pods", registry=registry, id="engine-restarts",
