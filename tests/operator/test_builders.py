@@ -336,3 +336,82 @@ def test_mig_slices_are_gpus_and_a_zero_gpu_limit_is_none():
     args = engine(none)["args"]
     assert args[args.index("--device") + 1] == "cpu"
     assert "tolerations" not in none.deployment["spec"]["template"]["spec"]
+
+
+PLATFORM = {
+    "podLabels": {"team": "search", "cost-center": "ml-42"},
+    "runtimeClassName": "nvidia",
+    "topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"},
+        {"maxSkew": 2, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
+         "labelSelector": {"matchLabels": {"team": "search"}}},
+    ],
+    "volumes": [{"name": "certs", "secret": {"secretName": "ca-bundle"}},
+                {"name": "adapters", "persistentVolumeClaim": {"claimName": "lora", "readOnly": True}}],
+    "volumeMounts": [{"name": "certs", "mountPath": "/etc/ssl/custom", "readOnly": True},
+                     {"name": "adapters", "mountPath": "/adapters"}],
+    "envFrom": [{"secretRef": {"name": "hub-token"}}, {"configMapRef": {"name": "proxy"}, "prefix": "P_"}],
+}
+
+
+def test_platform_fields_reach_the_pod_and_the_engine_container():
+    children = build({"model": {"uri": "hf://org/model"}, **PLATFORM})
+    template = children.deployment["spec"]["template"]
+    pod, container = template["spec"], engine(children)
+    selector = children.deployment["spec"]["selector"]["matchLabels"]
+    assert template["metadata"]["labels"]["team"] == "search"
+    assert template["metadata"]["labels"]["cost-center"] == "ml-42"
+    assert selector.items() <= template["metadata"]["labels"].items()  # the selector still matches
+    assert pod["runtimeClassName"] == "nvidia"
+    zone, host = pod["topologySpreadConstraints"]
+    assert zone["labelSelector"] == {"matchLabels": selector}  # defaulted to this resource's pods
+    assert host["labelSelector"] == {"matchLabels": {"team": "search"}}  # the user's kept
+    names = [v["name"] for v in pod["volumes"]]
+    assert names[-2:] == ["certs", "adapters"] and len(set(names)) == len(names)
+    assert container["volumeMounts"][-2:] == PLATFORM["volumeMounts"]
+    assert container["envFrom"] == PLATFORM["envFrom"]
+    (download,) = pod["initContainers"]  # the hub download reads the same secrets
+    assert download["envFrom"] == PLATFORM["envFrom"]
+    # Still a valid pod for the API server's schema.
+    kubernetes_validate.validate(children.deployment, "1.33", strict=True)
+
+
+def test_no_platform_fields_no_keys():
+    pod = build({"model": EMBEDDED}).deployment["spec"]["template"]["spec"]
+    assert not {"runtimeClassName", "topologySpreadConstraints"} & set(pod)
+    assert "envFrom" not in pod["containers"][0]
+
+
+def test_reserved_names_and_paths_are_what_the_builders_use():
+    """spec.py refuses user volumes and mounts that clash with kvpilot's; its lists must
+    name every volume and path the builders create (an hf:// model on a GPU has them all)."""
+    from kvpilot.operator.spec import RESERVED_MOUNT_PATHS, RESERVED_VOLUME_NAMES
+
+    children = build({"model": {"uri": "hf://org/model"}, "resources": {"limits": {"nvidia.com/gpu": 1}}})
+    pod = children.deployment["spec"]["template"]["spec"]
+    assert {v["name"] for v in pod["volumes"]} == set(RESERVED_VOLUME_NAMES)
+    paths = {m["mountPath"] for c_ in pod["containers"] + pod["initContainers"] for m in c_["volumeMounts"]}
+    assert paths == set(RESERVED_MOUNT_PATHS)
+
+
+@pytest.mark.parametrize("spec,field,message", [
+    ({"podLabels": {"app.kubernetes.io/name": "x"}}, "spec.podLabels", "outside kvpilot's own label prefixes"),
+    ({"podLabels": {"team": "a b"}}, "spec.podLabels.team", "a label value"),
+    ({"podLabels": {"-bad": "x"}}, "spec.podLabels", "a label key"),
+    ({"runtimeClassName": "Nvidia_GPU"}, "spec.runtimeClassName", "DNS-1123"),
+    ({"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone"}]}, "spec.topologySpreadConstraints",
+     "whenUnsatisfiable"),
+    ({"volumes": [{"name": "models", "emptyDir": {}}]}, "spec.volumes", "kvpilot's own volumes"),
+    ({"volumes": [{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}]}, "spec.volumes", "unique"),
+    ({"volumeMounts": [{"name": "nope", "mountPath": "/x"}]}, "spec.volumeMounts", "one of spec.volumes"),
+    ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/models/extra"}]},
+     "spec.volumeMounts", "outside kvpilot's own mounts"),
+    ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "relative"}]},
+     "spec.volumeMounts", "absolute mountPath"),
+    ({"envFrom": [{"prefix": "X_"}]}, "spec.envFrom", "configMapRef"),
+    ({"envFrom": [{"secretRef": {"name": "a"}, "configMapRef": {"name": "b"}}]}, "spec.envFrom", "configMapRef"),
+])
+def test_bad_platform_fields_are_refused_by_name(spec, field, message):
+    with pytest.raises(SpecError) as info:
+        parse_spec({"model": EMBEDDED, **spec})
+    assert str(info.value).startswith(field + ":") and message in str(info.value), str(info.value)

@@ -33,6 +33,7 @@ from .crdschema import (
     structural_problems,
     sub_schema,
     to_cel,
+    validate,
 )
 
 SAMPLES = sorted((REPO / "crds" / "samples").glob("*.yaml"))
@@ -334,3 +335,29 @@ def test_rules_pass_the_api_servers_own_checks(crd):
         for rule in sub.get("x-kubernetes-validations", []):
             result = _program(rule["rule"]).evaluate(activation)
             assert not isinstance(result, Exception), (path, rule["rule"], result)
+
+
+def test_platform_fields_are_admitted_whole_and_parse(crd):
+    """podLabels, runtimeClassName, topologySpreadConstraints, volumes, volumeMounts and
+    envFrom survive the API server's pruning (core/v1 objects kept whole) and parse."""
+    from .test_builders import PLATFORM
+
+    spec = {"model": EMBEDDED, **copy.deepcopy(PLATFORM)}
+    stored, errors = admit(crd, obj(spec))
+    assert errors == []
+    for key, value in PLATFORM.items():
+        assert stored["spec"][key] == value, key
+    parse_spec(stored["spec"])
+
+
+def test_condition_types_are_open_but_well_formed(crd):
+    """A pattern (metav1.Condition's), not an enum: a newer operator may add a type."""
+    def status(kind):
+        return {**obj({"model": EMBEDDED}), "status": {"conditions": [
+            {"type": kind, "status": "True", "lastTransitionTime": "2026-12-04T00:00:00Z"}]}}
+
+    schema = root_schema(crd)
+    for ok in ("Ready", "NodeHeadroom", "example.com/Drained"):
+        assert validate(schema, status(ok)) == [], ok
+    for bad in ("not a type", "Ready!", ""):
+        assert validate(schema, status(bad)), bad

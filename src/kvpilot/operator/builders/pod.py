@@ -32,7 +32,7 @@ from kvpilot.operator.builders.engine_args import (
     gpu_resource_names,
     prestop_sleep_seconds,
 )
-from kvpilot.operator.builders.labels import object_labels
+from kvpilot.operator.builders.labels import object_labels, selector_labels
 from kvpilot.operator.model_uri import MODELS_DIR
 from kvpilot.operator.spec import InferenceSpec
 
@@ -150,9 +150,27 @@ def _engine_container(spec: InferenceSpec, image: str,
             "preStop": {"exec": {"command": ["sleep", str(prestop_sleep_seconds(spec))]}}
         },
         "securityContext": _container_security(),
-        "volumeMounts": mounts,
+        "volumeMounts": mounts + [copy.deepcopy(dict(m)) for m in spec.pod.volume_mounts],
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        **_env_from(spec),
     }
+
+
+def _env_from(spec: InferenceSpec) -> dict[str, Any]:
+    """``{"envFrom": [...]}`` when the spec has some, else {} (no empty list to apply)."""
+    return {"envFrom": [copy.deepcopy(dict(x)) for x in spec.pod.env_from]} if spec.pod.env_from else {}
+
+
+def _spread(name: str, spec: InferenceSpec) -> list[dict[str, Any]]:
+    """The user's topology spread constraints; one without a labelSelector spreads this
+    InferenceDeployment's engine pods (its selector), which is what one almost always
+    means."""
+    out = []
+    for item in spec.pod.topology_spread_constraints:
+        constraint = copy.deepcopy(dict(item))
+        constraint.setdefault("labelSelector", {"matchLabels": selector_labels(name)})
+        out.append(constraint)
+    return out
 
 
 def _download_container(spec: InferenceSpec, image: str) -> dict[str, Any]:
@@ -171,6 +189,7 @@ def _download_container(spec: InferenceSpec, image: str) -> dict[str, Any]:
             {"name": "models", "mountPath": MODELS_DIR},
         ],
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        **_env_from(spec),  # credentials for a private hub repository, say
     }
 
 
@@ -211,7 +230,7 @@ def build_pod_template(name: str, spec: InferenceSpec, default_image: str) -> di
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [_engine_container(spec, image, mounts)],
-        "volumes": volumes,
+        "volumes": volumes + [copy.deepcopy(dict(v)) for v in spec.pod.volumes],
     }
     if spec.model.scheme == "hf":
         pod["initContainers"] = [_download_container(spec, image)]
@@ -227,4 +246,11 @@ def build_pod_template(name: str, spec: InferenceSpec, default_image: str) -> di
         pod["tolerations"] = tolerations
     if spec.pod.affinity:
         pod["affinity"] = copy.deepcopy(dict(spec.pod.affinity))
-    return {"metadata": {"labels": object_labels(name), "annotations": annotations}, "spec": pod}
+    if spec.pod.runtime_class_name:
+        pod["runtimeClassName"] = spec.pod.runtime_class_name
+    if spread := _spread(name, spec):
+        pod["topologySpreadConstraints"] = spread
+    # The user's labels first: kvpilot's own (the selector among them) always win, and
+    # the spec refuses keys under their prefixes anyway.
+    labels = {**spec.pod.pod_labels, **object_labels(name)}
+    return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod}

@@ -42,13 +42,15 @@ def service_url(service: str, namespace: str, port: int) -> str:
 
 
 def endpoint_status(name: str, namespace: str, router: RouterSpec) -> dict[str, Any]:
-    """``endpoint`` and ``inferencePool`` for this router setting (None = remove)."""
+    """``url`` and ``endpoint`` (the same URL: ``url`` is KServe's name for it) and
+    ``inferencePool`` for this router setting (None = remove)."""
     if router.runs_router:
-        return {"endpoint": service_url(router_name(name), namespace, c.ROUTER_PORT),
-                "inferencePool": None}
+        url = service_url(router_name(name), namespace, c.ROUTER_PORT)
+        return {"url": url, "endpoint": url, "inferencePool": None}
     if router.uses_gateway:
-        return {"endpoint": None, "inferencePool": name}
-    return {"endpoint": service_url(name, namespace, c.ENGINE_PORT), "inferencePool": None}
+        return {"url": None, "endpoint": None, "inferencePool": name}
+    url = service_url(name, namespace, c.ENGINE_PORT)
+    return {"url": url, "endpoint": url, "inferencePool": None}
 
 
 def router_condition(deployment: Mapping[str, Any] | None,
