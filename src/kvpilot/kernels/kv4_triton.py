@@ -195,7 +195,8 @@ def _store_kv4_kernel(  # type: ignore[no-untyped-def]
 def store_block_tokens(head_dim: int) -> int:
     """Tokens per store program on the GPU: about :data:`MAX_TILE` elements of K, and a
     power of two (``tl.arange``; head_dim 96 gave 42 and failed to compile)."""
-    return max(1, MAX_TILE // (2 * triton.next_power_of_2(head_dim // 2)))
+    block_dh: int = triton.next_power_of_2(head_dim // 2)
+    return max(1, MAX_TILE // (2 * block_dh))
 
 
 def check_any_cache(
