@@ -19,7 +19,7 @@ def test_smoke_run_passes_every_section_and_writes_results(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["smoke"] and set(summary["sections"]) == {"env", "kernel_tests", "decode_bench", "engine"}
+    assert summary["smoke"] and set(summary["sections"]) == {"env", "kernel_tests", "decode_bench", "decode_tune", "engine"}
     assert all(r["ok"] for r in summary["sections"].values())
     tests = summary["sections"]["kernel_tests"]
     assert tests["failed"] == 0 and tests["passed"] >= 7
@@ -31,6 +31,9 @@ def test_smoke_run_passes_every_section_and_writes_results(tmp_path):
     by = {r["kv_cache_dtype"]: r["kv_bytes"] for r in rows}
     assert by["bfloat16"] / by["fp4_e2m1"] == 16 / 4.5
     assert "| 2 x 40 | fp4_e2m1 |" in proc.stdout
+    tune = summary["sections"]["decode_tune"]
+    assert {p["kv_cache_dtype"] for p in tune["points"]} == {"bfloat16", "fp8_e4m3", "int4", "fp4_e2m1"}
+    assert set(tune["best"]) == {f"2x40/{d}" for d in ("bfloat16", "fp8_e4m3", "int4", "fp4_e2m1")}
     engine = summary["sections"]["engine"]
     assert [r["kv_cache_dtype"] for r in engine["rows"]] == ["auto", "fp8_e4m3", "fp4_e2m1"]
     assert all(r["ok"] and r["output_tok_s"] > 0 for r in engine["rows"])
