@@ -41,6 +41,7 @@ REQUIRED = {
     "engine pods not ready": "KVPilotEnginePodsNotReady",
     "metrics missing": "KVPilotMetricsMissing",
     "operator down": "KVPilotOperatorDown",
+    "operator replicas without a leader": "KVPilotOperatorNoLeader",
     "autoscaler pinned at max": "KVPilotAutoscalerPinnedAtMax",
     "replica flapping": "KVPilotReplicaFlapping",
 }
@@ -50,6 +51,7 @@ def operator_series() -> set[str]:
     metrics = OperatorMetrics()
     metrics.observe("ns", "x", {"desiredReplicas": 1, "readyReplicas": 1}, {"maxReplicas": 2})
     metrics.count_scale("ns", "x", 1, 2)
+    metrics.set_leader(True)  # kvpilot_operator_leader exists with --leader-elect only
     return {s.name for fam in metrics.registry.collect() for s in fam.samples}
 
 

@@ -83,7 +83,9 @@ def test_monitoring_objects_only_where_the_api_exists():
 def test_operator_deployment(rendered):
     (deployment,) = by_kind(rendered["default"], "Deployment")
     spec = deployment["spec"]
-    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    # One replica by default; a new one waits for the leader Lease the old one releases.
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     pod = spec["template"]["spec"]
     (container,) = pod["containers"]
     assert container["command"] == ["kvpilot", "operator"]
@@ -91,6 +93,7 @@ def test_operator_deployment(rendered):
         "--engine-image=kvpilot/engine:0.1.0", "--router-image=kvpilot/router:0.1.0",
         "--pod-monitor=auto", "--resync-seconds=300",
         "--metrics-port=9090", "--health-port=8080", "--log-level=INFO", "--log-format=text",
+        "--leader-elect", "--leader-election-id=kvpilot-operator",
     ]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
@@ -116,7 +119,7 @@ def test_namespaced_scenario_args_and_roles(rendered):
     # The one ClusterRole is what the routers get, bound per namespace by the operator.
     assert [r["metadata"]["name"] for r in by_kind(docs, "ClusterRole")] == [c.ROUTER_CLUSTER_ROLE]
     assert not by_kind(docs, "ClusterRoleBinding")
-    roles = by_kind(docs, "Role")
+    roles = [r for r in by_kind(docs, "Role") if not r["metadata"]["name"].endswith("-leader-election")]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["llm", "llm-staging"]
     for binding in by_kind(docs, "RoleBinding"):
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvp-kvpilot",
@@ -194,8 +197,40 @@ def test_selector_labels_never_carry_a_version(rendered):
 def _rules(docs: list[dict]) -> list[dict]:
     """The operator's own rules: its ClusterRole, or the first of its per-namespace Roles."""
     roles = [r for r in by_kind(docs, "ClusterRole")
-             if r["metadata"]["name"] != c.ROUTER_CLUSTER_ROLE] or by_kind(docs, "Role")[:1]
+             if r["metadata"]["name"] != c.ROUTER_CLUSTER_ROLE] or [
+        r for r in by_kind(docs, "Role") if not r["metadata"]["name"].endswith("-leader-election")][:1]
     return roles[0]["rules"]
+
+
+@pytest.mark.parametrize("scenario", ["default", "namespaced"])
+def test_leader_election_is_on_with_a_role_for_one_lease(rendered, scenario):
+    """The operator waits for the leader Lease (several replicas may run); its Role lives
+    in the release namespace and reaches that one Lease by name (create cannot be
+    restricted by name in RBAC)."""
+    docs = rendered[scenario]
+    (deployment,) = [d for d in by_kind(docs, "Deployment")]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert "--leader-elect" in container["args"]
+    assert "--leader-election-id=kvpilot-operator" in container["args"]
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container["env"]}
+    assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    (role,) = [r for r in by_kind(docs, "Role") if r["metadata"]["name"].endswith("-leader-election")]
+    assert role["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["kvpilot-operator"],
+         "verbs": ["get", "update"]}]
+    (binding,) = [b for b in by_kind(docs, "RoleBinding") if b["metadata"]["name"].endswith("-leader-election")]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+
+
+def test_without_leader_election_one_operator_recreated():
+    docs = helm_template(sets=["leaderElection.enabled=false"])
+    (deployment,) = by_kind(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert "--leader-elect" not in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [r for r in by_kind(docs, "Role") if r["metadata"]["name"].endswith("-leader-election")]
 
 
 def _granted(rules: list[dict], group: str, resource: str) -> set[str]:
@@ -248,8 +283,11 @@ def test_rbac_is_least_privilege(rendered, scenario):
             assert rule["resources"] == ["clusterroles"] and rule["verbs"] == ["bind"], rule
             assert rule["resourceNames"] == [c.ROUTER_CLUSTER_ROLE], rule
         # `update` only where the API server demands it: blockOwnerDeletion on an owner
-        # reference needs it on the owner's finalizers (OwnerReferencesPermissionEnforcement).
-        if "update" in rule["verbs"]:
+        # reference needs it on the owner's finalizers (OwnerReferencesPermissionEnforcement),
+        # and renewing the leader Lease (that one Lease, by name).
+        if "update" in rule["verbs"] and rule["resources"] == ["leases"]:
+            assert rule["resourceNames"] == ["kvpilot-operator"] and rule["verbs"] == ["get", "update"], rule
+        elif "update" in rule["verbs"]:
             assert rule["resources"] == [f"{c.PLURAL}/finalizers"] and rule["verbs"] == ["update"], rule
         assert "secrets" not in rule["resources"]
     # Only the CRD watch is cluster-scoped beyond what the per-namespace Role grants.
@@ -318,6 +356,8 @@ def test_notes_mention_uninstall_order():
     (["alerts.ttftSlo.objective=1.5"], "objective"),
     (["watchNamespaces={a,a}"], "watchNamespaces"),
     (["metrics.port=8080"], "metrics.port and health.port must differ"),
+    (["replicaCount=2", "leaderElection.enabled=false"], "replicaCount 2 needs leaderElection.enabled=true"),
+    (["leaderElection.leaseName=Bad_Name"], "leaseName"),
 ])
 def test_values_the_operator_would_refuse_fail_the_render(sets, message):
     """Found in review: these rendered fine and then crash-looped the operator (argparse

@@ -80,3 +80,22 @@ def test_without_cluster_configuration_it_says_so(tmp_path):
     assert result.returncode != 0
     assert "no Kubernetes configuration" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_leader_election_flags_and_environment(monkeypatch):
+    monkeypatch.delenv("KVPILOT_LEADER_ELECT", raising=False)
+    assert parse([]).leader_elect is False  # off unless asked (the chart asks)
+    assert parse(["--leader-elect"]).leader_elect is True
+    args = parse([], env={"KVPILOT_LEADER_ELECT": "true"}, monkeypatch=monkeypatch)
+    assert args.leader_elect is True and args.leader_election_id == "kvpilot-operator"
+    assert parse(["--no-leader-elect"]).leader_elect is False
+
+
+def test_leader_election_without_a_namespace_says_so(tmp_path, monkeypatch):
+    """Outside a pod, without POD_NAMESPACE, --leader-elect stops with the fix."""
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+    from kvpilot.operator import cli
+
+    monkeypatch.setattr("kvpilot.operator.leader.default_namespace", lambda: None)
+    with pytest.raises(SystemExit, match="--leader-elect needs the operator's namespace: set POD_NAMESPACE"):
+        cli._lead(parse(["--leader-elect"]), metrics=None)

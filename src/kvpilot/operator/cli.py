@@ -14,6 +14,11 @@ Flags (each also read from the environment variable in brackets, as the Helm cha
   --log-format FORMAT       text | json: every line about an InferenceDeployment names its
                             namespace and name (``[ns/name]``, or JSON ``object``)
                             [KVPILOT_LOG_FORMAT]
+  --leader-elect            wait for the Lease --leader-election-id before acting, so several
+                            replicas can run and one acts (:mod:`kvpilot.operator.leader`)
+                            [KVPILOT_LEADER_ELECT=true]
+  --leader-election-id NAME the Lease (default kvpilot-operator), in the operator's namespace
+                            [POD_NAMESPACE, else the service account's]; identity [POD_NAME]
 """
 
 from __future__ import annotations
@@ -59,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=os.environ.get("KVPILOT_LOG_FORMAT", "text"),
                         help="text: [time] logger [LEVEL] [namespace/name] message; json: one object"
                              " per line with the resource under 'object'")
+
+
+    parser.add_argument("--leader-elect", action=argparse.BooleanOptionalAction,
+                        default=os.environ.get("KVPILOT_LEADER_ELECT", "").lower() in ("1", "true", "yes"),
+                        help="act only while holding the leader Lease (run several replicas)")
+    parser.add_argument("--leader-election-id", default="kvpilot-operator",
+                        help="name of the leader Lease in the operator's namespace")
 
 
 def _label(text: str) -> tuple[str, str]:
@@ -118,8 +130,43 @@ def run(args: argparse.Namespace) -> int:
         start_http_server(args.metrics_port, registry=metrics.registry)
     context = OperatorContext(api=KubernetesApi(k8s.ApiClient()), options=options, metrics=metrics)
     liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
-    asyncio.run(operate(context, liveness_endpoint=liveness))
+    elector = _lead(args, metrics) if args.leader_elect else None
+    try:
+        asyncio.run(operate(context, liveness_endpoint=liveness))
+    finally:
+        if elector is not None:
+            elector.release()  # a stop (SIGTERM) hands over at once, not after the Lease expires
     return 0
+
+
+def _lead(args: argparse.Namespace, metrics: Any) -> Any:
+    """Wait, serving the follower's /healthz, until this process holds the leader Lease.
+    Returns the elector (to release the Lease on exit). Raises SystemExit on bad settings."""
+    from kvpilot.operator.leader import (
+        DEFAULT_LEASE_NAME,
+        FollowerHealthServer,
+        LeaderElector,
+        LeaderOptions,
+        default_identity,
+        default_namespace,
+    )
+
+    namespace = default_namespace()
+    if namespace is None:
+        raise SystemExit("kvpilot operator: --leader-elect needs the operator's namespace: set POD_NAMESPACE "
+                         "(the chart does) or run in a pod")
+    try:
+        options = LeaderOptions(args.leader_election_id or DEFAULT_LEASE_NAME, namespace, default_identity())
+    except ValueError as exc:
+        raise SystemExit(f"kvpilot operator: {exc}") from exc
+    metrics.set_leader(False)
+    health = FollowerHealthServer(args.health_port) if args.health_port else None
+    elector = LeaderElector(options, on_leading_changed=metrics.set_leader)
+    elector.start()
+    elector.wait()
+    if health is not None:
+        health.close()  # Kopf serves /healthz from here on
+    return elector
 
 
 async def operate(context: OperatorContext, *, liveness_endpoint: str | None = None,

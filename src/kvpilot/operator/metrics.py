@@ -72,6 +72,9 @@ class OperatorMetrics:
                                        "Engine container restarts seen, by termination reason",
                                        [*_KEYS, "reason"], registry=r)
         self._restart_series: set[tuple[str, str, str]] = set()
+        # Created by the first set_leader(): absent without --leader-elect, so that the
+        # KVPilotOperatorNoLeader alert cannot fire on an operator that elects no one.
+        self.leader: Gauge | None = None
         self.child_repairs = Counter("kvpilot_operator_child_repairs",
                                      "Children seen deleted or edited by someone else, by kind, "
                                      "cause (deleted, changed) and result (repaired, deferred by "
@@ -81,6 +84,14 @@ class OperatorMetrics:
         """Add ``count`` engine restarts of ``reason`` for a resource."""
         self._restart_series.add((namespace, name, reason))
         self.engine_restarts.labels(namespace, name, reason).inc(count)
+
+    def set_leader(self, leading: bool) -> None:
+        """This replica started or stopped leading (``kvpilot_operator_leader``)."""
+        if self.leader is None:
+            self.leader = Gauge("kvpilot_operator_leader",
+                                "1 while this replica holds the leader Lease and acts, 0 while it "
+                                "follows (absent without --leader-elect)", registry=self.registry)
+        self.leader.set(1 if leading else 0)
 
     def count_repair(self, kind: str, cause: str, result: str) -> None:
         """One child repair (``kvpilot.operator.repair``) of ``kind`` for ``cause``."""

@@ -43,7 +43,8 @@ DAEMON_CANCELLATION_TIMEOUT_SECONDS = 30.0
 
 def configure(settings: kopf.OperatorSettings) -> None:
     """Kopf settings: our finalizer and annotations under kvpilot.dev, no peering objects
-    (one operator replica, Recreate strategy), bounded watch timeouts."""
+    (which replica acts is decided before Kopf starts, by the leader Lease of
+    :mod:`kvpilot.operator.leader`), bounded watch timeouts."""
     settings.persistence.finalizer = c.FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix=c.ANNOTATION_PREFIX

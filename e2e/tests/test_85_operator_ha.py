@@ -1,0 +1,65 @@
+"""Scenario: two operator replicas under the chart's leader election. Only the Lease
+holder acts; when it dies without a word (its pod force-deleted, so it releases nothing),
+the other takes the Lease and serves a resource applied after the death, within 30 s.
+The operator is scaled back to one replica afterwards."""
+
+from __future__ import annotations
+
+import time
+
+from e2e.cluster import OPERATOR_NAMESPACE, OPERATOR_SELECTOR
+from e2e.tests import helpers as h
+
+LEASE = "kvpilot-operator"
+TAKEOVER_WITHIN_SECONDS = 30.0
+
+
+def _operator_deployment(cluster) -> str:
+    return cluster.get_json("-n", OPERATOR_NAMESPACE, "deployment", "-l", OPERATOR_SELECTOR)[
+        "items"][0]["metadata"]["name"]
+
+
+def _ready_operator_pods(cluster) -> list[str]:
+    pods = cluster.get_json("-n", OPERATOR_NAMESPACE, "pods", "-l", OPERATOR_SELECTOR)["items"]
+    return sorted(p["metadata"]["name"] for p in pods if not p["metadata"].get("deletionTimestamp")
+                  and any(c["type"] == "Ready" and c["status"] == "True"
+                          for c in p.get("status", {}).get("conditions", [])))
+
+
+def _holder(cluster) -> str | None:
+    lease = cluster.get_json("-n", OPERATOR_NAMESPACE, "lease", LEASE)
+    return lease["spec"].get("holderIdentity")
+
+
+def test_a_second_operator_takes_over_within_30_s(cluster, namespace):
+    deployment = _operator_deployment(cluster)
+    cluster.kubectl("scale", "deployment", "-n", OPERATOR_NAMESPACE, deployment, "--replicas=2")
+    try:
+        pods = cluster.wait_for(lambda: len(_ready_operator_pods(cluster)) == 2 and _ready_operator_pods(cluster),
+                                180, "two ready operator pods (the follower answers /healthz)")
+        leader = cluster.wait_for(lambda: _holder(cluster) in pods and _holder(cluster), 60, "a Lease holder")
+        (follower,) = [p for p in pods if p != leader]
+        follower_log = cluster.kubectl("logs", "-n", OPERATOR_NAMESPACE, follower).stdout
+        assert "waits for the leader Lease" in follower_log
+        assert "Initial authentication has finished" not in follower_log  # it watches nothing
+
+        # The leader acts.
+        h.apply(cluster, namespace, h.small_infd("ha-before", replicas=0))
+        cluster.wait_for(lambda: h.deployment(cluster, namespace, "ha-before"), 60, "the leader's reconcile")
+
+        # It dies without releasing the Lease; a resource arrives right after.
+        cluster.kubectl("delete", "pod", "-n", OPERATOR_NAMESPACE, leader, "--grace-period=0", "--force",
+                        "--wait=false")
+        died = time.monotonic()
+        h.apply(cluster, namespace, h.small_infd("ha-after", replicas=0))
+        cluster.wait_for(lambda: h.deployment(cluster, namespace, "ha-after"), 90,
+                         "the follower to take over and reconcile")
+        took = time.monotonic() - died
+        print(f"e2e operator HA: takeover and first reconcile {took:.1f} s after the leader's death")
+        assert _holder(cluster) == follower
+        assert took <= TAKEOVER_WITHIN_SECONDS, f"took {took:.1f} s"
+    finally:
+        cluster.kubectl("scale", "deployment", "-n", OPERATOR_NAMESPACE, deployment, "--replicas=1")
+        cluster.wait_for(lambda: len(_ready_operator_pods(cluster)) == 1
+                         and _holder(cluster) in _ready_operator_pods(cluster), 120,
+                         "one operator pod again, holding the Lease")
