@@ -23,6 +23,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
+from kvpilot.autoscaler.headroom import HeadroomState, headroom
 from kvpilot.autoscaler.policy import Decision, decide
 from kvpilot.autoscaler.signals import FleetSignals, PodSignals
 from kvpilot.autoscaler.sim.fleet import ScalingPolicy
@@ -67,6 +68,34 @@ class KvPilotPolicy:
         if d.direction != "hold":
             self.rules[d.rule] = self.rules.get(d.rule, 0) + 1
         return d.desired_replicas
+
+
+class HeadroomPolicy:
+    """Ours plus node headroom: :class:`KvPilotPolicy` decides the engine replicas, then
+    :func:`kvpilot.autoscaler.headroom.headroom` sizes the placeholder pods that make the
+    cluster autoscaler add nodes ahead of them (read by the simulator as
+    ``placeholders`` after each decision; it matters only with ``SimConfig.nodes``)."""
+
+    name = "kvpilot+headroom"
+
+    def __init__(self, spec: AutoscalingSpec, node_startup_seconds: float) -> None:
+        self.inner = KvPilotPolicy(spec)
+        self.spec = spec
+        self.interval_seconds = spec.interval_seconds
+        self.node_startup_seconds = node_startup_seconds
+        self.headroom = HeadroomState()
+        self.placeholders = 0
+
+    @property
+    def rules(self) -> dict[str, int]:
+        return self.inner.rules
+
+    def decide(self, now: float, ready: Sequence[Replica], pending: int) -> int:
+        desired = self.inner.decide(now, ready, pending)
+        self.headroom = headroom(self.inner.state, self.spec, desired, now, self.node_startup_seconds,
+                                 self.headroom)
+        self.placeholders = self.headroom.replicas
+        return desired
 
 
 class HpaStylePolicy:

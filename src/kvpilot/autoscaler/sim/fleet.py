@@ -25,12 +25,13 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvpilot.autoscaler.sim.model import ReplicaModel, SimConfig
+from kvpilot.autoscaler.sim.nodes import NodePool
 from kvpilot.autoscaler.sim.replica import Replica, Req, Stats
 from kvpilot.autoscaler.sim.report import SimResult, Timeline, percentile
 from kvpilot.autoscaler.sim.routing import Router
 from kvpilot.autoscaler.sim.traces import Trace
 
-_REPLICA, _READY, _TICK, _SAMPLE = 0, 1, 2, 3
+_REPLICA, _READY, _TICK, _SAMPLE, _NODE = 0, 1, 2, 3, 4
 
 
 class _Fleet:
@@ -56,6 +57,16 @@ class _Fleet:
         self.router = Router(config.routing, self.ready, self.rng, config.cache_block_tokens,
                              config.load_penalty_tokens, config.balance_abs_threshold,
                              config.balance_rel_threshold)
+        # GPU nodes (SimConfig.nodes): a pod binds to a node slot before its start-up.
+        self.by_rid: dict[int, Replica] = {}
+        self.pool: NodePool | None = None
+        if config.nodes is not None:
+            self.pool = NodePool(config.nodes, self._bound,
+                                 lambda node: self.push(node.ready_at, _NODE, None, node.nid),
+                                 config.warmup_seconds)
+        self.placeholder_seconds = 0.0
+        self.placeholders_since = 0.0
+        self._start_at_once = False  # binding the initial fleet: ready at once
 
     # -- bookkeeping -------------------------------------------------------------------------
     def push(self, t: float, kind: int, replica: Replica | None = None, epoch: int = 0) -> None:
@@ -95,13 +106,14 @@ class _Fleet:
         r.step(now, self.stats)
         if r.state == "draining" and r.idle:
             self.draining.remove(r)
-            r.state = "gone"
-            self._pay(now, -1)
+            self._gone(r, now)
             return
         self.reschedule(r, now)
 
     # -- scaling -----------------------------------------------------------------------------
     def start_replica(self, now: float, ready_at: float) -> Replica:
+        if self.pool is not None:
+            return self._start_on_node(now, ready_at <= now)
         r = Replica(self.next_rid, self.model, ready_at)
         r.cache = self.router.new_cache(r)
         self.next_rid += 1
@@ -112,6 +124,53 @@ class _Fleet:
             self.starting.append(r)
             self.push(ready_at, _READY, r)
         return r
+
+    def _start_on_node(self, now: float, at_once: bool) -> Replica:
+        """A pod that needs a node slot: its start-up begins when it binds (at once when a
+        slot or a placeholder is free, else when a node arrives)."""
+        assert self.pool is not None
+        r = Replica(self.next_rid, self.model, math.inf)
+        r.cache = self.router.new_cache(r)
+        self.by_rid[r.rid] = r
+        self.next_rid += 1
+        self._pay(now, +1)
+        self.starting.append(r)
+        self._start_at_once = at_once  # the initial fleet: nodes there, pods already started
+        self.pool.schedule_engine(r.rid, now)
+        self._start_at_once = False
+        return r
+
+    def _bound(self, rid: int, now: float) -> None:
+        r = self.by_rid.get(rid)
+        if r is None or r.state != "starting":
+            return
+        if self._start_at_once:
+            r.ready_at = now
+            self.make_ready(r, now)
+            return
+        r.ready_at = now + self.model.startup_seconds
+        self.push(r.ready_at, _READY, r)
+
+    def _gone(self, r: Replica, now: float) -> None:
+        r.state = "gone"
+        self._pay(now, -1)
+        if self.pool is not None:
+            self.pool.release_engine(r.rid, now)
+            self.by_rid.pop(r.rid, None)
+
+    def set_placeholders(self, wanted: int, now: float) -> None:
+        """Placeholder pods to keep (with a node pool only)."""
+        if self.pool is None:
+            return
+        self._count_placeholders(now)
+        self.pool.set_placeholders(wanted, now)
+
+    def _count_placeholders(self, now: float) -> None:
+        assert self.pool is not None
+        start = max(self.placeholders_since, self.config.warmup_seconds)
+        if now > start:
+            self.placeholder_seconds += self.pool.placeholders * (now - start)
+        self.placeholders_since = max(self.placeholders_since, now)
 
     def make_ready(self, r: Replica, now: float) -> None:
         if r.state != "starting":
@@ -136,9 +195,7 @@ class _Fleet:
             return 0
         for _ in range(current - desired):
             if self.starting:
-                r = self.starting.pop()
-                r.state = "gone"
-                self._pay(now, -1)
+                self._gone(self.starting.pop(), now)
                 continue
             if len(self.ready) <= 1:
                 break
@@ -149,8 +206,7 @@ class _Fleet:
             for req in r.take_waiting():
                 self.route(req, now)
             if r.idle:
-                r.state = "gone"
-                self._pay(now, -1)
+                self._gone(r, now)
             else:
                 self.draining.append(r)
         return -1
@@ -182,6 +238,9 @@ def simulate(
     fleet = _Fleet(model, config, stats)
     end = config.duration_seconds
     wall = time.perf_counter()
+    if fleet.pool is not None:
+        nodes = fleet.pool.model
+        fleet.pool.add_ready_nodes(math.ceil(config.start_replicas / nodes.pods_per_node), 0.0)
     for _ in range(config.start_replicas):
         fleet.start_replica(0.0, 0.0)
     fleet.push(policy.interval_seconds, _TICK)
@@ -222,15 +281,31 @@ def simulate(
         elif kind == _TICK:
             fleet.events += 1
             desired = policy.decide(t, fleet.ready, len(fleet.starting))
+            # Placeholders first: the operator scales its placeholder Deployment down in the
+            # same pass that scales the engines up, so the placeholders the new engines
+            # displace are not recreated (and do not ask for nodes) if no longer wanted.
+            if fleet.pool is not None and t >= config.warmup_seconds:
+                fleet.set_placeholders(int(getattr(policy, "placeholders", 0)), t)
             moved = fleet.resize(desired, t) if t >= config.warmup_seconds else 0
             ups += moved > 0
             downs += moved < 0
+            if fleet.pool is not None:
+                fleet.pool.scale_down(t)
             fleet.push(t + policy.interval_seconds, _TICK)
+        elif kind == _NODE:
+            fleet.events += 1
+            if fleet.pool is not None:
+                node = fleet.pool.nodes.get(epoch)
+                if node is not None:
+                    fleet.pool.node_ready(node, t)
         else:
             _sample(fleet, timeline, t)
             fleet.push(t + config.sample_seconds, _SAMPLE)
     fleet.peak = max(fleet.peak, fleet.paid) if fleet.peak == 0 else fleet.peak
     fleet._pay(end, 0)
+    if fleet.pool is not None:
+        fleet._count_placeholders(end)
+        fleet.pool.close(end)
     return _result(
         trace,
         policy,
@@ -314,4 +389,8 @@ def _result(
         prefix_hit_rate=stats.hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0,
         requests_per_replica={f"r{rid}": n for rid, n in sorted(stats.admitted.items())},
         max_replica_share=max(stats.admitted.values()) / admitted if admitted else 0.0,
+        node_hours=fleet.pool.node_seconds / 3600.0 if fleet.pool is not None else 0.0,
+        peak_nodes=fleet.pool.peak_nodes if fleet.pool is not None else 0,
+        nodes_requested=fleet.pool.nodes_requested if fleet.pool is not None else 0,
+        placeholder_hours=fleet.placeholder_seconds / 3600.0,
     )

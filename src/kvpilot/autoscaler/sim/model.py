@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvpilot.autoscaler.sim.nodes import NodeModel
 from kvpilot.autoscaler.sim.routing import ROUTINGS
 
 
@@ -108,6 +109,9 @@ class SimConfig:
             most exceed ``rel`` x the least, requests go to the least-loaded replica
             whatever it caches (vllm-router's ``--balance-abs-threshold`` 64 and
             ``--balance-rel-threshold`` 1.5).
+        nodes: GPU nodes under a cluster autoscaler (:mod:`kvpilot.autoscaler.sim.nodes`):
+            a pod waits for a node slot before its own start-up. None (default): a slot is
+            always free, as before.
     """
 
     duration_seconds: float = 3600.0
@@ -123,6 +127,7 @@ class SimConfig:
     load_penalty_tokens: float = 0.0
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
+    nodes: NodeModel | None = None
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:

@@ -43,6 +43,10 @@ class SimResult:
         prefix_hit_rate: the fleet's prefix hit rate, ``hit_tokens / prompt_tokens``.
         requests_per_replica: counted requests first admitted by each replica (``r<id>``).
         max_replica_share: the largest replica's share of those requests.
+        node_hours / peak_nodes / nodes_requested / placeholder_hours: with a
+            ``SimConfig.nodes`` model: GPU nodes paid (asked for until removed) integrated
+            over time, the most at once, how many were asked for, and placeholder pods kept
+            (bound or pending) integrated over time; 0 without one.
     """
 
     policy: str
@@ -73,6 +77,10 @@ class SimResult:
     prefix_hit_rate: float = 0.0
     requests_per_replica: dict[str, int] = field(default_factory=dict)
     max_replica_share: float = 0.0
+    node_hours: float = 0.0
+    peak_nodes: int = 0
+    nodes_requested: int = 0
+    placeholder_hours: float = 0.0
 
     def to_dict(self, timeline: bool = False) -> dict[str, object]:
         d = asdict(self)
