@@ -369,3 +369,43 @@ def test_requests_held_at_the_router_scale_the_fleet_before_any_engine_queues():
     decision = fleet.status["autoscaler"]["lastDecision"]
     assert (decision["direction"], decision["rule"]) == ("up", "queue_drain")
     assert "20 held at the router" in fleet.status["lastScaleReason"]
+
+
+def test_node_headroom_keeps_placeholder_pods_ahead_of_a_rising_demand_and_removes_them_when_off():
+    """autoscaling.nodeStartupSeconds > 0: after each decision the loop applies NAME-headroom
+    with the placeholder count of kvpilot.autoscaler.headroom (engine-sized, low priority,
+    engine scheduling constraints) and reports it in status.autoscaler.headroom; with node
+    headroom off again the reconcile deletes that Deployment."""
+    from kvpilot.operator.spec import parse_spec
+
+    spec = copy.deepcopy(AUTO)
+    spec["autoscaling"].update(nodeStartupSeconds=300, maxReplicas=20)
+    spec["resources"] = {"requests": {"cpu": "4", "nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}}
+    spec["nodeSelector"] = {"pool": "h100"}
+    fleet = Fleet(spec=spec, load=loaded(0.2), replicas=2)
+    fleet.pods(ready=2)
+    for step in range(12):  # KV usage climbing 4 points a tick: a ramp
+        fleet.source.load = loaded(0.2 + 0.04 * step)
+        fleet.tick()
+        fleet.pods(ready=fleet.replicas)
+    placeholder = fleet.api.stored("Deployment", "llm", "chat-headroom")
+    headroom = fleet.status["autoscaler"]["headroom"]
+    assert placeholder["spec"]["replicas"] == headroom["replicas"] > 0, headroom
+    assert "a node, then a pod" in headroom["reason"]
+    pod = placeholder["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == "kvpilot-headroom"
+    assert pod["nodeSelector"] == {"pool": "h100"}
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "4", "nvidia.com/gpu": 1},
+                                                 "limits": {"nvidia.com/gpu": 1}}
+    assert pod["containers"][0]["command"] == ["sleep", "infinity"]
+    assert pod["terminationGracePeriodSeconds"] == 0
+    labels = placeholder["spec"]["selector"]["matchLabels"]
+    engine = fleet.api.stored("Deployment", "llm", "chat")["spec"]["selector"]["matchLabels"]
+    assert labels != engine and not labels.items() <= engine.items()  # never an engine pod
+    parse_spec(fleet.body()["spec"])
+    # Node headroom off: the reconcile deletes the placeholders.
+    body = fleet.body()
+    body["spec"]["autoscaling"]["nodeStartupSeconds"] = 0
+    fleet.api.put(body)
+    on_spec(body=fleet.body(), memo=fleet.ctx)
+    assert fleet.api.stored("Deployment", "llm", "chat-headroom") is None

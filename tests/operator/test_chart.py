@@ -91,7 +91,7 @@ def test_operator_deployment(rendered):
     assert container["command"] == ["kvpilot", "operator"]
     assert container["args"] == [
         "--engine-image=kvpilot/engine:0.1.0", "--router-image=kvpilot/router:0.1.0",
-        "--pod-monitor=auto", "--resync-seconds=300",
+        "--pod-monitor=auto", "--resync-seconds=300", "--headroom-priority-class=kvpilot-headroom",
         "--metrics-port=9090", "--health-port=8080", "--log-level=INFO", "--log-format=text",
         "--leader-elect", "--leader-election-id=kvpilot-operator",
     ]
@@ -364,3 +364,10 @@ def test_values_the_operator_would_refuse_fail_the_render(sets, message):
     choices, duplicate container ports, duplicate Roles) or paged constantly."""
     with pytest.raises(AssertionError, match=message):
         helm_template(sets=sets)
+
+
+def test_the_headroom_priority_class_is_below_the_engines_and_never_preempts():
+    (pc,) = [d for d in helm_template() if d["kind"] == "PriorityClass"]
+    assert pc["metadata"]["name"] == "kvpilot-headroom"
+    assert pc["value"] < 0 and pc["preemptionPolicy"] == "Never" and pc["globalDefault"] is False
+    assert not [d for d in helm_template(sets=["headroom.priorityClass.create=false"]) if d["kind"] == "PriorityClass"]

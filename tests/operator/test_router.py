@@ -279,7 +279,8 @@ def test_disabled_router_builds_nothing_and_lists_what_to_delete():
         ("ServiceAccount", "chat-router"), ("RoleBinding", "chat-router"),
         ("Deployment", "chat-router"), ("Service", "chat-router"),
         ("PodDisruptionBudget", "chat-router"), ("PodMonitor", "chat-router"),
-        ("InferencePool", "chat")}
+        ("InferencePool", "chat"),
+        ("Deployment", "chat-headroom")}  # no node headroom asked for either
 
 
 def test_gateway_mode_builds_an_inference_pool_valid_against_its_crd():

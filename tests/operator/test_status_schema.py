@@ -12,6 +12,7 @@ the e2e suite.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import kopf
@@ -33,7 +34,7 @@ from kvpilot.operator.status.workload import failure_status, workload_status
 from .crdschema import load_crd, merge_patch, prune, root_schema, sub_schema, validate
 from .fake_sources import empty, loaded, unreachable
 from .fakes import T0, Clock, FakeKubeApi, inference
-from .fleet_harness import Fleet
+from .fleet_harness import AUTO, Fleet
 
 STATUS_SCHEMA = sub_schema(root_schema(load_crd()), "status")
 EMBEDDED = {"uri": "embedded://smollm2-135m-instruct"}
@@ -134,7 +135,9 @@ def autoscaler_fragments() -> list[dict]:
 def autoscale_loop_statuses() -> list[dict]:
     """Every status patch the real autoscaler loop sends, in order, over: scale up, an
     unreachable source, an empty answer, data back, a long quiet spell (scale down)."""
-    fleet = Fleet(load=loaded(0.97, waiting=30), replicas=2)
+    spec = copy.deepcopy(AUTO)
+    spec["autoscaling"]["nodeStartupSeconds"] = 300  # node headroom: status.autoscaler.headroom
+    fleet = Fleet(spec=spec, load=loaded(0.97, waiting=30), replicas=2)
     fleet.pods(ready=2)
     fleet.tick(0)
     fleet.pods(ready=fleet.replicas)

@@ -31,6 +31,7 @@ DEFAULTS: dict[str, Any] = {
     "scaleUpStabilizationSeconds": 0,
     "scaleDownStabilizationSeconds": 300,
     "intervalSeconds": 15,
+    "nodeStartupSeconds": 0,
     "metrics.source": "pods",
 }
 METRIC_SOURCES = ("prometheus", "pods")
@@ -49,6 +50,7 @@ _CRD_NAMES = {
     "scaleUpStabilizationSeconds": "scale_up_stabilization_seconds",
     "scaleDownStabilizationSeconds": "scale_down_stabilization_seconds",
     "intervalSeconds": "interval_seconds",
+    "nodeStartupSeconds": "node_startup_seconds",
 }
 _FIELD_TO_CRD = {v: k for k, v in _CRD_NAMES.items()}
 
@@ -108,6 +110,9 @@ class AutoscalingSpec:
         forecast_window_seconds: span of history the least-squares slope is fitted over.
         forecast_margin_seconds: added to ``startup_seconds`` to form the forecast horizon
             (covers the decision interval and metric lag).
+        node_startup_seconds: how long a new GPU node takes to be ready for pods; > 0 turns
+            node headroom on (placeholder pods, :mod:`kvpilot.autoscaler.headroom`), 0 (the
+            default) leaves it off.
     """
 
     min_replicas: int = DEFAULTS["minReplicas"]
@@ -123,6 +128,7 @@ class AutoscalingSpec:
     starvation_usage: float = STARVATION_USAGE
     forecast_window_seconds: float = 120.0
     forecast_margin_seconds: float = 30.0
+    node_startup_seconds: float = float(DEFAULTS["nodeStartupSeconds"])
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -163,6 +169,7 @@ class AutoscalingSpec:
             "scale_up_stabilization_seconds",
             "scale_down_stabilization_seconds",
             "forecast_margin_seconds",
+            "node_startup_seconds",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_name(name)} must be >= 0; got {getattr(self, name)}")

@@ -30,9 +30,11 @@ from typing import Any
 import kopf
 
 from kvpilot.autoscaler import PolicyState
+from kvpilot.autoscaler.headroom import HeadroomState, headroom
 from kvpilot.operator import constants as c
 from kvpilot.operator.api import ApiError
 from kvpilot.operator.autoscale import AutoscalePlan, plan_autoscale
+from kvpilot.operator.builders.headroom import build_headroom_deployment
 from kvpilot.operator.fleet import observe_fleet
 from kvpilot.operator.handlers import OperatorContext, ReconcileRefused, run_reconcile
 from kvpilot.operator.logs import ObjectLog, object_logger
@@ -90,6 +92,7 @@ class AutoscalerLoop:
         meta = body.get("metadata") or {}
         self._log = object_logger(_log, meta.get("namespace"), meta.get("name"))
         self.state = state_from_status(status, self._log)
+        self.headroom = HeadroomState.from_dict((status.get("autoscaler") or {}).get("headroom"))
         self.decided_at = last_decision_time(status)
         self._source: MetricsSource | None = None
         self._source_config: SourceConfig | None = None
@@ -185,17 +188,43 @@ class AutoscalerLoop:
                 owned_by_reconcile = c.WORKLOAD_CONDITIONS
         # The count is applied (or needed no change, or was refused): the decision happened.
         self.state, self.decided_at = plan.decision.state, now.timestamp()
+        headroom_status = self._apply_headroom(resource, spec, plan, now)
         # Ready/Progressing only when the reconcile just computed them from the Deployment
         # it applied; otherwise the snapshot's copies may be stale and are not written.
         owned = c.AUTOSCALER_CONDITIONS + (owned_by_reconcile if status else ())
         base = status.get("conditions") or resource.status.get("conditions")
         status.update(plan.status)
+        if headroom_status is not None or "headroom" in (resource.status.get("autoscaler") or {}):
+            status["autoscaler"] = {**(status.get("autoscaler") or {}), "headroom": headroom_status}
         status["conditions"] = set_conditions(base, plan.conditions, now, None)
         write_status(api, ns, name, status, owned, drop)
         self._written_conditions = status["conditions"]
         for event in plan.events:
             self.ctx.post_event(body, event.type, event.reason, event.message)
         return plan
+
+
+    def _apply_headroom(self, resource: Resource, spec: InferenceSpec, plan: AutoscalePlan,
+                        now: datetime) -> dict[str, Any] | None:
+        """Node headroom (``autoscaling.nodeStartupSeconds`` > 0): size the placeholder pods
+        after this decision (:func:`kvpilot.autoscaler.headroom.headroom`) and apply their
+        Deployment. Returns ``status.autoscaler.headroom`` (None when off: the reconcile
+        deletes the Deployment then). A failed apply is logged and tried again next
+        interval: the decision's status is written anyway."""
+        auto = spec.autoscaling
+        if auto is None or not auto.node_startup_seconds:
+            self.headroom = HeadroomState()
+            return None
+        self.headroom = headroom(plan.decision.state, auto, plan.decision.desired_replicas,
+                                 now.timestamp(), auto.node_startup_seconds, self.headroom)
+        try:
+            self.ctx.api.apply(build_headroom_deployment(
+                resource.owner, spec, self.headroom.replicas, self.ctx.options.engine_image,
+                self.ctx.options.headroom_priority_class))
+        except ApiError as exc:
+            self._log.warning("node headroom: applying %d placeholder pod(s) failed: %s", self.headroom.replicas,
+                              exc)
+        return self.headroom.to_dict()
 
 
 def has_autoscaling(spec: Mapping[str, Any], **_: Any) -> bool:

@@ -14,6 +14,8 @@ Flags (each also read from the environment variable in brackets, as the Helm cha
   --log-format FORMAT       text | json: every line about an InferenceDeployment names its
                             namespace and name (``[ns/name]``, or JSON ``object``)
                             [KVPILOT_LOG_FORMAT]
+  --headroom-priority-class PriorityClass of node-headroom placeholder pods (default
+                            kvpilot-headroom)  [KVPILOT_HEADROOM_PRIORITY_CLASS]
   --leader-elect            wait for the Lease --leader-election-id before acting, so several
                             replicas can run and one acts (:mod:`kvpilot.operator.leader`)
                             [KVPILOT_LEADER_ELECT=true]
@@ -66,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              " per line with the resource under 'object'")
 
 
+    parser.add_argument("--headroom-priority-class",
+                        default=os.environ.get("KVPILOT_HEADROOM_PRIORITY_CLASS", d.headroom_priority_class),
+                        help="PriorityClass of node-headroom placeholder pods (below the engines')")
     parser.add_argument("--leader-elect", action=argparse.BooleanOptionalAction,
                         default=os.environ.get("KVPILOT_LEADER_ELECT", "").lower() in ("1", "true", "yes"),
                         help="act only while holding the leader Lease (run several replicas)")
@@ -89,6 +94,7 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
         resync_seconds=args.resync_seconds,
         namespaces=tuple(args.namespaces),
         pod_monitor_labels=tuple(args.pod_monitor_labels),
+        headroom_priority_class=args.headroom_priority_class,
     )
 
 

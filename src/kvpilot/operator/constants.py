@@ -25,6 +25,11 @@ LABEL_OWNER = f"{GROUP}/inference-deployment"
 ENGINE_COMPONENT = "engine"
 ENGINE_NAME = "kvpilot-engine"
 ROUTER_COMPONENT = "router"
+# The node-headroom placeholder pods (NAME + HEADROOM_SUFFIX, builders/headroom.py).
+HEADROOM_COMPONENT = "headroom"
+HEADROOM_SUFFIX = "-headroom"
+# Their PriorityClass (the chart creates it, below the engines' priority).
+DEFAULT_HEADROOM_PRIORITY_CLASS = "kvpilot-headroom"
 ROUTER_NAME = "kvpilot-router"
 
 # The engine's HTTP port and endpoints (docs/architecture.md, "HTTP (engine)").

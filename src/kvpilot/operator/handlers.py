@@ -260,6 +260,8 @@ def on_deployment_event(body: kopf.Body, type: str | None, memo: OperatorContext
     if repair_child(memo, body, type) or type == "DELETED":
         return
     labels = body.get("metadata", {}).get("labels") or {}
+    if labels.get(c.LABEL_COMPONENT) == c.HEADROOM_COMPONENT:
+        return  # placeholders: nothing of theirs goes into the owner's status
     name, namespace = labels.get(c.LABEL_OWNER), body.get("metadata", {}).get("namespace")
     if not name or not namespace:
         return

@@ -21,6 +21,8 @@ class OperatorOptions:
         pod_monitor_labels: ``(key, value)`` labels on every engine PodMonitor, for a
             Prometheus that selects PodMonitors by label (kube-prometheus-stack's default
             wants ``release: <its release name>``).
+        headroom_priority_class: the PriorityClass of node-headroom placeholder pods
+            (``autoscaling.nodeStartupSeconds``); the chart creates it below the engines'.
     """
 
     engine_image: str = "kvpilot/engine:0.1.0"
@@ -29,6 +31,7 @@ class OperatorOptions:
     resync_seconds: float = 300.0
     namespaces: tuple[str, ...] = ()
     pod_monitor_labels: tuple[tuple[str, str], ...] = ()
+    headroom_priority_class: str = "kvpilot-headroom"
 
     def __post_init__(self) -> None:
         if self.pod_monitor not in POD_MONITOR_MODES:
@@ -42,5 +45,7 @@ class OperatorOptions:
         for key, _ in self.pod_monitor_labels:
             if not key or "=" in key:
                 raise ValueError(f"pod monitor label keys must be non-empty without '='; got {key!r}")
+        if not self.headroom_priority_class:
+            raise ValueError("headroom_priority_class must name a PriorityClass")
         if self.resync_seconds < 10:
             raise ValueError(f"resync_seconds must be >= 10; got {self.resync_seconds}")

@@ -388,6 +388,7 @@ def _parse_autoscaling(raw: Any) -> AutoscalingSpec:
             scale_down_stabilization_seconds=r.integer("scaleDownStabilizationSeconds", 0,
                                                        86400),
             interval_seconds=r.integer("intervalSeconds", 1, MAX_INTERVAL_SECONDS),
+            node_startup_seconds=r.integer("nodeStartupSeconds", 0, 3600),
             metrics=MetricsSourceSpec(source, url),
         )
     except ValueError as exc:

@@ -64,7 +64,8 @@ class Children:
         router: the router's objects in apply order (ServiceAccount and RoleBinding before
             the Deployment whose pods use them), or the InferencePool; () when disabled.
         unwanted: router objects this spec does not want (mode switched, router disabled,
-            PDB below two replicas): the reconcile deletes them if they are its own.
+            PDB below two replicas), and the node-headroom placeholder Deployment when
+            node headroom is off: the reconcile deletes them if they are its own.
     """
 
     deployment: dict[str, Any]
@@ -236,6 +237,10 @@ def build_children(owner: Owner, spec: InferenceSpec, replicas: int, default_ima
         raise ValueError(f"replicas must be >= 0; got {replicas}")
     router, unwanted = _router_children(owner, spec, router_image, pod_monitor,
                                         pod_monitor_labels, inference_pool)
+    if spec.autoscaling is None or not spec.autoscaling.node_startup_seconds:
+        # Node headroom off: its placeholder Deployment (the autoscaler loop applies it
+        # while on) goes.
+        unwanted = [*unwanted, ChildRef("apps/v1", "Deployment", owner.name + c.HEADROOM_SUFFIX)]
     return Children(
         deployment=build_deployment(owner, spec, replicas, default_image),
         service=build_service(owner),
