@@ -42,9 +42,11 @@ class Events(list):
 
 @pytest.fixture
 def ctx():
+    due = []
     ctx = OperatorContext(api=FakeKubeApi(), options=OperatorOptions(engine_image="e:1"),
                           metrics=OperatorMetrics(), clock=Clock(), post_event=Events(),
-                          monotonic=Seconds())
+                          monotonic=Seconds(), repairs=RepairBackoff(schedule=lambda s, fn: due.append((s, fn))))
+    ctx.repairs.due_now = due  # type: ignore[attr-defined]  # what the back-off deferred
     body = inference(spec=SPEC)
     ctx.api.put(body)
     on_spec(body=body, memo=ctx)
@@ -135,18 +137,25 @@ def test_a_fight_with_another_writer_is_backed_off(ctx, caplog):
         on_deployment_event(body=edited, type="MODIFIED", memo=ctx)
         return ctx.api.stored("Deployment", "llm", "chat")["spec"]["replicas"]
 
+    due = ctx.repairs.due_now
     assert fight() == 2  # the first repair is immediate
     ctx.monotonic.now += 0.5
     with caplog.at_level(logging.WARNING):
-        assert fight() == 9  # within the 1 s back-off: deferred
-    assert "repair deferred by the back-off" in caplog.text
+        assert fight() == 9  # within the 1 s back-off: deferred, not dropped
+    assert "Deployment chat was changed again; repair in 0.5 s" in caplog.text
     assert repairs(ctx, "Deployment", "changed", "deferred") == 1
-    ctx.monotonic.now += 0.6
-    assert fight() == 2  # 1 s after the first: allowed; the next waits 2 s
+    assert [round(s, 3) for s, _ in due] == [0.5]
+    assert fight() == 9  # a repair is already due: no second timer
+    assert len(due) == 1
+    ctx.monotonic.now += 0.5
+    due.pop()[1]()  # the timer fires: 1 s after the first repair, allowed; the next waits 2 s
+    assert ctx.api.stored("Deployment", "llm", "chat")["spec"]["replicas"] == 2
     ctx.monotonic.now += 1.5
-    assert fight() == 9
-    ctx.monotonic.now += 0.6
-    assert fight() == 2
+    assert fight() == 9 and [round(s, 3) for s, _ in due] == [0.5]
+    ctx.monotonic.now += 0.5
+    due.pop()[1]()
+    assert ctx.api.stored("Deployment", "llm", "chat")["spec"]["replicas"] == 2
+    assert repairs(ctx, "Deployment", "changed", "repaired") == 3
 
 
 def test_nothing_is_restored_for_an_owner_gone_or_going(ctx):
@@ -175,8 +184,8 @@ def test_an_unreadable_owner_is_logged_and_left_to_the_resync(ctx, caplog):
 
 
 def test_fingerprints_and_backoff_units():
-    assert fingerprint({"metadata": {"generation": 3, "resourceVersion": "9"}}) == "g3"
-    assert fingerprint({"metadata": {"resourceVersion": "9"}}) == "rv9"
+    assert fingerprint({"metadata": {"generation": 3, "resourceVersion": "9"}}) == ("g", 3)
+    assert fingerprint({"metadata": {"resourceVersion": "9"}}) == ("rv", "9")
     assert fingerprint({"metadata": {}}) is None
     seen = ChildFingerprints()
     a = {"metadata": {"uid": "u", "generation": 1}}
@@ -185,7 +194,13 @@ def test_fingerprints_and_backoff_units():
     assert seen.changed({"metadata": {"uid": "u", "generation": 2}})
     seen.record({"metadata": {"uid": "u", "generation": 3}})
     assert not seen.changed({"metadata": {"uid": "u", "generation": 3}})
+    # The watch lags behind our apply: an event of an older generation is no change.
+    assert not seen.changed({"metadata": {"uid": "u", "generation": 2}})
+    assert seen.changed({"metadata": {"uid": "u", "generation": 4}})
     assert not seen.changed({"metadata": {"generation": 3}})  # no uid: cannot tell
+    svc = ChildFingerprints()
+    assert not svc.changed({"metadata": {"uid": "s", "resourceVersion": "10"}})
+    assert svc.changed({"metadata": {"uid": "s", "resourceVersion": "11"}})
     backoff = RepairBackoff(initial=1, maximum=4, reset_after=30)
     times = [0, 0.5, 1, 2, 3, 5, 6, 9, 13, 50]
     assert [backoff.allow("ns", "x", t)[0] for t in times] == [

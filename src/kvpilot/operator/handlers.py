@@ -202,9 +202,9 @@ def on_resync(body: kopf.Body, memo: OperatorContext, **_: Any) -> None:
 
 def repair_child(memo: OperatorContext, body: Mapping[str, Any], type: str | None) -> bool:
     """Reconcile the owner of a child that someone else deleted or edited
-    (:mod:`kvpilot.operator.repair`), unless the owner is gone or going, or the back-off
-    defers it. Returns True when a reconcile ran. Logs, never raises: the resync is the
-    fallback."""
+    (:mod:`kvpilot.operator.repair`), unless the owner is gone or going; when the back-off
+    says wait, the repair runs when the wait is over. Returns True when a reconcile ran
+    now. Logs, never raises: the resync is the fallback."""
     meta = body.get("metadata") or {}
     if type == "DELETED":
         memo.fingerprints.forget(body)
@@ -216,9 +216,12 @@ def repair_child(memo: OperatorContext, body: Mapping[str, Any], type: str | Non
     name, namespace = (meta.get("labels") or {}).get(c.LABEL_OWNER), meta.get("namespace")
     if not name or not namespace:
         return False
+    return _repair_owner(memo, namespace, name, body.get("kind") or "child", meta.get("name", ""), cause)
+
+
+def _repair_owner(memo: OperatorContext, namespace: str, name: str, kind: str, child: str, cause: str) -> bool:
     log = logging.getLogger(__name__)
     extra = object_ref(namespace, name)
-    kind, child = body.get("kind") or "child", meta.get("name", "")
     try:
         owner = memo.api.get(c.API_VERSION, c.KIND, namespace, name)
     except ApiError as exc:
@@ -228,10 +231,11 @@ def repair_child(memo: OperatorContext, body: Mapping[str, Any], type: str | Non
         return False  # garbage collection or our own delete of a child the spec dropped
     allowed, remaining = memo.repairs.allow(namespace, name, memo.monotonic())
     if not allowed:
-        memo.metrics.count_repair(kind, cause, "deferred")
-        log.warning("%s %s was %s again; repair deferred by the back-off (%.0f s left: is another "
-                    "controller writing it?); the next event or the resync restores it",
-                    kind, child, cause, remaining, extra=extra)
+        if memo.repairs.later(namespace, name, remaining,
+                              lambda: _repair_owner(memo, namespace, name, kind, child, cause)):
+            memo.metrics.count_repair(kind, cause, "deferred")
+            log.warning("%s %s was %s again; repair in %.1f s (back-off: is another controller writing it?)",
+                        kind, child, cause, remaining, extra=extra)
         return False
     memo.metrics.count_repair(kind, cause, "repaired")
     log.info("%s %s was %s by someone else: reconciling to restore it", kind, child, cause, extra=extra)

@@ -21,7 +21,8 @@ a hot loop: the first repair of an owner is immediate; while repairs keep coming
 waits twice as long as the one before (1 s, 2 s, ... capped at
 :data:`MAX_BACKOFF_SECONDS`), and :data:`RESET_AFTER_SECONDS` without one resets it (short,
 so the autoscaler's own scale-ups minutes apart never build it up). A repair that has to
-wait is skipped, with a log line: the next event or the resync does it.
+wait runs when its wait is over (one timer per owner), with a log line and a
+``result="deferred"`` count.
 
 What is remembered per child (:class:`ChildFingerprints`) is in memory only: after an
 operator restart the first event of each child records it, and the ``resume`` handlers
@@ -31,7 +32,7 @@ reconcile every owner anyway.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,27 +43,39 @@ MAX_BACKOFF_SECONDS = 60.0
 RESET_AFTER_SECONDS = 30.0
 
 
-def fingerprint(body: Mapping[str, Any]) -> str | None:
-    """What a writer of ``body`` moved: ``g<generation>`` when the kind keeps one, else
-    ``rv<resourceVersion>``; None when the object carries neither."""
+def fingerprint(body: Mapping[str, Any]) -> tuple[str, int | str] | None:
+    """What a writer of ``body`` moved: ``("g", generation)`` when the kind keeps one, else
+    ``("rv", resourceVersion)``; None when the object carries neither."""
     meta = body.get("metadata") or {}
     generation = meta.get("generation")
-    if isinstance(generation, int) and generation > 0:
-        return f"g{generation}"
+    if isinstance(generation, int) and not isinstance(generation, bool) and generation > 0:
+        return ("g", generation)
     version = meta.get("resourceVersion")
-    return f"rv{version}" if version else None
+    return ("rv", str(version)) if version else None
+
+
+def _newer(now: tuple[str, int | str], before: tuple[str, int | str] | None) -> bool:
+    """Whether ``now`` is a write after ``before``. Generations only grow, so an event
+    that arrives after our own apply but shows an older generation (the watch stream lags
+    behind the apply's response) is not a change; resourceVersions are opaque strings, so
+    for them any difference is."""
+    if before is None:
+        return False
+    if now[0] == "g" and before[0] == "g":
+        return int(now[1]) > int(before[1])
+    return now != before
 
 
 @dataclass
 class ChildFingerprints:
-    """The last :func:`fingerprint` seen per child uid (thread-safe: Kopf runs sync
-    handlers in a thread pool)."""
+    """The newest :func:`fingerprint` known per child uid, from its watch events and our
+    own applies (thread-safe: Kopf runs sync handlers in a thread pool)."""
 
-    _seen: dict[str, str] = field(default_factory=dict)
+    _seen: dict[str, tuple[str, int | str]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def changed(self, body: Mapping[str, Any]) -> bool:
-        """Record ``body``'s fingerprint; True when it differs from the last one seen for
+        """Record ``body``'s fingerprint; True when it is newer than the last one known for
         the same uid (False for a child seen for the first time, or without a uid)."""
         uid = (body.get("metadata") or {}).get("uid")
         now = fingerprint(body)
@@ -70,8 +83,10 @@ class ChildFingerprints:
             return False
         with self._lock:
             before = self._seen.get(uid)
-            self._seen[uid] = now
-        return before is not None and before != now
+            newer = _newer(now, before)
+            if before is None or newer or now[0] != "g":
+                self._seen[uid] = now
+        return newer
 
     def record(self, body: Mapping[str, Any]) -> None:
         """Remember ``body``'s fingerprint as ours (what an apply of ours stored)."""
@@ -79,13 +94,21 @@ class ChildFingerprints:
         now = fingerprint(body)
         if uid and now is not None:
             with self._lock:
-                self._seen[uid] = now
+                before = self._seen.get(uid)
+                if before is None or now[0] != "g" or _newer(now, before):
+                    self._seen[uid] = now
 
     def forget(self, body: Mapping[str, Any]) -> None:
         """Drop a deleted child."""
         uid = (body.get("metadata") or {}).get("uid")
         with self._lock:
             self._seen.pop(uid or "", None)
+
+
+def _timer(seconds: float, fn: Callable[[], None]) -> None:
+    timer = threading.Timer(seconds, fn)
+    timer.daemon = True
+    timer.start()
 
 
 @dataclass
@@ -101,7 +124,10 @@ class RepairBackoff:
     initial: float = INITIAL_BACKOFF_SECONDS
     maximum: float = MAX_BACKOFF_SECONDS
     reset_after: float = RESET_AFTER_SECONDS
+    # Runs a callable after some seconds (a daemon timer thread; a fake in tests).
+    schedule: Callable[[float, Callable[[], None]], None] = field(default=lambda s, fn: _timer(s, fn))
     _owners: dict[tuple[str, str], _OwnerState] = field(default_factory=dict)
+    _due: set[tuple[str, str]] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def allow(self, namespace: str, name: str, now: float) -> tuple[bool, float]:
@@ -119,6 +145,23 @@ class RepairBackoff:
                 return False, remaining
             self._owners[key] = _OwnerState(last=now, wait=min(self.maximum, state.wait * 2))
             return True, 0.0
+
+    def later(self, namespace: str, name: str, seconds: float, repair: Callable[[], object]) -> bool:
+        """Run ``repair`` in ``seconds`` (a daemon timer thread), unless one is already due
+        for this owner. Returns whether this call scheduled it."""
+        key = (namespace, name)
+        with self._lock:
+            if key in self._due:
+                return False
+
+            def fire() -> None:
+                with self._lock:
+                    self._due.discard(key)
+                repair()
+
+            self._due.add(key)
+        self.schedule(max(0.0, seconds), fire)
+        return True
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop a deleted owner."""
