@@ -26,7 +26,7 @@ def _timed(cluster, what: str, predicate) -> float:
 
 def test_deleted_and_edited_children_are_restored_within_seconds(cluster, namespace):
     # No pods: the scenario is about the objects, and the two-core node has other work.
-    h.apply(cluster, namespace, h.small_infd(NAME, replicas=0))
+    h.apply(cluster, namespace, h.small_infd(NAME, replicas=0, autoscaling=None))
     cluster.wait_for(lambda: h.deployment(cluster, namespace, NAME), 60, "the engine Deployment")
     cluster.wait_for(lambda: cluster.kubectl("get", "-n", namespace, "service", NAME, check=False)
                      .returncode == 0, 60, "the engine Service")

@@ -44,14 +44,14 @@ def test_a_second_operator_takes_over_within_30_s(cluster, namespace):
         assert "Initial authentication has finished" not in follower_log  # it watches nothing
 
         # The leader acts.
-        h.apply(cluster, namespace, h.small_infd("ha-before", replicas=0))
+        h.apply(cluster, namespace, h.small_infd("ha-before", replicas=0, autoscaling=None))
         cluster.wait_for(lambda: h.deployment(cluster, namespace, "ha-before"), 60, "the leader's reconcile")
 
         # It dies without releasing the Lease; a resource arrives right after.
         cluster.kubectl("delete", "pod", "-n", OPERATOR_NAMESPACE, leader, "--grace-period=0", "--force",
                         "--wait=false")
         died = time.monotonic()
-        h.apply(cluster, namespace, h.small_infd("ha-after", replicas=0))
+        h.apply(cluster, namespace, h.small_infd("ha-after", replicas=0, autoscaling=None))
         cluster.wait_for(lambda: h.deployment(cluster, namespace, "ha-after"), 90,
                          "the follower to take over and reconcile")
         took = time.monotonic() - died
