@@ -43,14 +43,17 @@ def test_deleted_and_edited_children_are_restored_within_seconds(cluster, namesp
 
     times["deployment deleted"] = _timed(cluster, "the deleted Deployment recreated", recreated)
 
+    # The target port, not the port: ports is a list keyed by port and protocol, and an
+    # edit of a key adds an entry that server-side apply leaves to its writer (the
+    # reconcile then reports ApplyFailed, docs/operator.md).
     cluster.kubectl("patch", "-n", namespace, "service", NAME, "--type=json", "-p",
-                    json.dumps([{"op": "replace", "path": "/spec/ports/0/port", "value": 9999}]))
+                    json.dumps([{"op": "replace", "path": "/spec/ports/0/targetPort", "value": 9999}]))
 
     def port_back():
         svc = cluster.get_json("-n", namespace, "service", NAME)
-        return svc["spec"]["ports"][0]["port"] == 8000
+        return svc["spec"]["ports"][0]["targetPort"] == "http"
 
-    times["service edited"] = _timed(cluster, "the Service port put back", port_back)
+    times["service edited"] = _timed(cluster, "the Service target port put back", port_back)
 
     time.sleep(1.5)  # past the first step of the per-owner back-off (1 s)
     cluster.kubectl("scale", "-n", namespace, "deployment", NAME, "--replicas=2")

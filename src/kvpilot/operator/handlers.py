@@ -244,9 +244,12 @@ def _repair_owner(memo: OperatorContext, namespace: str, name: str, kind: str, c
     except (kopf.PermanentError, kopf.TemporaryError) as exc:
         log.warning("restoring %s %s failed: %s; the resync retries", kind, child, exc, extra=extra)
         return True
-    memo.post_event(owner, "Warning", "ChildRestored",
-                    f"{kind} {child} was {cause} by someone else; restored from the spec "
-                    "(edit the InferenceDeployment instead)")
+    try:
+        memo.post_event(owner, "Warning", "ChildRestored",
+                        f"{kind} {child} was {cause} by someone else; restored from the spec "
+                        "(edit the InferenceDeployment instead)")
+    except Exception as exc:  # an Event is a courtesy: the child is restored either way
+        log.warning("ChildRestored Event for %s %s not posted: %s", kind, child, exc, extra=extra)
     return True
 
 

@@ -31,6 +31,7 @@ reconcile every owner anyway.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -154,10 +155,14 @@ class RepairBackoff:
             if key in self._due:
                 return False
 
+            # The timer thread runs in the scheduling handler's context: Kopf keeps its
+            # settings in context variables, and posting an Event needs them.
+            context = contextvars.copy_context()
+
             def fire() -> None:
                 with self._lock:
                     self._due.discard(key)
-                repair()
+                context.run(repair)
 
             self._due.add(key)
         self.schedule(max(0.0, seconds), fire)
