@@ -35,6 +35,7 @@ def test_defaults_match_the_crd_defaults():
         "scaleUpStabilizationSeconds": 0.0,
         "scaleDownStabilizationSeconds": 300.0,
         "intervalSeconds": 15.0,
+        "nodeStartupSeconds": 0.0,  # node headroom off
     }
 
 
