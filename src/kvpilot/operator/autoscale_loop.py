@@ -203,7 +203,6 @@ class AutoscalerLoop:
             self.ctx.post_event(body, event.type, event.reason, event.message)
         return plan
 
-
     def _apply_headroom(self, resource: Resource, spec: InferenceSpec, plan: AutoscalePlan,
                         now: datetime) -> dict[str, Any] | None:
         """Node headroom (``autoscaling.nodeStartupSeconds`` > 0): size the placeholder pods

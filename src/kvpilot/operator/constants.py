@@ -25,6 +25,8 @@ LABEL_OWNER = f"{GROUP}/inference-deployment"
 ENGINE_COMPONENT = "engine"
 ENGINE_NAME = "kvpilot-engine"
 ROUTER_COMPONENT = "router"
+# The writable cache directory of engine and router pods (an emptyDir).
+CACHE_DIR = "/cache"
 # The node-headroom placeholder pods (NAME + HEADROOM_SUFFIX, builders/headroom.py).
 HEADROOM_COMPONENT = "headroom"
 HEADROOM_SUFFIX = "-headroom"

@@ -90,14 +90,9 @@ class ChildFingerprints:
         return newer
 
     def record(self, body: Mapping[str, Any]) -> None:
-        """Remember ``body``'s fingerprint as ours (what an apply of ours stored)."""
-        uid = (body.get("metadata") or {}).get("uid")
-        now = fingerprint(body)
-        if uid and now is not None:
-            with self._lock:
-                before = self._seen.get(uid)
-                if before is None or now[0] != "g" or _newer(now, before):
-                    self._seen[uid] = now
+        """Remember ``body``'s fingerprint as ours (what an apply of ours stored): the same
+        bookkeeping as :meth:`changed`, whose answer does not matter here."""
+        self.changed(body)
 
     def forget(self, body: Mapping[str, Any]) -> None:
         """Drop a deleted child."""
@@ -126,7 +121,7 @@ class RepairBackoff:
     maximum: float = MAX_BACKOFF_SECONDS
     reset_after: float = RESET_AFTER_SECONDS
     # Runs a callable after some seconds (a daemon timer thread; a fake in tests).
-    schedule: Callable[[float, Callable[[], None]], None] = field(default=lambda s, fn: _timer(s, fn))
+    schedule: Callable[[float, Callable[[], None]], None] = _timer
     _owners: dict[tuple[str, str], _OwnerState] = field(default_factory=dict)
     _due: set[tuple[str, str]] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)

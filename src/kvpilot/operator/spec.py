@@ -28,7 +28,8 @@ from kvpilot.autoscaler.spec import (
     AutoscalingSpec,
     MetricsSourceSpec,
 )
-from kvpilot.operator.model_uri import ModelSource, parse_model_uri
+from kvpilot.operator.constants import CACHE_DIR
+from kvpilot.operator.model_uri import MODELS_DIR, ModelSource, parse_model_uri
 from kvpilot.operator.serve_flags import SERVE_OPTIONS
 from kvpilot.vllm_flags import VLLMFlagError, split_vllm_flags
 
@@ -233,7 +234,7 @@ class PodSettings:
 # The pod's own volumes and where the engine mounts them (builders/pod.py): a user volume
 # or mount may not take these names or paths.
 RESERVED_VOLUME_NAMES = ("tmp", "cache", "models", "dshm")
-RESERVED_MOUNT_PATHS = ("/tmp", "/cache", "/models", "/dev/shm")
+RESERVED_MOUNT_PATHS = ("/tmp", CACHE_DIR, MODELS_DIR, "/dev/shm")
 # Labels kvpilot puts on the pods (selectors, ownership): podLabels may not set them.
 RESERVED_LABEL_PREFIXES = ("app.kubernetes.io/", "kvpilot.dev/")
 _LABEL_KEY_RE = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"

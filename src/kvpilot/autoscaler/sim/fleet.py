@@ -66,7 +66,6 @@ class _Fleet:
                                  config.warmup_seconds)
         self.placeholder_seconds = 0.0
         self.placeholders_since = 0.0
-        self._start_at_once = False  # binding the initial fleet: ready at once
 
     # -- bookkeeping -------------------------------------------------------------------------
     def push(self, t: float, kind: int, replica: Replica | None = None, epoch: int = 0) -> None:
@@ -129,23 +128,21 @@ class _Fleet:
         """A pod that needs a node slot: its start-up begins when it binds (at once when a
         slot or a placeholder is free, else when a node arrives)."""
         assert self.pool is not None
-        r = Replica(self.next_rid, self.model, math.inf)
+        # The initial fleet (at_once): its nodes are there and its pods already started.
+        r = Replica(self.next_rid, self.model, now if at_once else math.inf)
         r.cache = self.router.new_cache(r)
         self.by_rid[r.rid] = r
         self.next_rid += 1
         self._pay(now, +1)
         self.starting.append(r)
-        self._start_at_once = at_once  # the initial fleet: nodes there, pods already started
         self.pool.schedule_engine(r.rid, now)
-        self._start_at_once = False
         return r
 
     def _bound(self, rid: int, now: float) -> None:
         r = self.by_rid.get(rid)
         if r is None or r.state != "starting":
             return
-        if self._start_at_once:
-            r.ready_at = now
+        if r.ready_at <= now:  # the initial fleet
             self.make_ready(r, now)
             return
         r.ready_at = now + self.model.startup_seconds

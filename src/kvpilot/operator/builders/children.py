@@ -19,7 +19,12 @@ from typing import Any
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.builders import router as r
-from kvpilot.operator.builders.labels import object_labels, router_name, selector_labels
+from kvpilot.operator.builders.labels import (
+    headroom_name,
+    object_labels,
+    router_name,
+    selector_labels,
+)
 from kvpilot.operator.builders.pod import build_pod_template, startup_budget_seconds
 from kvpilot.operator.spec import InferenceSpec
 
@@ -240,7 +245,7 @@ def build_children(owner: Owner, spec: InferenceSpec, replicas: int, default_ima
     if spec.autoscaling is None or not spec.autoscaling.node_startup_seconds:
         # Node headroom off: its placeholder Deployment (the autoscaler loop applies it
         # while on) goes.
-        unwanted = [*unwanted, ChildRef("apps/v1", "Deployment", owner.name + c.HEADROOM_SUFFIX)]
+        unwanted = [*unwanted, ChildRef("apps/v1", "Deployment", headroom_name(owner.name))]
     return Children(
         deployment=build_deployment(owner, spec, replicas, default_image),
         service=build_service(owner),

@@ -11,20 +11,14 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvpilot.operator import constants as c
 from kvpilot.operator.builders.children import Owner
+from kvpilot.operator.builders.labels import (
+    headroom_name,
+    headroom_object_labels,
+    headroom_selector_labels,
+)
 from kvpilot.operator.builders.pod import build_pod_template
 from kvpilot.operator.spec import InferenceSpec
-
-
-def headroom_name(name: str) -> str:
-    return name + c.HEADROOM_SUFFIX
-
-
-def headroom_labels(name: str) -> dict[str, str]:
-    """Never matches the engine selector (another component), so the engine Service, PDB
-    and fleet observation leave the placeholders out."""
-    return {c.LABEL_COMPONENT: c.HEADROOM_COMPONENT, c.LABEL_OWNER: name}
 
 
 def build_headroom_deployment(owner: Owner, spec: InferenceSpec, replicas: int, default_image: str,
@@ -56,8 +50,7 @@ def build_headroom_deployment(owner: Owner, spec: InferenceSpec, replicas: int, 
                 "imagePullSecrets"):
         if key in engine:
             pod[key] = copy.deepcopy(engine[key])
-    labels = {c.LABEL_NAME: c.ENGINE_NAME, c.LABEL_INSTANCE: owner.name, c.LABEL_MANAGED_BY: c.FIELD_MANAGER,
-              **headroom_labels(owner.name)}
+    labels = headroom_object_labels(owner.name)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -65,7 +58,7 @@ def build_headroom_deployment(owner: Owner, spec: InferenceSpec, replicas: int, 
                      "ownerReferences": [owner.reference()]},
         "spec": {
             "replicas": replicas,
-            "selector": {"matchLabels": headroom_labels(owner.name)},
+            "selector": {"matchLabels": headroom_selector_labels(owner.name)},
             "strategy": {"type": "Recreate"},
             "template": {"metadata": {"labels": labels}, "spec": pod},
         },

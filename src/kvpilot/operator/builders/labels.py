@@ -46,3 +46,24 @@ def router_object_labels(name: str) -> dict[str, str]:
         c.LABEL_MANAGED_BY: c.FIELD_MANAGER,
         **router_selector_labels(name),
     }
+
+
+def headroom_name(name: str) -> str:
+    """The node-headroom placeholder Deployment's name."""
+    return name + c.HEADROOM_SUFFIX
+
+
+def headroom_selector_labels(name: str) -> dict[str, str]:
+    """The placeholder pods' selector: another component, so the engine Service, PDB and
+    fleet observation never count them."""
+    return {c.LABEL_COMPONENT: c.HEADROOM_COMPONENT, c.LABEL_OWNER: name}
+
+
+def headroom_object_labels(name: str) -> dict[str, str]:
+    """Labels on the placeholder Deployment and its pods."""
+    return {
+        c.LABEL_NAME: c.ENGINE_NAME,
+        c.LABEL_INSTANCE: name,
+        c.LABEL_MANAGED_BY: c.FIELD_MANAGER,
+        **headroom_selector_labels(name),
+    }

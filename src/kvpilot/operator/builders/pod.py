@@ -33,6 +33,7 @@ from kvpilot.operator.builders.engine_args import (
     prestop_sleep_seconds,
 )
 from kvpilot.operator.builders.labels import object_labels, selector_labels
+from kvpilot.operator.constants import CACHE_DIR
 from kvpilot.operator.model_uri import MODELS_DIR
 from kvpilot.operator.spec import InferenceSpec
 
@@ -41,7 +42,6 @@ ENGINE_UID = 10001
 DEFAULT_STARTUP_SECONDS = 120
 MIN_STARTUP_BUDGET_SECONDS = 600
 STARTUP_PERIOD_SECONDS = 10
-CACHE_DIR = "/cache"
 # Downloads an hf:// repository's weights, config and tokenizer (not *.bin/*.pth copies).
 HF_DOWNLOAD_SCRIPT = (
     "import sys\n"

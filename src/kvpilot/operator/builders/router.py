@@ -36,12 +36,12 @@ from kvpilot.operator.builders.labels import (
     router_selector_labels,
     selector_labels,
 )
+from kvpilot.operator.constants import CACHE_DIR
 from kvpilot.operator.spec import InferenceSpec
 
 ROUTER_COMMAND = ("vllm-router",)
 # Numeric UID/GID of the non-root user in docker/router.Dockerfile.
 ROUTER_UID = 10001
-CACHE_DIR = "/cache"
 LIVENESS_PATH = "/liveness"  # 200 while the process serves
 # 200 once the router has at least one healthy engine, 503 before: a new router pod gets
 # traffic only after its service discovery found an engine (checked with vllm-router 0.1.17).
