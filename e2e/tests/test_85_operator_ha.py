@@ -47,13 +47,18 @@ def test_a_second_operator_takes_over_within_30_s(cluster, namespace):
         h.apply(cluster, namespace, h.small_infd("ha-before", replicas=0, autoscaling=None))
         cluster.wait_for(lambda: h.deployment(cluster, namespace, "ha-before"), 60, "the leader's reconcile")
 
-        # It dies without releasing the Lease (SIGKILL through containerd, as a node loss
-        # or the OOM killer would), and its pod goes before the kubelet can restart it
-        # there; a resource arrives right after.
-        cluster.kill_container(OPERATOR_NAMESPACE, leader)
-        died = time.monotonic()
+        # It dies: its pod is force-deleted (so the kubelet never restarts it in place,
+        # where the same identity would take its Lease straight back) and its container
+        # SIGKILLed through containerd, as a node loss or the OOM killer would, racing the
+        # kubelet's own stop. A resource arrives right after.
+        container = cluster.get_json("-n", OPERATOR_NAMESPACE, "pod", leader)["status"]["containerStatuses"][0]
         cluster.kubectl("delete", "pod", "-n", OPERATOR_NAMESPACE, leader, "--grace-period=0", "--force",
                         "--wait=false")
+        died = time.monotonic()
+        try:
+            cluster.node.kill_task(container["containerID"].split("://", 1)[1])
+        except Exception as exc:  # the kubelet stopped it first: a graceful stop then
+            print(f"e2e operator HA: the kubelet stopped the leader first ({exc})")
         h.apply(cluster, namespace, h.small_infd("ha-after", replicas=0, autoscaling=None))
         cluster.wait_for(lambda: h.deployment(cluster, namespace, "ha-after"), 90,
                          "the follower to take over and reconcile")
@@ -61,9 +66,8 @@ def test_a_second_operator_takes_over_within_30_s(cluster, namespace):
         print(f"e2e operator HA: takeover and first reconcile {took:.1f} s after the leader's death")
         assert _holder(cluster) == follower
         assert took <= TAKEOVER_WITHIN_SECONDS, f"took {took:.1f} s"
-        # About 15-20 s when the Lease had to expire; a few seconds when the kubelet
-        # restarted the killed container before the pod's deletion reached it (same
-        # identity: it took the Lease back, then released it on the deletion's SIGTERM).
+        # About 15-20 s when the SIGKILL came first (the Lease had to expire); a few
+        # seconds when the kubelet's SIGTERM did (the leader released it).
     finally:
         cluster.kubectl("scale", "deployment", "-n", OPERATOR_NAMESPACE, deployment, "--replicas=1")
         cluster.wait_for(lambda: len(_ready_operator_pods(cluster)) == 1
