@@ -36,14 +36,21 @@ def test_defaults_match_the_crd_defaults():
         "scaleDownStabilizationSeconds": 300.0,
         "intervalSeconds": 15.0,
         "nodeStartupSeconds": 0.0,  # node headroom off
+        "scaleToZeroAfterSeconds": 300.0,  # read only with minReplicas 0
+        "activationTimeoutSeconds": 300.0,
     }
 
 
 @pytest.mark.parametrize(
     ("crd", "message"),
     [
-        ({"minReplicas": 5, "maxReplicas": 2}, "maxReplicas must be >= minReplicas (5); got 2"),
-        ({"minReplicas": 0}, "minReplicas must be >= 1"),
+        ({"minReplicas": 5, "maxReplicas": 2},
+         "maxReplicas must be >= 1 and >= minReplicas (5); got 2"),
+        ({"minReplicas": -1}, "minReplicas must be >= 0 (0 = scale to zero); got -1"),
+        ({"minReplicas": 0, "maxReplicas": 0}, "maxReplicas must be >= 1"),
+        ({"minReplicas": 0, "scaleToZeroAfterSeconds": 0}, "scaleToZeroAfterSeconds must be > 0"),
+        ({"minReplicas": 0, "activationTimeoutSeconds": -5},
+         "activationTimeoutSeconds must be > 0; got -5"),
         ({"minReplicas": 1.5}, "minReplicas must be a whole number; got 1.5"),
         ({"targetCacheUsage": -0.1}, "targetCacheUsage must be in (0, 1); got -0.1"),
         ({"targetCacheUsage": 1.0}, "targetCacheUsage must be in (0, 1); got 1.0"),

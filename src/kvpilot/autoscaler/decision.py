@@ -12,6 +12,9 @@ from kvpilot.autoscaler.signals import FleetLoad
 from kvpilot.autoscaler.spec import AutoscalingSpec
 from kvpilot.autoscaler.state import PolicyState
 
+# The rules that may leave the fleet at zero replicas (kvpilot.autoscaler.zero).
+ZERO_RULES = ("scale_to_zero", "scaled_to_zero")
+
 
 @dataclass(frozen=True)
 class Proposal:
@@ -92,15 +95,17 @@ def bound(
     now: float,
     metrics_available: bool = True,
 ) -> Decision:
-    """The Decision for ``proposal``: clamped to [min_replicas, max_replicas] (the reason
+    """The Decision for ``proposal``: clamped to [floor, max_replicas] (0 only for the
+    scale-to-zero rules, :data:`ZERO_RULES`, with ``minReplicas: 0``) (the reason
     then says which bound, and the rule becomes ``bounds`` when only the bound moves the
     count); ``direction`` against ``current``; and ``state`` with ``last_scale_time`` (and
     ``last_scale_down_time``) set to ``now`` when the count moves. Pure."""
     asked, rule, reason = proposal.replicas, proposal.rule, proposal.reason
-    desired = min(max(asked, spec.min_replicas), spec.max_replicas)
-    limited = "max" if asked > spec.max_replicas else "min" if asked < spec.min_replicas else None
+    floor = 0 if asked == 0 and spec.scale_to_zero and proposal.rule in ZERO_RULES else spec.floor
+    desired = min(max(asked, floor), spec.max_replicas)
+    limited = "max" if asked > spec.max_replicas else "min" if asked < floor else None
     if desired != asked:
-        limit = spec.max_replicas if limited == "max" else spec.min_replicas
+        limit = spec.max_replicas if limited == "max" else floor
         reason = f"{reason} (limited to {limited}Replicas={limit})"
         moved_by_bounds = (desired > current) != (asked > current) or asked == current
         if desired != current and moved_by_bounds:  # the count moves only for the bounds

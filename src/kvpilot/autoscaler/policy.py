@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from kvpilot.autoscaler import rules
+from kvpilot.autoscaler import rules, zero
 from kvpilot.autoscaler.decision import Decision, Proposal, bound
 from kvpilot.autoscaler.forecast import Trend, fit_trend, still_rising
 from kvpilot.autoscaler.rules import Candidate
@@ -68,12 +68,18 @@ def decide(
         now: the caller's clock, seconds (monotonic or wall, but the same one every call).
     """
     load, state = observe(signals, state, spec, now)
+    if spec.scale_to_zero and signals.current_replicas == 0:
+        return zero.at_zero(signals, load, state, spec, now)
     if load.usage_reported == 0:
-        return missing_metrics(signals, load, state, spec, now)
-    interval = assess(signals, load, state, spec, now)
-    proposal = propose_up(interval, spec) or propose_hold_or_down(interval, spec)
-    return bound(proposal, interval.current, interval.candidates, load, interval.state, spec,
-                 now)
+        decision = missing_metrics(signals, load, state, spec, now)
+    else:
+        interval = assess(signals, load, state, spec, now)
+        proposal = propose_up(interval, spec) or propose_hold_or_down(interval, spec)
+        decision = bound(proposal, interval.current, interval.candidates, load, interval.state,
+                         spec, now)
+    if spec.scale_to_zero:
+        return zero.after_decision(decision, signals, load, spec, now)
+    return decision
 
 
 @dataclass(frozen=True)
@@ -222,7 +228,7 @@ def at_target(interval: Interval, spec: AutoscalingSpec) -> Proposal | None:
 
 def at_lower_bound(interval: Interval, spec: AutoscalingSpec) -> Proposal | None:
     top = interval.highest
-    if interval.current <= spec.min_replicas:
+    if interval.current <= spec.floor:
         return _hold(interval, f"at the lower bound: {top.detail}", asked=top.replicas)
     return None
 

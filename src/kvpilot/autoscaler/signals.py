@@ -101,11 +101,20 @@ class FleetSignals:
             counted as supply so the same pressure is not answered twice.
         router_queued: requests held at the request router that no ready engine counts yet
             (requests, >= 0); 0 without a router or when its metric is missing.
+        requests_without_engine: attempts the router made since the last read that found
+            no engine to send a request to (vllm-router's ``no_available_workers`` errors;
+            >= 0, 0 when unknown). Above 0 while the fleet is at zero, a request is waiting
+            for an engine: the scale-to-zero activation (:mod:`kvpilot.autoscaler.zero`).
+        requests_finished: the ready engines' lifetime count of finished requests, summed
+            (None when any ready pod did not report it). Scale to zero reads a change
+            between two reads as traffic.
     """
 
     pods: tuple[PodSignals, ...]
     pending_replicas: int = 0
     router_queued: float = 0.0
+    requests_without_engine: float = 0.0
+    requests_finished: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pods", tuple(self.pods))
@@ -116,6 +125,10 @@ class FleetSignals:
         _check_optional("router_queued", "router", self.router_queued)
         if self.router_queued is None:
             raise ValueError("router_queued must be a number (0 when unknown); got None")
+        _check_optional("requests_without_engine", "router", self.requests_without_engine)
+        if self.requests_without_engine is None:
+            raise ValueError("requests_without_engine must be a number (0 when unknown); got None")
+        _check_optional("requests_finished", "fleet", self.requests_finished)
         names = [p.name for p in self.pods]
         if len(set(names)) != len(names):
             raise ValueError(f"pod names must be unique; got {names}")

@@ -32,6 +32,8 @@ DEFAULTS: dict[str, Any] = {
     "scaleDownStabilizationSeconds": 300,
     "intervalSeconds": 15,
     "nodeStartupSeconds": 0,
+    "scaleToZeroAfterSeconds": 300,
+    "activationTimeoutSeconds": 300,
     "metrics.source": "pods",
 }
 METRIC_SOURCES = ("prometheus", "pods")
@@ -51,6 +53,8 @@ _CRD_NAMES = {
     "scaleDownStabilizationSeconds": "scale_down_stabilization_seconds",
     "intervalSeconds": "interval_seconds",
     "nodeStartupSeconds": "node_startup_seconds",
+    "scaleToZeroAfterSeconds": "scale_to_zero_after_seconds",
+    "activationTimeoutSeconds": "activation_timeout_seconds",
 }
 _FIELD_TO_CRD = {v: k for k, v in _CRD_NAMES.items()}
 
@@ -88,8 +92,11 @@ class AutoscalingSpec:
     """Targets, bounds and windows of the scaling policy.
 
     Attributes:
-        min_replicas: lower bound, >= 1 (scale to zero is not supported: a fleet with no
-            pods reports no signal to scale up from).
+        min_replicas: lower bound, >= 0. 0 turns scale to zero on
+            (:mod:`kvpilot.autoscaler.zero`): the fleet goes to zero replicas after
+            ``scale_to_zero_after_seconds`` without a request and back to one when the
+            router holds a request that found no engine; every other rule keeps at least
+            one replica (:attr:`floor`).
         max_replicas: upper bound, >= min_replicas.
         target_cache_usage: wanted mean non-evictable KV usage per replica, in (0, 1).
         target_queue_depth: waiting requests per ready replica above which the queue is
@@ -113,6 +120,12 @@ class AutoscalingSpec:
         node_startup_seconds: how long a new GPU node takes to be ready for pods; > 0 turns
             node headroom on (placeholder pods, :mod:`kvpilot.autoscaler.headroom`), 0 (the
             default) leaves it off.
+        scale_to_zero_after_seconds: with ``min_replicas`` 0, how long the fleet must be
+            idle (no request running, waiting, held at the router or finished) before it
+            goes from one replica to zero (> 0).
+        activation_timeout_seconds: with ``min_replicas`` 0, how long the router holds a
+            request while no engine serves before answering 503 (> 0; the operator turns
+            it into the router's retry schedule, the policy does not read it).
     """
 
     min_replicas: int = DEFAULTS["minReplicas"]
@@ -129,6 +142,8 @@ class AutoscalingSpec:
     forecast_window_seconds: float = 120.0
     forecast_margin_seconds: float = 30.0
     node_startup_seconds: float = float(DEFAULTS["nodeStartupSeconds"])
+    scale_to_zero_after_seconds: float = float(DEFAULTS["scaleToZeroAfterSeconds"])
+    activation_timeout_seconds: float = float(DEFAULTS["activationTimeoutSeconds"])
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -149,14 +164,12 @@ class AutoscalingSpec:
         self._check_ranges()
 
     def _check_ranges(self) -> None:
-        if self.min_replicas < 1:
+        if self.min_replicas < 0:
+            raise ValueError(f"minReplicas must be >= 0 (0 = scale to zero); got {self.min_replicas}")
+        if self.max_replicas < max(1, self.min_replicas):
             raise ValueError(
-                "minReplicas must be >= 1 (scale to zero is not supported);"
-                f" got {self.min_replicas}"
-            )
-        if self.max_replicas < self.min_replicas:
-            raise ValueError(
-                f"maxReplicas must be >= minReplicas ({self.min_replicas}); got {self.max_replicas}"
+                f"maxReplicas must be >= 1 and >= minReplicas ({self.min_replicas});"
+                f" got {self.max_replicas}"
             )
         if not 0.0 < self.target_cache_usage < 1.0:
             raise ValueError(f"targetCacheUsage must be in (0, 1); got {self.target_cache_usage}")
@@ -173,6 +186,9 @@ class AutoscalingSpec:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_name(name)} must be >= 0; got {getattr(self, name)}")
+        for name in ("scale_to_zero_after_seconds", "activation_timeout_seconds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{_name(name)} must be > 0; got {getattr(self, name)}")
         if not 0.0 <= self.tolerance < 1.0:
             raise ValueError(f"tolerance must be in [0, 1); got {self.tolerance}")
         if not self.target_cache_usage < self.starvation_usage <= 1.0:
@@ -191,9 +207,20 @@ class AutoscalingSpec:
         """How far ahead the forecast must look: start-up time plus the margin."""
         return self.startup_seconds + self.forecast_margin_seconds
 
+    @property
+    def scale_to_zero(self) -> bool:
+        """True when ``minReplicas`` is 0: the fleet may go to zero replicas when idle."""
+        return self.min_replicas == 0
+
+    @property
+    def floor(self) -> int:
+        """The fewest replicas any rule but scale to zero leaves: ``max(1, min_replicas)``."""
+        return max(1, self.min_replicas)
+
     def clamp(self, replicas: int) -> int:
-        """``replicas`` limited to [min_replicas, max_replicas]."""
-        return max(self.min_replicas, min(self.max_replicas, replicas))
+        """``replicas`` limited to [floor, max_replicas] (never 0: only the scale-to-zero
+        rule goes to zero, and only the reconcile of a fleet at zero keeps zero)."""
+        return max(self.floor, min(self.max_replicas, replicas))
 
     @classmethod
     def from_crd(cls, autoscaling: Mapping[str, Any]) -> AutoscalingSpec:

@@ -51,6 +51,10 @@ class PolicyState:
             began (``None`` = no pod starving at the last decision with usage data). The
             alarm asks for this + 1 until the episode ends, so a hot spot that one more
             replica does not relieve cannot ratchet the fleet up one pod per start-up.
+        idle_since: since when the fleet has been idle without a break (scale to zero
+            only; ``None`` = not idle at the last decision).
+        requests_finished: the engines' finished-request count at the last decision
+            (scale to zero only: a change is traffic).
     """
 
     demand: tuple[tuple[float, float], ...] = ()
@@ -58,6 +62,8 @@ class PolicyState:
     last_scale_time: float | None = None
     last_scale_down_time: float | None = None
     starvation_base_replicas: int | None = None
+    idle_since: float | None = None
+    requests_finished: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serializable form (inverse of :meth:`from_dict`)."""
@@ -68,6 +74,8 @@ class PolicyState:
             "lastScaleTime": self.last_scale_time,
             "lastScaleDownTime": self.last_scale_down_time,
             "starvationBaseReplicas": self.starvation_base_replicas,
+            "idleSince": self.idle_since,
+            "requestsFinished": self.requests_finished,
         }
 
     @classmethod
@@ -89,12 +97,14 @@ class PolicyState:
             last_time = _opt_float(data.get("lastScaleTime"))
             last_down = _opt_float(data.get("lastScaleDownTime"))
             starvation_base = _opt_int(data.get("starvationBaseReplicas"))
+            idle_since = _opt_float(data.get("idleSince"))
+            finished = _opt_float(data.get("requestsFinished"))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"malformed policy state {dict(data)!r}: {exc}") from exc
         for t, d in demand:
             if not (math.isfinite(t) and math.isfinite(d)):
                 raise ValueError(f"malformed policy state: non-finite demand sample {(t, d)}")
-        return cls(demand, recs, last_time, last_down, starvation_base)
+        return cls(demand, recs, last_time, last_down, starvation_base, idle_since, finished)
 
     def pruned(self, now: float, demand_window: float, rec_window: float) -> PolicyState:
         """Drop what no window can use any more. Entries from the future (a clock that

@@ -3,7 +3,8 @@
 ::
 
     FleetObservation  (Deployment count, ready pods, pending)
-    MetricsReading    (PodSignals per ready pod, FinOps inputs, requests held at the router)
+    MetricsReading    (PodSignals per ready pod, FinOps inputs, requests held at the router,
+                       with scale to zero: finished requests, attempts that found no engine)
     PolicyState       (from the last decision, or from status)
     InferenceSpec, previous conditions, now
         --plan_autoscale-->  AutoscalePlan
@@ -149,8 +150,9 @@ def plan_autoscale(observation: FleetObservation, reading: MetricsReading, state
         raise ValueError("spec.autoscaling is not set: nothing to autoscale")
     # Requests held at the router join the waiting count; unknown (no router) counts as 0.
     held = reading.router_queued if reading.router_queued is not None else 0.0
-    decision = decide(FleetSignals(reading.pods, observation.pending_replicas, held), state,
-                      auto, now.timestamp())
+    decision = decide(FleetSignals(reading.pods, observation.pending_replicas, held,
+                                   reading.requests_without_engine, reading.requests_finished),
+                      state, auto, now.timestamp())
     requested = None
     if (decision.direction != "hold"
             and decision.desired_replicas != observation.deployment_replicas):
@@ -162,7 +164,8 @@ def plan_autoscale(observation: FleetObservation, reading: MetricsReading, state
     status.update(capacity.to_status())
     status.update(cost.to_status())
     status.update(autoscaler_status(decision.to_dict(), decision.state.to_dict(), now))
-    metrics = metrics_condition(reading, decision, observation.pending_replicas)
+    metrics = metrics_condition(reading, decision, observation.pending_replicas,
+                                auto.scale_to_zero)
     conditions = (
         metrics,
         scaling_active_condition(decision),

@@ -6,6 +6,7 @@ stops it when it is removed or the object goes). Every ``intervalSeconds``::
 
     observe_fleet (GET Deployment, LIST pods, LIST router pods)
     -> source.read(ready pods, ready routers)
+       (+ with minReplicas 0: the routers' attempts that found no engine, ActivationProbe)
     -> plan_autoscale (pure; the policy's decide())  ->  run_reconcile(requested=N) if the
        policy moved the count  ->  write_status (signals, capacity, cost, autoscaler, its
        conditions)  ->  Events
@@ -16,12 +17,18 @@ restarted loop waits out the interval instead of deciding twice). The loop also 
 in memory, because the body Kopf hands it may lag behind its own last status write.
 A restart in the middle of a scale-up cannot scale twice: the Deployment's count is read
 back and the pods not ready yet count as pending supply (:mod:`kvpilot.operator.fleet`).
+
+Scale to zero (``minReplicas: 0``): while the last decision left the fleet at zero, every
+:data:`~kvpilot.operator.activation.POLL_SECONDS` between intervals the loop lists the
+router pods and polls their count of attempts that found no engine; any increase runs an
+interval at once, whose policy activates the fleet (:mod:`kvpilot.autoscaler.zero`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 from collections.abc import Mapping
 from datetime import datetime
@@ -32,10 +39,11 @@ import kopf
 from kvpilot.autoscaler import PolicyState
 from kvpilot.autoscaler.headroom import HeadroomState, headroom
 from kvpilot.operator import constants as c
+from kvpilot.operator.activation import POLL_SECONDS, ActivationProbe
 from kvpilot.operator.api import ApiError
 from kvpilot.operator.autoscale import AutoscalePlan, plan_autoscale
 from kvpilot.operator.builders.headroom import build_headroom_deployment
-from kvpilot.operator.fleet import observe_fleet
+from kvpilot.operator.fleet import observe_fleet, observe_routers
 from kvpilot.operator.handlers import OperatorContext, ReconcileRefused, run_reconcile
 from kvpilot.operator.logs import ObjectLog, object_logger
 from kvpilot.operator.metrics_source import MetricsSource, SourceConfig
@@ -62,6 +70,12 @@ def state_from_status(status: Mapping[str, Any], log: ObjectLog = _log) -> Polic
     except ValueError as exc:
         log.warning("ignoring stored autoscaler state, starting fresh: %s", exc)
         return PolicyState()
+
+
+def last_desired_replicas(status: Mapping[str, Any]) -> int | None:
+    """``status.autoscaler.lastDecision.desiredReplicas``, or None."""
+    value = ((status.get("autoscaler") or {}).get("lastDecision") or {}).get("desiredReplicas")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def last_decision_time(status: Mapping[str, Any]) -> float | None:
@@ -103,15 +117,29 @@ class AutoscalerLoop:
         self._refused: tuple[int | None, int] | None = None
         self._episodes = EpisodeLog(self._log)
         self._key = f"{meta.get('namespace')}/{meta.get('name')} autoscaler"
+        # Scale to zero: the router's held requests (made on first use), and whether the
+        # last decision left the fleet at zero (then the loop polls them every second).
+        self.activation: ActivationProbe | None = None
+        self.at_zero = last_desired_replicas(status) == 0
 
     def close(self) -> None:
         if self._source is not None:
             self._source.close()
             self._source = None
+        if self.activation is not None:
+            self.activation.close()
+            self.activation = None
+
+    def _probe(self) -> ActivationProbe:
+        if self.activation is None:
+            self.activation = ActivationProbe(self._key.removesuffix(" autoscaler"),
+                                               log=self._log)
+        return self.activation
 
     def _source_for(self, config: SourceConfig) -> MetricsSource:
         if self._source is None or config != self._source_config:
-            self.close()
+            if self._source is not None:
+                self._source.close()
             self._source, self._source_config = self.ctx.source_factory(config), config
         return self._source
 
@@ -128,11 +156,18 @@ class AutoscalerLoop:
             return RETRY_SECONDS
         interval = float(spec.autoscaling.interval_seconds)
         now = self.ctx.clock()
+        held = None
         if self.decided_at is not None:
             waited = now.timestamp() - self.decided_at
             if 0 <= waited < interval - DUE_SLACK_SECONDS:
-                return interval - waited
-        plan = self.run_interval(body, resource, spec, now)
+                if not (spec.autoscaling.scale_to_zero and self.at_zero):
+                    return interval - waited
+                # At zero: a request the router holds is answered now, not next interval.
+                routers = observe_routers(self.ctx.api, resource.namespace, resource.name)
+                held = self._probe().poll(routers, now.timestamp())
+                if not held:
+                    return min(POLL_SECONDS, interval - waited)
+        plan = self.run_interval(body, resource, spec, now, held)
         return interval if plan is not None else RETRY_SECONDS
 
     def tick_safely(self, body: Mapping[str, Any]) -> float:
@@ -152,11 +187,13 @@ class AutoscalerLoop:
         return delay
 
     def run_interval(self, body: Mapping[str, Any], resource: Resource, spec: InferenceSpec,
-                     now: datetime) -> AutoscalePlan | None:
+                     now: datetime, held: float | None = None) -> AutoscalePlan | None:
         """Observe, plan (the policy's decision) and apply one interval: the count through
-        the reconcile, then the status and Events. Updates ``state`` and ``decided_at``.
-        None when there is no Deployment yet. Raises ApiError and kopf.TemporaryError (a
-        refused Deployment is recorded, not raised: see below)."""
+        the reconcile, then the status and Events. Updates ``state``, ``decided_at`` and
+        ``at_zero``. ``held``: router attempts that found no engine, when the caller just
+        polled them (scale to zero; else they are polled here). None when there is no
+        Deployment yet. Raises ApiError and kopf.TemporaryError (a refused Deployment is
+        recorded, not raised: see below)."""
         api, ns, name = self.ctx.api, resource.namespace, resource.name
         auto = spec.autoscaling
         if auto is None:
@@ -166,6 +203,10 @@ class AutoscalerLoop:
             return None
         source = self._source_for(SourceConfig(auto.metrics.source, auto.metrics.url, ns, name))
         reading = source.read(observation.ready, now.timestamp(), observation.routers)
+        if auto.scale_to_zero:
+            if held is None:
+                held = self._probe().poll(observation.routers, now.timestamp())
+            reading = dataclasses.replace(reading, requests_without_engine=held or 0.0)
         previous = self._written_conditions
         if previous is None:
             previous = resource.status.get("conditions")
@@ -188,6 +229,7 @@ class AutoscalerLoop:
                 owned_by_reconcile = c.WORKLOAD_CONDITIONS
         # The count is applied (or needed no change, or was refused): the decision happened.
         self.state, self.decided_at = plan.decision.state, now.timestamp()
+        self.at_zero = plan.decision.desired_replicas == 0
         headroom_status = self._apply_headroom(resource, spec, plan, now)
         # Ready/Progressing only when the reconcile just computed them from the Deployment
         # it applied; otherwise the snapshot's copies may be stale and are not written.

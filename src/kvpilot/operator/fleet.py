@@ -89,6 +89,12 @@ def fleet_from(deployment: Mapping[str, Any] | None,
     return FleetObservation(replicas, ready, max(0, replicas - len(ready)), ready_routers)
 
 
+def observe_routers(api: KubeApi, namespace: str, name: str) -> tuple[EnginePod, ...]:
+    """The ready router pods alone (one LIST): what scale to zero polls while the fleet
+    is at zero. Raises the api module's errors."""
+    return fleet_from(None, [], api.list_pods(namespace, router_selector_labels(name))).routers
+
+
 def observe_fleet(api: KubeApi, namespace: str, name: str) -> FleetObservation:
     """Read the engine Deployment, its pods and the router pods. Raises the api module's
     errors."""

@@ -280,7 +280,9 @@ def on_deployment_event(body: kopf.Body, type: str | None, memo: OperatorContext
             _refresh_router_condition(memo, owner, body)
             return
         current = owner.get("status") or {}
-        status = workload_status(name, body, None, current.get("conditions"), memo.clock())
+        autoscaling = (owner.get("spec") or {}).get("autoscaling") or {}
+        status = workload_status(name, body, None, current.get("conditions"), memo.clock(),
+                                 autoscaling.get("minReplicas") == 0)
         changed = {k: v for k, v in status.items() if current.get(k) != v}
         if changed and not _only_times_differ(changed, current):
             write_status(memo.api, namespace, name, status, c.WORKLOAD_CONDITIONS)

@@ -28,7 +28,9 @@ The replica count (:func:`replica_target`). Two controllers must never fight ove
 * autoscaling: the autoscaler is the truth. A reconcile keeps the Deployment's current
   count (clamped to [minReplicas, maxReplicas], e.g. after the bounds changed) and only an
   explicit ``requested`` count from the autoscaler loop moves it. A new Deployment
-  starts at minReplicas.
+  starts at minReplicas (at one with ``minReplicas: 0``: a new fleet serves first and goes
+  to zero when idle). Only the autoscaler takes a fleet to zero, and a fleet at zero stays
+  there until the autoscaler activates it (docs/autoscaling.md, "Scale to zero").
 
 The autoscaler loop calls :func:`reconcile` with ``requested`` (its recommendation):
 the same code path then applies the new count, so the two never fight over
@@ -164,10 +166,14 @@ def replica_target(spec: InferenceSpec, current: int | None, requested: int | No
     elif current is not None:
         base, why = current, ""
     else:
-        return ReplicaTarget(bounds.min_replicas, None, "")
+        return ReplicaTarget(bounds.floor, None, "")
+    if base == 0 and bounds.scale_to_zero:
+        # Scale to zero: only the autoscaler takes the fleet to zero, and a fleet at zero
+        # stays there until the autoscaler activates it.
+        return ReplicaTarget(0, current, why if current != 0 else "")
     replicas = bounds.clamp(base)
     if replicas > base:
-        why = f"raised to autoscaling.minReplicas={bounds.min_replicas}" + (f" ({why})" if why else "")
+        why = f"raised to autoscaling.minReplicas={bounds.floor}" + (f" ({why})" if why else "")
     elif replicas < base:
         why = f"capped at autoscaling.maxReplicas={bounds.max_replicas}" + (f" ({why})" if why else "")
     return ReplicaTarget(replicas, current, why if replicas != current else "")
@@ -355,7 +361,8 @@ def reconcile(api: KubeApi, resource: Resource, options: OperatorOptions, now: d
     deleted = _delete_unwanted(api, resource, done.children.unwanted)
 
     status = workload_status(resource.name, done.deployment, resource.generation,
-                             resource.status.get("conditions"), now)
+                             resource.status.get("conditions"), now,
+                             spec.autoscaling is not None and spec.autoscaling.scale_to_zero)
     status.update(scale_status(target, now))
     status.update(endpoint_status(resource.name, resource.namespace, spec.router))
     router = _router_condition(spec, stored_router, status["readyReplicas"], wants)

@@ -372,7 +372,7 @@ def _parse_autoscaling(raw: Any) -> AutoscalingSpec:
     if source == "prometheus" and (url is None or not re.match(r"^https?://\S+$", url)):
         raise SpecError("autoscaling.metrics.url", url,
                         "an http(s) URL is required when metrics.source is prometheus")
-    min_replicas = r.integer("minReplicas", 1, MAX_REPLICAS)
+    min_replicas = r.integer("minReplicas", 0, MAX_REPLICAS)
     max_replicas = r.integer("maxReplicas", 1, MAX_REPLICAS)
     if min_replicas > max_replicas:
         raise SpecError("autoscaling.minReplicas", min_replicas,
@@ -390,6 +390,8 @@ def _parse_autoscaling(raw: Any) -> AutoscalingSpec:
                                                        86400),
             interval_seconds=r.integer("intervalSeconds", 1, MAX_INTERVAL_SECONDS),
             node_startup_seconds=r.integer("nodeStartupSeconds", 0, 3600),
+            scale_to_zero_after_seconds=r.integer("scaleToZeroAfterSeconds", 1, 86400),
+            activation_timeout_seconds=r.integer("activationTimeoutSeconds", 1, 3600),
             metrics=MetricsSourceSpec(source, url),
         )
     except ValueError as exc:
@@ -582,11 +584,18 @@ def parse_spec(raw: Any) -> InferenceSpec:
                 raise SpecError("engine.extraArgs", arg,
                                 f"{KV_EVENTS_FLAG} is set by the operator while router.policy"
                                 " is kv_aware (the router subscribes to those events)")
+    scaling = None if autoscaling is None else _parse_autoscaling(autoscaling)
+    if scaling is not None and scaling.scale_to_zero and not router.runs_router:
+        where = "router.enabled is false" if not router.enabled else f"router.mode is {router.mode}"
+        raise SpecError("autoscaling.minReplicas", 0,
+                        f">= 1 while {where}: scale to zero needs the operator's router"
+                        " (router.mode: router) to hold the first request while an engine"
+                        " starts")
     return InferenceSpec(
         model=source,
         engine=engine,
         replicas=r.optional_integer("replicas", 0, MAX_REPLICAS),
-        autoscaling=None if autoscaling is None else _parse_autoscaling(autoscaling),
+        autoscaling=scaling,
         pod=_parse_pod(r),
         cost_per_replica_hour=finops.optional_number("costPerReplicaHour", 0.0, 1e9),
         router=router,

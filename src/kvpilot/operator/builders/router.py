@@ -26,6 +26,7 @@ Every builder here is pure (no I/O, no clock), like the engine's.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,6 +61,16 @@ HEALTH_SUCCESS_THRESHOLD = 2
 MAX_ATTEMPTS = 2
 RETRY_INITIAL_BACKOFF_MS = 50
 RETRY_MAX_BACKOFF_MS = 500
+# Scale to zero (autoscaling.minReplicas 0): the router holds a request that finds no engine
+# by retrying it, and vllm-router retries "no available workers" like a failed attempt
+# (checked with 0.1.17: a worker added during the retries gets the request). The schedule
+# grows by 1.5x from 50 ms to 500 ms, without jitter, and has as many attempts as it takes
+# for the waits to add up to activationTimeoutSeconds (hold_attempts); each attempt that
+# finds no engine counts in vllm_router_request_errors_total{error_type=
+# "no_available_workers"}, which the operator polls every second while the fleet is at zero.
+HOLD_BACKOFF_MULTIPLIER = 1.5
+# vllm-router's own default; raised when the hold needs more.
+REQUEST_TIMEOUT_SECONDS = 1800
 # On deletion the kubelet runs this sleep first, so the Service drops the router pod
 # before SIGTERM; vllm-router then stops accepting and finishes the streams it proxies.
 PRESTOP_SLEEP_SECONDS = 5
@@ -100,9 +111,45 @@ def _api_key_arg(spec: InferenceSpec) -> list[str]:
     return []
 
 
+def hold_attempts(hold_seconds: float, initial_ms: int = RETRY_INITIAL_BACKOFF_MS,
+                  max_ms: int = RETRY_MAX_BACKOFF_MS,
+                  multiplier: float = HOLD_BACKOFF_MULTIPLIER) -> int:
+    """``--retry-max-retries`` for a router that holds a request ``hold_seconds`` (> 0):
+    attempts (the first included) whose backoffs, ``initial_ms`` growing by ``multiplier``
+    up to ``max_ms``, add up to at least ``hold_seconds``. Raises ValueError for a
+    non-positive hold."""
+    if not hold_seconds > 0:
+        raise ValueError(f"hold_seconds must be > 0; got {hold_seconds}")
+    attempts, waited_ms, backoff = 1, 0.0, float(initial_ms)
+    while waited_ms < hold_seconds * 1000:
+        waited_ms += min(backoff, max_ms)
+        backoff *= multiplier
+        attempts += 1
+    return attempts
+
+
+def retry_args(spec: InferenceSpec) -> list[str]:
+    """Bounded retries; with scale to zero, the retry schedule that holds a request for
+    ``activationTimeoutSeconds`` while no engine serves (then vllm-router answers 503)."""
+    auto = spec.autoscaling
+    if auto is None or not auto.scale_to_zero:
+        return ["--retry-max-retries", str(MAX_ATTEMPTS),
+                "--retry-initial-backoff-ms", str(RETRY_INITIAL_BACKOFF_MS),
+                "--retry-max-backoff-ms", str(RETRY_MAX_BACKOFF_MS)]
+    hold = auto.activation_timeout_seconds
+    return ["--retry-max-retries", str(hold_attempts(hold)),
+            "--retry-initial-backoff-ms", str(RETRY_INITIAL_BACKOFF_MS),
+            "--retry-max-backoff-ms", str(RETRY_MAX_BACKOFF_MS),
+            "--retry-backoff-multiplier", str(HOLD_BACKOFF_MULTIPLIER),
+            "--retry-jitter-factor", "0",
+            "--request-timeout-secs", str(max(REQUEST_TIMEOUT_SECONDS,
+                                              math.ceil(hold) + REQUEST_TIMEOUT_SECONDS))]
+
+
 def router_args(name: str, namespace: str, spec: InferenceSpec) -> list[str]:
     """Arguments after ``vllm-router``: listen, policy, discovery of this resource's engine
-    pods in its namespace only, Prometheus metrics, health checks and bounded retries."""
+    pods in its namespace only, Prometheus metrics, health checks and bounded retries
+    (with scale to zero, the retries that hold a request while an engine starts)."""
     selector = [f"{k}={v}" for k, v in sorted(selector_labels(name).items())]
     return [
         "--host", "0.0.0.0", "--port", str(c.ROUTER_PORT),
@@ -116,9 +163,7 @@ def router_args(name: str, namespace: str, spec: InferenceSpec) -> list[str]:
         "--health-check-timeout-secs", str(HEALTH_CHECK_TIMEOUT_SECONDS),
         "--health-failure-threshold", str(HEALTH_FAILURE_THRESHOLD),
         "--health-success-threshold", str(HEALTH_SUCCESS_THRESHOLD),
-        "--retry-max-retries", str(MAX_ATTEMPTS),
-        "--retry-initial-backoff-ms", str(RETRY_INITIAL_BACKOFF_MS),
-        "--retry-max-backoff-ms", str(RETRY_MAX_BACKOFF_MS),
+        *retry_args(spec),
         *_api_key_arg(spec),
     ]
 
@@ -150,6 +195,14 @@ def _probe(path: str, period: int, timeout: int, failures: int) -> dict[str, Any
     }
 
 
+def _readiness_path(spec: InferenceSpec) -> str:
+    """``/readiness`` (ready once an engine is healthy), except with scale to zero: there
+    the router must take requests while no engine exists, to hold them, so it is ready
+    whenever it serves (``/liveness``)."""
+    auto = spec.autoscaling
+    return LIVENESS_PATH if auto is not None and auto.scale_to_zero else READINESS_PATH
+
+
 def _container(name: str, namespace: str, spec: InferenceSpec, image: str) -> dict[str, Any]:
     return {
         "name": "router",
@@ -166,7 +219,7 @@ def _container(name: str, namespace: str, spec: InferenceSpec, image: str) -> di
         "resources": copy.deepcopy(dict(spec.router.resources)),
         "startupProbe": _probe(LIVENESS_PATH, 2, 3, 30),
         "livenessProbe": _probe(LIVENESS_PATH, 10, 5, 3),
-        "readinessProbe": _probe(READINESS_PATH, 5, 3, 2),
+        "readinessProbe": _probe(_readiness_path(spec), 5, 3, 2),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
         "securityContext": {
             "allowPrivilegeEscalation": False,

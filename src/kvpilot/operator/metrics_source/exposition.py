@@ -124,3 +124,24 @@ def parse_router_in_flight(text: str, names: RouterMetricNames) -> dict[str, flo
             continue
         out[worker] = max(value, out.get(worker, 0.0))
     return out
+
+
+def parse_router_no_engine(text: str, names: RouterMetricNames) -> float:
+    """The router's count of attempts that found no engine (``errors`` samples whose
+    ``error_type_label`` is ``no_engine_error``, summed over routes); 0.0 when the series
+    is absent (vllm-router creates it on the first such failure).
+
+    Raises:
+        ExpositionError: the text is not Prometheus text format, or a matching sample is
+            not a finite, non-negative number (no counter value: better no answer than a
+            fake reset).
+    """
+    total = 0.0
+    for labels, value in _samples(text).get(names.errors, ()):
+        if labels.get(names.error_type_label) != names.no_engine_error:
+            continue
+        if not math.isfinite(value) or value < 0:
+            raise ExpositionError(f"{names.errors}{{{names.error_type_label}="
+                                  f"{names.no_engine_error!r}}} is {value!r}, not a counter value")
+        total += value
+    return total

@@ -66,15 +66,27 @@ class RouterMetricNames:
             of requests waiting in its own admission queue (``--max-concurrent-requests`` /
             ``--queue-size``): that queue is invisible to every source.
         worker_label: the label naming the engine in ``in_flight``.
+        errors: counter of failed attempts, labelled ``route`` and ``error_type``; created
+            on the first failure (absent = none yet).
+        error_type_label / no_engine_error: the label and its value for an attempt that
+            found no engine to send the request to (``no_available_workers``): while the
+            fleet is at zero, every retry of a held request adds one (scale to zero).
     """
 
     in_flight: str = "vllm_router_running_requests"
     worker_label: str = "worker"
+    errors: str = "vllm_router_request_errors_total"
+    error_type_label: str = "error_type"
+    no_engine_error: str = "no_available_workers"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.in_flight, str) or not _METRIC_NAME.match(self.in_flight):
-            raise ValueError("metric name for in_flight must match [a-zA-Z_:][a-zA-Z0-9_:]*;"
-                             f" got {self.in_flight!r}")
-        if not isinstance(self.worker_label, str) or not _LABEL_NAME.match(self.worker_label):
-            raise ValueError("worker_label must be a Prometheus label name"
-                             f" ([a-zA-Z_][a-zA-Z0-9_]*); got {self.worker_label!r}")
+        for name in ("in_flight", "errors"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not _METRIC_NAME.match(value):
+                raise ValueError(f"metric name for {name} must match [a-zA-Z_:][a-zA-Z0-9_:]*;"
+                                 f" got {value!r}")
+        for name in ("worker_label", "error_type_label"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not _LABEL_NAME.match(value):
+                raise ValueError(f"{name} must be a Prometheus label name"
+                                 f" ([a-zA-Z_][a-zA-Z0-9_]*); got {value!r}")

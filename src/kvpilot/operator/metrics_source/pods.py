@@ -42,6 +42,7 @@ from kvpilot.operator.metrics_source.names import EngineMetricNames, RouterMetri
 from kvpilot.operator.metrics_source.reading import (
     EnginePod,
     MetricsReading,
+    fleet_requests_finished,
     mean_context,
     pod_signals,
     router_queued,
@@ -165,13 +166,16 @@ class PodScrapeSource:
         rates: list[float | None] = []
         failures: list[str] = []
         prompt = generated = finished = 0.0
+        finished_each: list[float | None] = []
         previous, self._previous = self._previous, {}
         for pod, result in zip(pods, results):
             if isinstance(result, Exception):
                 failures.append(f"{pod.name} ({type(result).__name__}: {result})")
                 signals.append(pod_signals(pod.name, None, None, None, None, None, None))
                 rates.append(None)
+                finished_each.append(None)
                 continue
+            finished_each.append(result.requests_finished)
             key = (pod.name, pod.ip)
             before = previous.get(key)
             self._previous[key] = _Previous(now, result.preemptions, result.generation_tokens)
@@ -207,4 +211,5 @@ class PodScrapeSource:
             reachable=not pods or len(failures) < len(pods),
             problem=problem,
             router_queued=self._router_queued(pods, signals, routers, router_results, now),
+            requests_finished=fleet_requests_finished(finished_each),
         )

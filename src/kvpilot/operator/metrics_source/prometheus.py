@@ -36,6 +36,7 @@ from kvpilot.operator.metrics_source.promql import (
 from kvpilot.operator.metrics_source.reading import (
     EnginePod,
     MetricsReading,
+    fleet_requests_finished,
     mean_context,
     pod_signals,
     router_queued,
@@ -162,6 +163,7 @@ class PrometheusSource:
 
         signals, rates = [], []
         prompt = generated = finished = 0.0
+        finished_each = [get("requests_finished", p.name) for p in pods]
         for p in pods:
             capacity = get("kv_capacity", p.name) or get("cache_config", p.name)
             signals.append(pod_signals(p.name, get("kv_usage", p.name),
@@ -195,4 +197,5 @@ class PrometheusSource:
             reachable=answered,
             problem=problem,
             router_queued=router_queued(values.get("router_in_flight", {}), pods, signals),
+            requests_finished=fleet_requests_finished(finished_each),
         )

@@ -67,6 +67,12 @@ class MetricsReading:
             (:func:`router_queued`); None when no router series was read (no router, a
             routing policy that exports none, or every router scrape failed), which the
             autoscaler counts as 0.
+        requests_finished: the engines' finished requests, summed over ``pods`` (lifetime
+            counters); None unless every pod reported it (scale to zero reads a change
+            as traffic).
+        requests_without_engine: router attempts that found no engine since the previous
+            read (scale to zero's activation signal; the autoscaler loop fills it from
+            :mod:`kvpilot.operator.activation`, the sources leave 0).
     """
 
     source: str
@@ -76,6 +82,8 @@ class MetricsReading:
     reachable: bool = True
     problem: str | None = None
     router_queued: float | None = None
+    requests_finished: float | None = None
+    requests_without_engine: float = 0.0
 
     @property
     def kv_capacity_tokens(self) -> float | None:
@@ -135,6 +143,16 @@ def mean_context(prompt_tokens: float, generated_tokens: float,
     if finished_requests <= 0:
         return None
     return (prompt_tokens + generated_tokens) / finished_requests
+
+
+def fleet_requests_finished(per_pod: Sequence[float | None]) -> float | None:
+    """The finished-request counters of the ready pods, summed; None when any is missing
+    or not a counter value (a partial sum would look like traffic, or hide it), and for
+    an empty fleet."""
+    values = [valid(v) for v in per_pod]
+    if not values or None in values:
+        return None
+    return float(sum(v for v in values if v is not None))
 
 
 def worker_address(url: str) -> tuple[str, int] | None:

@@ -16,6 +16,8 @@ type              status  reason                 when
 MetricsAvailable  True    SignalsReported        every ready pod reported every signal
                   True    PartialData            some did not: scaling up still works, scaling
                                                  down is held (never down on missing data)
+                  True    ScaledToZero           at zero replicas by design (minReplicas 0):
+                                                 nothing to read, nothing missing
                   False   NoReadyPods            nothing to read yet
                   False   SourceUnreachable      Prometheus down / every scrape failed
                   False   NoData                 answered, but no KV usage for any ready pod:
@@ -170,11 +172,18 @@ def _missing_summary(reading: MetricsReading) -> str:
     return "; ".join(parts[:3]) + more
 
 
-def metrics_condition(reading: MetricsReading, decision: Decision, pending: int) -> Condition:
-    """MetricsAvailable from what the source returned and what the policy could use."""
+def metrics_condition(reading: MetricsReading, decision: Decision, pending: int,
+                      scale_to_zero: bool = False) -> Condition:
+    """MetricsAvailable from what the source returned and what the policy could use. A
+    fleet at zero by design (``minReplicas: 0``, nothing starting) has nothing to read and
+    is not missing anything: True, reason ScaledToZero."""
     ready = len(reading.pods)
     src = reading.source
     held = f"holding {decision.desired_replicas} replicas"
+    if ready == 0 and pending == 0 and scale_to_zero:
+        return Condition("MetricsAvailable", "True", "ScaledToZero",
+                         "no engine pod at zero replicas; the router's held requests are"
+                         f" watched every second ({decision.reason})")
     if ready == 0:
         return Condition("MetricsAvailable", "False", "NoReadyPods",
                          f"no ready engine pod to read ({pending} starting); {held}")

@@ -11,7 +11,8 @@ return the status merge patch (a dict) without mutating their inputs.
 Conditions owned here:
 
 =============  ==================================================================
-Ready          True when every desired engine pod is ready (False: ScaledToZero,
+Ready          True when every desired engine pod is ready, and at zero replicas with
+               autoscaling.minReplicas 0 (reason ScaledToZero) (False: ScaledToZero,
                ReplicasNotReady, InvalidSpec, ApplyFailed)
 Progressing    True while the Deployment rolls out or new pods start; False with
                Complete when steady, ProgressDeadlineExceeded when stuck
@@ -56,11 +57,18 @@ def _rollout_pending(deployment: Mapping[str, Any], n: dict[str, int]) -> bool:
     return unobserved or n["updated"] < n["desired"] or n["replicas"] > n["desired"]
 
 
-def workload_conditions(deployment: Mapping[str, Any]) -> tuple[Condition, Condition]:
-    """(Ready, Progressing) derived from the engine Deployment as observed."""
+def workload_conditions(deployment: Mapping[str, Any],
+                        scale_to_zero: bool = False) -> tuple[Condition, Condition]:
+    """(Ready, Progressing) derived from the engine Deployment as observed. With
+    ``scale_to_zero`` (``autoscaling.minReplicas: 0``) a fleet at zero is Ready: it serves,
+    the router holding each request while an engine starts."""
     n = _deployment_counts(deployment)
     counts = f"{n['ready']}/{n['desired']} engine pods ready"
-    if n["desired"] == 0:
+    if n["desired"] == 0 and scale_to_zero:
+        ready = Condition("Ready", "True", "ScaledToZero",
+                          "scaled to zero while idle: the router holds the next request"
+                          " (up to autoscaling.activationTimeoutSeconds) while an engine starts")
+    elif n["desired"] == 0:
         ready = Condition("Ready", "False", "ScaledToZero", "no engine pods are requested")
     elif n["ready"] >= n["desired"]:
         ready = Condition("Ready", "True", "AllReplicasReady", counts)
@@ -82,7 +90,8 @@ def workload_conditions(deployment: Mapping[str, Any]) -> tuple[Condition, Condi
 
 
 def workload_status(name: str, deployment: Mapping[str, Any], generation: int | None,
-                    conditions: list[Mapping[str, Any]] | None, now: datetime) -> dict[str, Any]:
+                    conditions: list[Mapping[str, Any]] | None, now: datetime,
+                    scale_to_zero: bool = False) -> dict[str, Any]:
     """Replica counts, selector, observedGeneration and the Ready/Progressing conditions.
 
     Args:
@@ -92,6 +101,7 @@ def workload_status(name: str, deployment: Mapping[str, Any], generation: int | 
             (None from the Deployment watch, which reconciles no spec: left unchanged).
         conditions: the current status.conditions (others' types are kept).
         now: the time of observation (timezone-aware).
+        scale_to_zero: ``autoscaling.minReplicas`` is 0 (Ready at zero replicas).
     """
     n = _deployment_counts(deployment)
     status: dict[str, Any] = {
@@ -99,7 +109,8 @@ def workload_status(name: str, deployment: Mapping[str, Any], generation: int | 
         "readyReplicas": n["ready"],
         "desiredReplicas": n["desired"],
         "selector": selector_string(name),
-        "conditions": set_conditions(conditions, workload_conditions(deployment), now, generation),
+        "conditions": set_conditions(conditions, workload_conditions(deployment, scale_to_zero), now,
+                                     generation),
     }
     if generation is not None:
         status["observedGeneration"] = generation
