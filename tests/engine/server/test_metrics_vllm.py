@@ -319,3 +319,13 @@ def test_the_per_request_n_histogram_counts_each_prompt_once_with_its_n(http, se
     assert after["vllm:request_params_n_sum"] - before.get("vllm:request_params_n_sum", 0.0) == 6
     assert (after["vllm:request_max_num_generation_tokens_sum"]
             - before.get("vllm:request_max_num_generation_tokens_sum", 0.0)) == 4
+
+
+def test_finished_requests_read_zero_before_the_first_one_finishes():
+    """The autoscaler's scale to zero reads "no request finished yet" as 0; a series that
+    only appears at the first finish would read as missing data and block it."""
+    from prometheus_client import generate_latest
+
+    text = generate_latest(EngineMetrics("m").registry).decode()
+    for reason in ("stop", "length", "abort"):
+        assert f'kvpilot:request_success_total{{finished_reason="{reason}",model_name="m"}} 0.0' in text

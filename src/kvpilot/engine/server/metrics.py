@@ -121,6 +121,10 @@ class EngineMetrics:
         self.success = Counter(
             "kvpilot:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r
         )
+        # Every finish reason from the start (value 0), as vLLM does: "no request finished
+        # yet" reads as 0, not as a missing series (the operator's scale to zero needs it).
+        for reason in VLLM_FINISH_REASONS:
+            self.success.labels(self.model_name, reason)
         self.config_info = Gauge(
             "kvpilot:cache_config_info",
             "KV cache configuration (value 1).",
