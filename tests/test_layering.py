@@ -38,3 +38,16 @@ def test_cli_dispatch_does_not_import_torch():
     code = "import sys, kvpilot.cli; kvpilot.cli.build_parser; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_operator_reads_model_uris_without_the_download_clients():
+    """The operator image has no minio or oras: parsing s3:// and oci:// specs must not
+    import them (only `kvpilot fetch-model`, in the engine image, does)."""
+    import subprocess
+
+    code = ("import sys, kvpilot.operator.spec as s;"
+            " s.parse_spec({'model': {'uri': 's3://bucket/m'}});"
+            " s.parse_spec({'model': {'uri': 'oci://r.io/m:v1'}});"
+            " print(sorted(m for m in ('minio', 'oras') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

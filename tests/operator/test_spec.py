@@ -3,6 +3,8 @@ what is allowed (house style: errors a person can act on)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvpilot.operator.model_uri import parse_model_uri
@@ -55,7 +57,7 @@ def test_static_and_autoscaled_replicas():
     ({"model": EMBEDDED, "autoscaling": {"maxReplicas": 2, "metrics": {
         "source": "prometheus", "url": "prometheus:9090"}}},
      "autoscaling.metrics.url", "prometheus:9090", "an http(s) URL is required"),
-    ({"model": {"uri": "s3://b/m"}}, "model.uri", "s3://b/m", "unsupported model URI"),
+    ({"model": {"uri": "gs://b/m"}}, "model.uri", "gs://b/m", "unsupported model URI"),
     ({"model": {}}, "model.uri", None, "a non-empty string is required"),
     ({}, "model.uri", None, "a non-empty string is required"),
     ({"model": EMBEDDED, "engine": {"extraArgs": ["--max-num-seqs=3"]}}, "engine.extraArgs",
@@ -87,6 +89,10 @@ def test_check_name():
     ("pvc://weights", "pvc", "/models", None, {"claim_name": "weights"}),
     ("pvc://weights/llama/3", "pvc", "/models/llama/3", None, {"claim_name": "weights"}),
     ("file:///opt/m.gguf", "file", "/opt/m.gguf", None, {}),
+    ("s3://models/llama/llama-3-8b/", "s3", "/models/llama-3-8b", "llama-3-8b", {}),
+    ("s3://llama-weights", "s3", "/models/llama-weights", "llama-weights", {}),
+    ("oci://ghcr.io/acme/models/qwen3:v2", "oci", "/models/qwen3", "qwen3",
+     {"oci_reference": "ghcr.io/acme/models/qwen3:v2"}),
 ])
 def test_model_uris(uri, scheme, model_arg, served, extra):
     source = parse_model_uri(uri)
@@ -96,11 +102,36 @@ def test_model_uris(uri, scheme, model_arg, served, extra):
     assert parse_model_uri(uri, "mine").served_model_name == "mine"
 
 
-@pytest.mark.parametrize("uri", ["s3://b/k", "hf://only", "pvc://Upper/x", "file://rel",
+@pytest.mark.parametrize("uri", ["gs://b/k", "hf://only", "pvc://Upper/x", "file://rel",
                                  "embedded://other", "pvc://w/ space", ""])
 def test_bad_model_uris(uri):
     with pytest.raises(ValueError, match=r"unsupported model URI .*use hf://ORG/NAME"):
         parse_model_uri(uri)
+
+
+@pytest.mark.parametrize(("uri", "message"), [
+    ("s3://b/k", "use s3://BUCKET"),  # a bucket name has 3 characters at least
+    ("s3://bucket/a/../b", "'..' segments"),
+    ("oci://ghcr.io/Acme/m", "use oci://REGISTRY"),
+])
+def test_bad_object_store_and_registry_uris(uri, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_model_uri(uri)
+
+
+@pytest.mark.parametrize(("model", "field", "allowed"), [
+    ({"uri": "hf://org/m", "credentialsSecret": "creds"}, "model.credentialsSecret",
+     "is for s3:// and oci:// models"),
+    ({"uri": "s3://bucket/m", "credentialsSecret": "Not_A_Name"}, "model.credentialsSecret",
+     "a Secret name"),
+    ({"uri": "s3://bucket/m", "ociMount": "ImageVolume"}, "model.ociMount", "is for oci://"),
+    ({"uri": "oci://r.io/m:v1", "ociMount": "Mounted"}, "model.ociMount",
+     "must be one of InitContainer, ImageVolume"),
+])
+def test_model_fetch_options_are_checked(model, field, allowed):
+    with pytest.raises(SpecError) as info:
+        parse_spec({"model": model})
+    assert info.value.field == field and allowed in info.value.allowed
 
 
 @pytest.mark.parametrize("uri", ["pvc://w/../../etc", "pvc://w/a/..", "pvc://w/.."])

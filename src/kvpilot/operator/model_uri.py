@@ -10,20 +10,37 @@ URI                                        engine pod
 ``pvc://CLAIM[/PATH]``                     the claim mounted read-only at /models;
                                            ``--model /models/PATH``
 ``file:///ABSOLUTE/PATH``                  ``--model /ABSOLUTE/PATH`` (baked into the image)
+``s3://BUCKET[/PREFIX]``                   an init container (``kvpilot fetch-model``)
+                                           downloads the model files into an emptyDir;
+                                           ``--model /models/NAME`` (NAME: the prefix's
+                                           last segment, else the bucket)
+``oci://REGISTRY/REPO[:TAG|@DIGEST]``      the artifact or image pulled by the same init
+                                           container, or mounted as an image volume
+                                           (``model.ociMount: ImageVolume``);
+                                           ``--model /models/NAME`` (the repository's last
+                                           segment)
 =========================================  ===========================================
+
+s3 and oci models are served as NAME unless ``servedModelName`` says otherwise (hf models
+as ``ORG/NAME``).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from kvpilot.fetch.uris import OCI_FORM, S3_FORM, parse_oci, parse_s3
 
 EMBEDDED_URI = "embedded://smollm2-135m-instruct"
 MODELS_DIR = "/models"
 _HF = re.compile(r"^hf://([A-Za-z0-9][A-Za-z0-9._-]*)/([A-Za-z0-9][A-Za-z0-9._-]*)$")
 _PVC = re.compile(r"^pvc://([a-z0-9]([-a-z0-9]*[a-z0-9])?)(/[^/\s]\S*)?$")
 _FILE = re.compile(r"^file://(/\S+)$")
-SUPPORTED = f"use hf://ORG/NAME, pvc://CLAIM[/PATH], file:///ABSOLUTE/PATH or {EMBEDDED_URI}"
+SUPPORTED = (f"use hf://ORG/NAME, pvc://CLAIM[/PATH], {S3_FORM}, {OCI_FORM},"
+             f" file:///ABSOLUTE/PATH or {EMBEDDED_URI}")
+# Schemes an init container fetches with `kvpilot fetch-model` (credentials allowed).
+FETCHED = ("s3", "oci")
 
 
 @dataclass(frozen=True)
@@ -32,11 +49,17 @@ class ModelSource:
 
     Attributes:
         uri: the spec's URI, unchanged.
-        scheme: ``embedded``, ``hf``, ``pvc`` or ``file``.
+        scheme: ``embedded``, ``hf``, ``pvc``, ``file``, ``s3`` or ``oci``.
         model_arg: the ``--model`` value for ``kvpilot serve``.
         served_model_name: ``--served-model-name`` (None = the engine's default).
         hf_repo: ``ORG/NAME`` to download (hf only).
         claim_name: PersistentVolumeClaim mounted at ``/models`` (pvc only).
+        oci_reference: ``REGISTRY/REPO[:TAG][@DIGEST]`` (oci only: an image volume's
+            reference).
+        credentials_secret: the Secret whose keys become the download's environment
+            (``model.credentialsSecret``; s3 and oci only).
+        oci_mount: ``InitContainer`` (pull into an emptyDir) or ``ImageVolume`` (the
+            kubelet mounts the image; Kubernetes 1.35+ with a runtime that supports it).
     """
 
     uri: str
@@ -45,6 +68,40 @@ class ModelSource:
     served_model_name: str | None
     hf_repo: str | None = None
     claim_name: str | None = None
+    oci_reference: str | None = None
+    credentials_secret: str | None = None
+    oci_mount: str = "InitContainer"
+
+    @property
+    def image_volume(self) -> bool:
+        """True when the model is an image volume (oci with ``ociMount: ImageVolume``)."""
+        return self.scheme == "oci" and self.oci_mount == "ImageVolume"
+
+    @property
+    def fetched(self) -> bool:
+        """True for the schemes ``kvpilot fetch-model`` downloads (s3, oci)."""
+        return self.scheme in FETCHED
+
+
+OCI_MOUNTS = ("InitContainer", "ImageVolume")
+
+
+def with_fetch_options(source: ModelSource, credentials_secret: str | None,
+                       oci_mount: str | None) -> ModelSource:
+    """``source`` with ``model.credentialsSecret`` and ``model.ociMount``; raises ValueError
+    naming the field when the URI's scheme has no use for it."""
+    if credentials_secret is not None and not source.fetched:
+        raise ValueError(f"model.credentialsSecret is for s3:// and oci:// models; this"
+                         f" {source.scheme} model has no use for it (hf:// reads HF_TOKEN"
+                         " from env)")
+    if oci_mount is not None:
+        if oci_mount not in OCI_MOUNTS:
+            raise ValueError(f"model.ociMount must be one of {', '.join(OCI_MOUNTS)};"
+                             f" got {oci_mount!r}")
+        if source.scheme != "oci":
+            raise ValueError(f"model.ociMount is for oci:// models; got a {source.scheme} model")
+    return replace(source, credentials_secret=credentials_secret,
+                   oci_mount=oci_mount or "InitContainer")
 
 
 def parse_model_uri(uri: str, served_model_name: str | None = None) -> ModelSource:
@@ -64,4 +121,12 @@ def parse_model_uri(uri: str, served_model_name: str | None = None) -> ModelSour
         return ModelSource(uri, "pvc", path, served_model_name, claim_name=m.group(1))
     if m := _FILE.match(uri):
         return ModelSource(uri, "file", m.group(1), served_model_name)
+    if uri.startswith("s3://"):
+        location = parse_s3(uri)
+        return ModelSource(uri, "s3", f"{MODELS_DIR}/{location.name}",
+                           served_model_name or location.name)
+    if uri.startswith("oci://"):
+        ref = parse_oci(uri)
+        return ModelSource(uri, "oci", f"{MODELS_DIR}/{ref.name}",
+                           served_model_name or ref.name, oci_reference=ref.reference)
     raise ValueError(f"unsupported model URI {uri!r}: {SUPPORTED}")

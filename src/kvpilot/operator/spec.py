@@ -29,7 +29,12 @@ from kvpilot.autoscaler.spec import (
     MetricsSourceSpec,
 )
 from kvpilot.operator.constants import CACHE_DIR
-from kvpilot.operator.model_uri import MODELS_DIR, ModelSource, parse_model_uri
+from kvpilot.operator.model_uri import (
+    MODELS_DIR,
+    ModelSource,
+    parse_model_uri,
+    with_fetch_options,
+)
 from kvpilot.operator.serve_flags import SERVE_OPTIONS
 from kvpilot.vllm_flags import VLLMFlagError, split_vllm_flags
 
@@ -572,6 +577,14 @@ def parse_spec(raw: Any) -> InferenceSpec:
         source = parse_model_uri(uri, served)
     except ValueError as exc:
         raise SpecError("model.uri", uri, str(exc)) from None
+    secret, mount = model.string("credentialsSecret"), model.string("ociMount")
+    if secret is not None and (len(secret) > 253 or not _DNS_SUBDOMAIN_RE.match(secret)):
+        raise SpecError("model.credentialsSecret", secret, "a Secret name (a DNS-1123 subdomain)")
+    try:
+        source = with_fetch_options(source, secret, mount)
+    except ValueError as exc:
+        where = "model.ociMount" if mount is not None and "ociMount" in str(exc) else "model.credentialsSecret"
+        raise SpecError(where, mount if where == "model.ociMount" else secret, str(exc)) from None
     if r.raw.get("replicas") is not None and r.raw.get("autoscaling") is not None:
         raise SpecError("replicas", r.raw["replicas"],
                         "spec.replicas and spec.autoscaling are mutually exclusive")

@@ -2,12 +2,15 @@
 
 Layout of one engine pod::
 
-    [init: model-download]  hf:// only: snapshot of ORG/NAME -> emptyDir /models
+    [init: model-download]  hf:// snapshot of ORG/NAME, s3:// and oci:// (kvpilot
+                            fetch-model, credentials from model.credentialsSecret)
+                            -> emptyDir /models
     [engine]                kvpilot serve ... on :8000 (/health, /ready, /metrics);
                             with the kv_aware router, KV events on ZMQ :5557 (replay :5558)
         /tmp    emptyDir   (root filesystem is read-only)
         /cache  emptyDir   (HF, Triton and torch caches)
-        /models emptyDir (hf) | PVC read-only (pvc)
+        /models emptyDir (hf, s3, oci) | PVC read-only (pvc);
+                /models/NAME an image volume (oci with model.ociMount ImageVolume)
         /dev/shm memory emptyDir (GPU pods: torch uses shared memory)
 
 Probes: a startup probe on /health that tolerates slow model loads (at least 10 minutes,
@@ -93,7 +96,12 @@ def _volumes(spec: InferenceSpec) -> tuple[list[dict[str, Any]], list[dict[str, 
                                      {"name": "cache", "emptyDir": {}}]
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"},
                                     {"name": "cache", "mountPath": CACHE_DIR}]
-    if spec.model.scheme == "hf":
+    if spec.model.image_volume:
+        # The kubelet pulls the image (imagePullSecrets apply) and mounts it read-only.
+        volumes.append({"name": "models", "image": {"reference": spec.model.oci_reference,
+                                                    "pullPolicy": "IfNotPresent"}})
+        mounts.append({"name": "models", "mountPath": spec.model.model_arg, "readOnly": True})
+    elif spec.model.scheme == "hf" or spec.model.fetched:
         volumes.append({"name": "models", "emptyDir": {}})
         mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
     elif spec.model.scheme == "pvc":
@@ -174,12 +182,22 @@ def _spread(name: str, spec: InferenceSpec) -> list[dict[str, Any]]:
 
 
 def _download_container(spec: InferenceSpec, image: str) -> dict[str, Any]:
+    """The ``model-download`` init container: huggingface_hub for hf://, ``kvpilot
+    fetch-model`` for s3:// and oci:// (progress lines in its log). The credentials Secret
+    comes after the user's envFrom, so its keys win."""
     dest = spec.model.model_arg
+    if spec.model.scheme == "hf":
+        command = ["python3", "-c", HF_DOWNLOAD_SCRIPT, spec.model.hf_repo or "", dest]
+    else:
+        command = ["kvpilot", "fetch-model", spec.model.uri, dest]
+    env_from = [copy.deepcopy(dict(x)) for x in spec.pod.env_from]
+    if spec.model.credentials_secret:
+        env_from.append({"secretRef": {"name": spec.model.credentials_secret}})
     return {
         "name": "model-download",
         "image": image,
         "imagePullPolicy": spec.engine.image_pull_policy,
-        "command": ["python3", "-c", HF_DOWNLOAD_SCRIPT, spec.model.hf_repo, dest],
+        "command": command,
         "env": _env(spec),
         "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
         "securityContext": _container_security(),
@@ -189,7 +207,8 @@ def _download_container(spec: InferenceSpec, image: str) -> dict[str, Any]:
             {"name": "models", "mountPath": MODELS_DIR},
         ],
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        **_env_from(spec),  # credentials for a private hub repository, say
+        # Credentials for a private hub repository, bucket or registry.
+        **({"envFrom": env_from} if env_from else {}),
     }
 
 
@@ -232,7 +251,7 @@ def build_pod_template(name: str, spec: InferenceSpec, default_image: str) -> di
         "containers": [_engine_container(spec, image, mounts)],
         "volumes": volumes + [copy.deepcopy(dict(v)) for v in spec.pod.volumes],
     }
-    if spec.model.scheme == "hf":
+    if spec.model.scheme == "hf" or (spec.model.fetched and not spec.model.image_volume):
         pod["initContainers"] = [_download_container(spec, image)]
     if spec.pod.service_account_name:
         pod["serviceAccountName"] = spec.pod.service_account_name
