@@ -4,6 +4,7 @@ Llama and Qwen2 checkpoints written by transformers), and the errors for everyth
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -92,7 +93,10 @@ def _tiny_hf_model(path, arch, tokenizer):
         tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id,
     )
-    if arch == "qwen2":
+    if arch == "llama-bias":  # attention_bias: q/k/v and o_proj biases
+        cfg = transformers.LlamaConfig(**common, rope_theta=10000.0, attention_bias=True)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**common, rope_theta=10000.0)
         cls = transformers.Qwen2ForCausalLM
     elif arch == "mistral":
@@ -121,7 +125,7 @@ def _tiny_hf_model(path, arch, tokenizer):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "llama-bias", "qwen2", "mistral"])
 def test_hf_folder_greedy_matches_transformers(tmp_path, tokenizer, arch):
     from kvpilot.engine.llm import LLM
     from kvpilot.engine.sampling_params import SamplingParams
@@ -129,10 +133,57 @@ def test_hf_folder_greedy_matches_transformers(tmp_path, tokenizer, arch):
     hf = _tiny_hf_model(tmp_path, arch, tokenizer)
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_memory=0.05)
     cfg = llm.engine.model_config
-    assert cfg.architecture == arch and cfg.attention_bias == (arch == "qwen2")
+    assert cfg.architecture == arch.removesuffix("-bias")
+    assert cfg.attention_bias == (arch in ("qwen2", "llama-bias"))
+    assert cfg.o_proj_bias == (arch == "llama-bias")
     prompts = ["The capital of France is", "def f(x):", "One two three four five six seven eight nine ten eleven"]
     results = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     for prompt, res in zip(prompts, results):
         ids = torch.tensor([tokenizer.encode(prompt)])
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, min_new_tokens=12)
         assert res.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist(), prompt
+
+
+LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16,
+                "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"hidden_act": "gelu"}, "hidden_act = 'gelu' is not supported; supported: silu, swish"),
+    ({"hidden_activation": "gelu_pytorch_tanh"}, "hidden_activation = 'gelu_pytorch_tanh'"),
+    ({"mlp_bias": True}, "mlp_bias = True is not supported"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}},
+     "quantization_config.quant_method = 'awq' is not supported; weight quantization"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quant_method = 'fp8'"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_scaling.rope_type = 'yarn' is not supported; supported: default, linear, llama3"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type = 'dynamic'"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping = 30.0"),
+])
+def test_config_fields_that_change_the_math_are_refused_by_name(tmp_path, extra, message):
+    """Loading such a checkpoint would run other math than it was trained with and answer
+    wrongly without a word (a Llama config with hidden_act gelu used to run SiLU)."""
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, **extra}))
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)) as info:
+        ModelConfig.from_hf_config(tmp_path)
+    assert str(tmp_path / "config.json") in str(info.value)
+
+
+@pytest.mark.parametrize("extra", [{"hidden_act": "silu"}, {"mlp_bias": False},
+                                   {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+                                   {"partial_rotary_factor": 1.0}, {"quantization_config": None}])
+def test_config_fields_with_implemented_values_load(tmp_path, extra):
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, **extra}))
+    assert ModelConfig.from_hf_config(tmp_path).architecture == "llama"
+
+
+def test_gguf_experts_and_other_rope_scaling_are_refused():
+    meta = {"general.architecture": "llama", "llama.attention.head_count": 2,
+            "llama.embedding_length": 16, "llama.feed_forward_length": 32, "llama.block_count": 1,
+            "llama.vocab_size": 32}
+    with pytest.raises(UnsupportedModelError, match=r"llama.expert_count = 8 \(a mixture of experts\)"):
+        ModelConfig.from_gguf_metadata({**meta, "llama.expert_count": 8}, set(), "mixtral.gguf")
+    with pytest.raises(UnsupportedModelError, match=r"rope.scaling.type = 'yarn'"):
+        ModelConfig.from_gguf_metadata({**meta, "llama.rope.scaling.type": "yarn"}, set(), "m.gguf")
+    assert ModelConfig.from_gguf_metadata(meta, {"blk.0.attn_output.bias"}, "m.gguf").o_proj_bias

@@ -21,6 +21,49 @@ class UnsupportedModelError(ValueError):
     """The model exists but is not something this engine can run."""
 
 
+# config.json fields that change the math, and the values the model code implements. A
+# checkpoint asking for anything else is refused by name: loading it would run other math
+# than it was trained with, and answer wrongly without a word.
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def check_hf_config(cfg: dict[str, Any], where: str) -> None:
+    """Refuse a config.json that asks for math the model code does not do.
+
+    Raises:
+        UnsupportedModelError: naming ``where`` (the file), the key, its value and what
+            is supported.
+    """
+    def refuse(key: str, value: Any, supported: str) -> UnsupportedModelError:
+        return UnsupportedModelError(f"{where}: {key} = {value!r} is not supported; {supported}")
+
+    for key in ("hidden_act", "hidden_activation"):
+        act = cfg.get(key)
+        if act is not None and act not in SUPPORTED_ACTIVATIONS:
+            raise refuse(key, act, f"supported: {', '.join(SUPPORTED_ACTIVATIONS)} (SwiGLU MLP)")
+    if cfg.get("mlp_bias"):
+        raise refuse("mlp_bias", cfg["mlp_bias"], "the MLP projections have no bias here (false)")
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise refuse("quantization_config.quant_method", method,
+                     "weight quantization is not supported: use the unquantized checkpoint"
+                     " (KV-cache quantization is --kv-cache-dtype)")
+    partial = cfg.get("partial_rotary_factor")
+    if partial is not None and float(partial) != 1.0:
+        raise refuse("partial_rotary_factor", partial, "rotary embeddings cover the whole head (1.0)")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise refuse(key, cfg[key], "logit soft-capping is not implemented (null)")
+    for key in ("rope_scaling", "rope_parameters"):
+        scaling = cfg.get(key)
+        if isinstance(scaling, dict):
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind not in SUPPORTED_ROPE_TYPES:
+                raise refuse(f"{key}.rope_type", kind, f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and hyper-parameters of the decoder.
@@ -28,7 +71,8 @@ class ModelConfig:
     Attributes:
         architecture: ``llama``, ``mistral`` or ``qwen2``.
         head_dim: per-head size (``hidden_size // num_heads`` unless given).
-        attention_bias: q/k/v projections have a bias (Qwen2).
+        attention_bias: q/k/v projections have a bias (Qwen2; Llama's ``attention_bias``).
+        o_proj_bias: the output projection has a bias too (Llama's ``attention_bias``).
         rope_scaling: HF ``rope_scaling`` dict (``llama3`` type supported) or None.
         rope_freq_factors: per-frequency divisors from a GGUF ``rope_freqs`` tensor.
         eos_token_ids: tokens that end generation.
@@ -47,6 +91,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False
+    o_proj_bias: bool = False
     rope_scaling: dict[str, Any] | None = None
     rope_freq_factors: tuple[float, ...] | None = None
     sliding_window: int | None = None
@@ -85,6 +130,7 @@ class ModelConfig:
                 f"{path}/config.json declares architectures {archs}; supported: "
                 f"{sorted(SUPPORTED_HF_ARCHITECTURES)}"
             )
+        check_hf_config(cfg, f"{path}/config.json")
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -110,6 +156,8 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            # Llama's attention_bias also puts a bias on o_proj; Qwen2's bias is q/k/v only.
+            o_proj_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
             rope_scaling=rope_scaling,
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
@@ -134,6 +182,15 @@ class ModelConfig:
         def key(k: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{k}", default)
 
+        experts = key("expert_count")
+        if experts:
+            raise UnsupportedModelError(f"{name}: {arch}.expert_count = {experts} (a mixture of experts)"
+                                        " is not supported; dense models only")
+        scaling_type = key("rope.scaling.type")
+        if scaling_type not in (None, "none", "linear"):
+            raise UnsupportedModelError(f"{name}: {arch}.rope.scaling.type = {scaling_type!r} is not"
+                                        " supported; supported: none, linear")
+
         num_heads = int(key("attention.head_count"))
         hidden = int(key("embedding_length"))
         vocab = key("vocab_size")
@@ -146,7 +203,7 @@ class ModelConfig:
             eos_ids.append(int(eot))
         head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // num_heads
         rope_scaling = None
-        if key("rope.scaling.type") in ("linear", "yarn"):
+        if key("rope.scaling.type") == "linear":
             rope_scaling = {"rope_type": key("rope.scaling.type"), "factor": key("rope.scaling.factor")}
         bos = meta.get("tokenizer.ggml.bos_token_id")
         return cls(
@@ -163,6 +220,7 @@ class ModelConfig:
             max_position_embeddings=int(key("context_length", 4096)),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
+            o_proj_bias="blk.0.attn_output.bias" in tensor_names,
             rope_scaling=rope_scaling,
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=tuple(eos_ids),
