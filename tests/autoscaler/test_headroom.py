@@ -33,6 +33,16 @@ def test_a_significant_rise_keeps_placeholders_for_a_node_then_a_pod():
     assert capped.replicas == 2  # never beyond maxReplicas
 
 
+def test_placeholders_never_exceed_the_replicas_decided():
+    # The same rise seen by a fleet of 3: 12 needed, but at most 3 placeholders (one node
+    # start-up may at most double the fleet); a fleet of 0 or 1 may still get one.
+    state = demand((t, 2.0 + t / 150) for t in range(0, 135, 15))
+    got = headroom(state, SPEC, desired=3, now=120, node_startup_seconds=300, previous=HeadroomState())
+    assert got.replicas == 3 and "(at most 1 x the replicas decided)" in got.reason
+    assert headroom(state, SPEC, 1, 120, 300, HeadroomState()).replicas == 1
+    assert headroom(state, SPEC, 0, 120, 300, HeadroomState()).replicas == 1
+
+
 def test_flat_demand_keeps_none_and_placeholders_come_down_after_the_window():
     flat = demand((t, 2.0) for t in range(0, 135, 15))
     assert headroom(flat, SPEC, 4, 120, 300, HeadroomState()).replicas == 0
