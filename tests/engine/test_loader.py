@@ -36,6 +36,8 @@ def test_gguf_names_map_to_hf_names():
     assert gguf_hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
     assert gguf_hf_name("token_embd.weight") == "model.embed_tokens.weight"
     assert gguf_hf_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
+    assert gguf_hf_name("blk.3.attn_q_norm.weight") == "model.layers.3.self_attn.q_norm.weight"  # qwen3
+    assert gguf_hf_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
     assert gguf_hf_name("something.else") is None
 
 
@@ -96,6 +98,9 @@ def _tiny_hf_model(path, arch, tokenizer):
     if arch == "llama-bias":  # attention_bias: q/k/v and o_proj biases
         cfg = transformers.LlamaConfig(**common, rope_theta=10000.0, attention_bias=True)
         cls = transformers.LlamaForCausalLM
+    elif arch == "qwen3":  # q/k RMSNorm, and a head_dim other than hidden / heads
+        cfg = transformers.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
+        cls = transformers.Qwen3ForCausalLM
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**common, rope_theta=10000.0)
         cls = transformers.Qwen2ForCausalLM
@@ -125,7 +130,7 @@ def _tiny_hf_model(path, arch, tokenizer):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama-bias", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "llama-bias", "qwen2", "qwen3", "mistral"])
 def test_hf_folder_greedy_matches_transformers(tmp_path, tokenizer, arch):
     from kvpilot.engine.llm import LLM
     from kvpilot.engine.sampling_params import SamplingParams
@@ -136,6 +141,7 @@ def test_hf_folder_greedy_matches_transformers(tmp_path, tokenizer, arch):
     assert cfg.architecture == arch.removesuffix("-bias")
     assert cfg.attention_bias == (arch in ("qwen2", "llama-bias"))
     assert cfg.o_proj_bias == (arch == "llama-bias")
+    assert cfg.qk_norm == (arch == "qwen3")
     prompts = ["The capital of France is", "def f(x):", "One two three four five six seven eight nine ten eleven"]
     results = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     for prompt, res in zip(prompts, results):

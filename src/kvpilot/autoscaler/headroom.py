@@ -34,7 +34,6 @@ from kvpilot.autoscaler.spec import AutoscalingSpec
 from kvpilot.autoscaler.state import PolicyState
 from kvpilot.autoscaler.windows import settled_demand
 
-
 # Placeholders at most this many times the engine replicas just decided (at least one): at
 # the onset of a rise, a two-minute trend extrapolated over a node plus a pod start-up
 # overshoots, and every node asked for in vain is paid for its start-up plus the cluster

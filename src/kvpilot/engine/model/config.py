@@ -13,8 +13,9 @@ SUPPORTED_HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 class UnsupportedModelError(ValueError):
@@ -69,10 +70,11 @@ class ModelConfig:
     """Shapes and hyper-parameters of the decoder.
 
     Attributes:
-        architecture: ``llama``, ``mistral`` or ``qwen2``.
+        architecture: ``llama``, ``mistral``, ``qwen2`` or ``qwen3``.
         head_dim: per-head size (``hidden_size // num_heads`` unless given).
         attention_bias: q/k/v projections have a bias (Qwen2; Llama's ``attention_bias``).
         o_proj_bias: the output projection has a bias too (Llama's ``attention_bias``).
+        qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3's ``q_norm``/``k_norm``).
         rope_scaling: HF ``rope_scaling`` dict (``llama3`` type supported) or None.
         rope_freq_factors: per-frequency divisors from a GGUF ``rope_freqs`` tensor.
         eos_token_ids: tokens that end generation.
@@ -92,6 +94,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     o_proj_bias: bool = False
+    qk_norm: bool = False
     rope_scaling: dict[str, Any] | None = None
     rope_freq_factors: tuple[float, ...] | None = None
     sliding_window: int | None = None
@@ -119,7 +122,8 @@ class ModelConfig:
         """Read ``config.json`` in a HF model folder.
 
         Raises:
-            UnsupportedModelError: the architecture is not Llama/Mistral/Qwen2.
+            UnsupportedModelError: the architecture is not Llama/Mistral/Qwen2/Qwen3, or
+                the config asks for math the model does not do (:func:`check_hf_config`).
         """
         path = Path(path)
         cfg = json.loads((path / "config.json").read_text())
@@ -158,6 +162,7 @@ class ModelConfig:
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
             # Llama's attention_bias also puts a bias on o_proj; Qwen2's bias is q/k/v only.
             o_proj_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
             rope_scaling=rope_scaling,
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
@@ -221,6 +226,7 @@ class ModelConfig:
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             o_proj_bias="blk.0.attn_output.bias" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             rope_scaling=rope_scaling,
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=tuple(eos_ids),

@@ -146,10 +146,16 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        # Qwen3: RMSNorm over each head of q and of k, before RoPE (one weight per dim).
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim), ctx.ops)
+            k = self.k_norm(k.reshape(-1, self.head_dim), ctx.ops)
         q, k = ctx.ops.rotary(q.view(-1, self.num_heads, self.head_dim),
                               k.view(-1, self.num_kv_heads, self.head_dim), ctx.rotary)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
