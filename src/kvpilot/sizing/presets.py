@@ -85,6 +85,10 @@ MODEL_PRESETS: dict[str, ModelShape] = {
         _m("qwen2.5-0.5b", 896, 4864, 24, 14, 2, 151936, tied=True, bias=True),
         _m("qwen2.5-7b", 3584, 18944, 28, 28, 4, 152064, bias=True),
         _m("qwen2.5-72b", 8192, 29568, 80, 64, 8, 152064, bias=True),
+        # Qwen3 dense: head_dim 128 whatever the width (q/k norms add 2 x 128 per layer).
+        _m("qwen3-0.6b", 1024, 3072, 28, 16, 8, 151936, head_dim=128, tied=True),
+        _m("qwen3-8b", 4096, 12288, 36, 32, 8, 151936, head_dim=128),
+        _m("qwen3-32b", 5120, 25600, 64, 64, 8, 151936, head_dim=128),
         _m("llama-2-7b", 4096, 11008, 32, 32, 32, 32000),
         _m("llama-2-13b", 5120, 13824, 40, 40, 40, 32000),
         _m("llama-2-70b", 8192, 28672, 80, 64, 8, 32000),
@@ -130,7 +134,7 @@ def gpu_memory_bytes(name: str) -> int:
 
 
 def shape_from_config(name: str, config: Mapping[str, Any]) -> ModelShape:
-    """Read a HF ``config.json`` mapping (Llama, Mistral, Qwen2, SmolLM2 keys)."""
+    """Read a HF ``config.json`` mapping (Llama, Mistral, Qwen2, Qwen3, SmolLM2 keys)."""
     cfg = config.get("text_config", config)  # multimodal wrappers nest the decoder
     try:
         heads = int(cfg["num_attention_heads"])
