@@ -101,6 +101,10 @@ def _tiny_hf_model(path, arch, tokenizer):
     elif arch == "qwen3":  # q/k RMSNorm, and a head_dim other than hidden / heads
         cfg = transformers.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
         cls = transformers.Qwen3ForCausalLM
+    elif arch == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint
+        cfg = transformers.Phi3Config(**common, rope_theta=10000.0, sliding_window=None,
+                                      pad_token_id=0)
+        cls = transformers.Phi3ForCausalLM
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**common, rope_theta=10000.0)
         cls = transformers.Qwen2ForCausalLM
@@ -130,7 +134,7 @@ def _tiny_hf_model(path, arch, tokenizer):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama-bias", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "llama-bias", "qwen2", "qwen3", "phi3", "mistral"])
 def test_hf_folder_greedy_matches_transformers(tmp_path, tokenizer, arch):
     from kvpilot.engine.llm import LLM
     from kvpilot.engine.sampling_params import SamplingParams
@@ -166,6 +170,10 @@ LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden
      "rope_scaling.rope_type = 'yarn' is not supported; supported: default, linear, llama3"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type = 'dynamic'"),
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping = 30.0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+     "rope_parameters.partial_rotary_factor = 0.75"),  # Phi-4-mini's spelling in transformers 5
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
+     "rope_scaling.rope_type = 'longrope'"),  # Phi-3 128k
 ])
 def test_config_fields_that_change_the_math_are_refused_by_name(tmp_path, extra, message):
     """Loading such a checkpoint would run other math than it was trained with and answer
@@ -193,3 +201,12 @@ def test_gguf_experts_and_other_rope_scaling_are_refused():
     with pytest.raises(UnsupportedModelError, match=r"rope.scaling.type = 'yarn'"):
         ModelConfig.from_gguf_metadata({**meta, "llama.rope.scaling.type": "yarn"}, set(), "m.gguf")
     assert ModelConfig.from_gguf_metadata(meta, {"blk.0.attn_output.bias"}, "m.gguf").o_proj_bias
+
+
+def test_phi3_and_mistral_windows_cap_the_context_and_qwen_needs_the_flag(tmp_path):
+    for arch, extra, window in (("Phi3ForCausalLM", {"sliding_window": 2047}, 2047),
+                                ("MistralForCausalLM", {"sliding_window": 4096}, 4096),
+                                ("Qwen3ForCausalLM", {"sliding_window": 4096}, None),
+                                ("Qwen3ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True}, 4096)):
+        (tmp_path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "architectures": [arch], **extra}))
+        assert ModelConfig.from_hf_config(tmp_path).sliding_window == window, (arch, extra)

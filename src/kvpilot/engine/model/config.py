@@ -14,6 +14,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -51,9 +52,11 @@ def check_hf_config(cfg: dict[str, Any], where: str) -> None:
         raise refuse("quantization_config.quant_method", method,
                      "weight quantization is not supported: use the unquantized checkpoint"
                      " (KV-cache quantization is --kv-cache-dtype)")
-    partial = cfg.get("partial_rotary_factor")
-    if partial is not None and float(partial) != 1.0:
-        raise refuse("partial_rotary_factor", partial, "rotary embeddings cover the whole head (1.0)")
+    for key, holder in (("partial_rotary_factor", cfg), ("rope_parameters.partial_rotary_factor",
+                                                         cfg.get("rope_parameters"))):
+        partial = holder.get("partial_rotary_factor") if isinstance(holder, dict) else None
+        if partial is not None and float(partial) != 1.0:
+            raise refuse(key, partial, "rotary embeddings cover the whole head (1.0)")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(key) is not None:
             raise refuse(key, cfg[key], "logit soft-capping is not implemented (null)")
@@ -70,7 +73,7 @@ class ModelConfig:
     """Shapes and hyper-parameters of the decoder.
 
     Attributes:
-        architecture: ``llama``, ``mistral``, ``qwen2`` or ``qwen3``.
+        architecture: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` or ``phi3``.
         head_dim: per-head size (``hidden_size // num_heads`` unless given).
         attention_bias: q/k/v projections have a bias (Qwen2; Llama's ``attention_bias``).
         o_proj_bias: the output projection has a bias too (Llama's ``attention_bias``).
@@ -122,7 +125,7 @@ class ModelConfig:
         """Read ``config.json`` in a HF model folder.
 
         Raises:
-            UnsupportedModelError: the architecture is not Llama/Mistral/Qwen2/Qwen3, or
+            UnsupportedModelError: the architecture is not Llama/Mistral/Qwen2/Qwen3/Phi-3, or
                 the config asks for math the model does not do (:func:`check_hf_config`).
         """
         path = Path(path)
@@ -145,7 +148,11 @@ class ModelConfig:
             rope_theta = params.get("rope_theta")
             if params.get("rope_type", "default") != "default":
                 rope_scaling = params
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None
+        # Mistral and Phi-3 slide whenever sliding_window is set; Qwen2/3 only with
+        # use_sliding_window. Sliding attention is not implemented: the window caps the
+        # context (model_runner), which keeps the math exact.
+        sliding = (cfg.get("sliding_window")
+                   if cfg.get("use_sliding_window", arch in ("mistral", "phi3")) else None)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],

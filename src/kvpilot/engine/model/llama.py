@@ -310,6 +310,15 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         qkv_rows = [0, c.q_size, c.q_size + c.kv_size, c.q_size + 2 * c.kv_size]
         inter = c.intermediate_size
+
+        def shards(pname: str) -> set[str]:
+            """The pieces ``pname`` is loaded as: the fused projections' row blocks."""
+            if pname.endswith("qkv_proj.weight") or pname.endswith("qkv_proj.bias"):
+                return {f"{pname}[{qkv_rows[i]}:{qkv_rows[i + 1]}]" for i in range(3)}
+            if pname.endswith("gate_up_proj.weight"):
+                return {f"{pname}[0:{inter}]", f"{pname}[{inter}:{2 * inter}]"}
+            return {pname}
+
         for name, tensor in weights:
             scale = _KV_SCALE.search(name)
             if scale is not None:
@@ -327,15 +336,11 @@ class LlamaForCausalLM(nn.Module):
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             dst.copy_(tensor)
-            loaded.add(target if rows is None else f"{target}[{rows[0]}:{rows[1]}]")
-        expected = set()
-        for pname in params:
-            if pname.endswith("qkv_proj.weight") or pname.endswith("qkv_proj.bias"):
-                expected |= {f"{pname}[{qkv_rows[i]}:{qkv_rows[i + 1]}]" for i in range(3)}
-            elif pname.endswith("gate_up_proj.weight"):
-                expected |= {f"{pname}[0:{inter}]", f"{pname}[{inter}:{2 * inter}]"}
-            else:
-                expected.add(pname)
+            if rows is not None:
+                loaded.add(f"{target}[{rows[0]}:{rows[1]}]")
+            else:  # a whole tensor, fused ones included (Phi-3's qkv_proj, gate_up_proj)
+                loaded |= shards(target)
+        expected = set().union(*(shards(p) for p in params))
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
