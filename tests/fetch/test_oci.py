@@ -180,3 +180,15 @@ def test_an_index_resolves_to_its_first_real_platform(tmp_path):
     fetch_oci(parse_oci("oci://r.io/m/x:v1"), tmp_path, print, client=IndexClient())
     assert seen == ["r.io/m/x:v1", "r.io/m/x@sha256:" + "2" * 64]
     assert json.loads((tmp_path / "config.json").read_text()) == {"model_type": "x"}
+
+
+def test_a_layer_digest_that_is_not_a_sha256_is_refused_before_any_write(tmp_path):
+    class PathDigest(_CorruptingClient):
+        def get_manifest(self, ref):
+            return {"layers": [{"mediaType": "application/octet-stream",
+                                "digest": "sha256:x/../../victim.txt", "size": 1,
+                                "annotations": {"org.opencontainers.image.title": "a.json"}}]}
+    dest = tmp_path / "m"
+    with pytest.raises(FetchError, match="is not sha256:<64 hex digits>"):
+        fetch_oci(parse_oci("oci://r.io/m/x:v1"), dest, print, client=PathDigest())
+    assert not any(tmp_path.rglob("*.part"))

@@ -88,3 +88,10 @@ def test_progress_lines_say_bytes_share_rate_and_time_left():
     progress.finish()
     assert lines[-1] == "fetch s3://b/m: done, 2 files, 2.0 MiB in 6.0 s"
     assert human_bytes(512) == "512 B" and human_bytes(3 << 30) == "3.0 GiB"
+
+
+def test_a_registry_needs_a_dot_or_a_port():
+    # To the kubelet, "zot/models/llama" is docker.io/zot/models/llama.
+    with pytest.raises(ValueError, match="needs a dot or a port"):
+        parse_oci("oci://zot/models/llama:v1")
+    assert parse_oci("oci://localhost:5000/m:v1").registry == "localhost:5000"

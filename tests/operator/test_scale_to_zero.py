@@ -237,3 +237,25 @@ def test_a_fleet_at_zero_reports_metrics_as_available_not_missing():
     cond = fleet.condition("MetricsAvailable")
     assert (cond["status"], cond["reason"]) == ("True", "ScaledToZero")
     assert "MetricsUnavailable" not in fleet.events.reasons()
+
+
+def test_an_unreadable_router_keeps_the_fleet_from_going_to_zero():
+    """Found in review: a failed router scrape counted as "nothing held", so a fleet whose
+    router could not be read went to zero and could then never be activated."""
+    def idle(pods, now):
+        reading = loaded(0.0, waiting=0, running=0.0)(pods, now)
+        return dataclasses.replace(reading, requests_finished=12.0)
+
+    fleet = Fleet(spec=ZERO, load=idle)
+    fleet.pods(ready=1)
+    _router_pod(fleet)
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+    fleet.loop.activation = ActivationProbe(
+        "llm/chat", client=httpx.Client(transport=httpx.MockTransport(refuse)))
+    fleet.tick(0)
+    for _ in range(10):
+        fleet.tick(15)
+    assert fleet.replicas == 1
+    assert fleet.status["autoscaler"]["policyState"].get("idleSince") is None

@@ -13,8 +13,10 @@ calls them.
 no running and no waiting request, the router holds none, no router attempt found no
 engine, no pod is starting, and the engines' finished-request count has not moved since
 the previous decision (a short request that started and ended between two reads still
-counts as traffic). A missing signal, an operator restart (no previous count) or a pod
-that is still starting breaks the idle run: the fleet never goes to zero on missing data.
+counts as traffic). A missing signal, a router that cannot be read (the operator then
+reports the count as unknown) or a pod that is still starting breaks the idle run: the
+fleet never goes to zero on missing data. The run and the count are kept in the policy
+state, so an operator restart continues them.
 
 *Activation* needs the router to hold the request: with ``minReplicas: 0`` the operator
 runs vllm-router with a retry schedule that lasts ``activationTimeoutSeconds``, and every

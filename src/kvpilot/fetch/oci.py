@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tarfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -44,6 +45,7 @@ TAR_TYPES = ("application/vnd.oci.image.layer.v1.tar",
              "application/vnd.oci.image.layer.v1.tar+gzip",
              "application/vnd.docker.image.rootfs.diff.tar.gzip",
              "application/vnd.docker.image.rootfs.diff.tar")
+_DIGEST = re.compile(r"^sha256:[a-f0-9]{64}$")
 USERNAME_ENV, PASSWORD_ENV = "KVPILOT_OCI_USERNAME", "KVPILOT_OCI_PASSWORD"
 
 
@@ -63,8 +65,8 @@ def _manifest(client: oras.client.OrasClient, ref: OciReference) -> dict[str, An
     if manifest.get("mediaType") in INDEX_TYPES or "manifests" in manifest:
         entries = manifest.get("manifests") or []
         real = [m for m in entries if (m.get("platform") or {}).get("os") not in ("unknown",)]
-        if not real:
-            raise FetchError(f"oci://{ref.reference}: the image index lists no manifest")
+        if not real or not _DIGEST.match(str(real[0].get("digest", ""))):
+            raise FetchError(f"oci://{ref.reference}: the image index lists no usable manifest")
         child = f"{ref.registry}/{ref.repository}@{real[0]['digest']}"
         manifest = client.get_manifest(child)
     return manifest
@@ -105,6 +107,8 @@ def fetch_oci(ref: OciReference, dest: Path, log: Callable[[str], None],
     progress = Progress(uri, len(layers), total, log)
     for layer in layers:
         digest, size = str(layer.get("digest", "")), int(layer.get("size") or 0)
+        if not _DIGEST.match(digest):  # it names a file below: nothing but a sha256 digest
+            raise FetchError(f"{uri}: layer digest {digest!r} is not sha256:<64 hex digits>")
         title = (layer.get("annotations") or {}).get(TITLE)
         unpack = layer.get("mediaType") in TAR_TYPES and (
             not title or (layer.get("annotations") or {}).get(UNPACK) == "true")
@@ -136,7 +140,11 @@ def fetch_oci(ref: OciReference, dest: Path, log: Callable[[str], None],
             finally:
                 part.unlink(missing_ok=True)
         else:
-            assert target is not None  # not unpacked: a file with a title
+            if target is None:
+                part.unlink(missing_ok=True)
+                raise FetchError(f"{uri}: layer {digest} has no title and is not an image layer"
+                                 f" (mediaType {layer.get('mediaType')!r}); supported image layers:"
+                                 f" {', '.join(TAR_TYPES)}")
             target.parent.mkdir(parents=True, exist_ok=True)
             part.replace(target)
     progress.finish()

@@ -92,5 +92,10 @@ def parse_oci(uri: str) -> OciReference:
     m = _OCI.match(uri)
     if not m:
         raise ValueError(f"model URI {uri!r}: use {OCI_FORM} (lowercase repository path)")
+    if "." not in m.group(1) and ":" not in m.group(1):
+        # Docker's rule: a first component without a dot or a port is a Docker Hub
+        # namespace to the kubelet, not a registry (an image volume would pull elsewhere).
+        raise ValueError(f"model URI {uri!r}: the registry {m.group(1)!r} needs a dot or a"
+                         " port (registry.example.com, localhost:5000)")
     tag, digest = m.group(3), m.group(4)
     return OciReference(m.group(1), m.group(2), tag if tag or digest else "latest", digest)

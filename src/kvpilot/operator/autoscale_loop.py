@@ -207,6 +207,10 @@ class AutoscalerLoop:
             if held is None:
                 held = self._probe().poll(observation.routers, now.timestamp())
             reading = dataclasses.replace(reading, requests_without_engine=held or 0.0)
+            if held is None:
+                # No router could be read: whether requests are held is unknown, so the
+                # fleet's traffic is unknown too (never idle, never to zero on it).
+                reading = dataclasses.replace(reading, requests_finished=None)
         previous = self._written_conditions
         if previous is None:
             previous = resource.status.get("conditions")

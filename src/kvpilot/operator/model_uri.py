@@ -100,6 +100,9 @@ def with_fetch_options(source: ModelSource, credentials_secret: str | None,
                              f" got {oci_mount!r}")
         if source.scheme != "oci":
             raise ValueError(f"model.ociMount is for oci:// models; got a {source.scheme} model")
+        if oci_mount == "ImageVolume" and credentials_secret is not None:
+            raise ValueError("model.credentialsSecret is not used with model.ociMount ImageVolume:"
+                             " the kubelet pulls with the pod's imagePullSecrets")
     return replace(source, credentials_secret=credentials_secret,
                    oci_mount=oci_mount or "InitContainer")
 
