@@ -21,8 +21,8 @@ CASES = {
                                  "spec.replicas and spec.autoscaling are mutually exclusive"),
     "unknown-kv-dtype": ({"engine": {"kvCacheDtype": "fp3"}}, "kvCacheDtype"),
     "zero-budget": ({"engine": {"maxNumBatchedTokens": 0}}, "maxNumBatchedTokens"),
-    "bad-model-uri": ({"model": {"uri": "s3://bucket/model"}},
-                      "unsupported model.uri s3://bucket/model"),
+    "bad-model-uri": ({"model": {"uri": "gs://bucket/model"}},
+                      "unsupported model.uri gs://bucket/model"),
 }
 
 
