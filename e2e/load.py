@@ -34,6 +34,9 @@ class Ramp:
     steps: list[Step]
     out_dir: Path
     model: str = "smollm2-135m-instruct"
+    # Repeat the last step until stop(): a fleet that must stay under load through the
+    # scenarios that follow the ramp (an ended ramp lets the autoscaler scale down).
+    sustain: bool = False
     results: list[dict[str, Any]] = field(default_factory=list)
     _thread: threading.Thread | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -44,8 +47,13 @@ class Ramp:
         self._thread.start()
         return self
 
+    def _schedule(self):
+        yield from self.steps
+        while self.sustain and self.steps:
+            yield self.steps[-1]
+
     def _run(self) -> None:
-        for i, step in enumerate(self.steps):
+        for i, step in enumerate(self._schedule()):
             if self._stop.is_set():
                 return
             result = self.out_dir / f"bench-{i}.json"

@@ -47,7 +47,10 @@ def fleet(cluster):
     h.apply(cluster, NS, doc)
     h.wait_ready(cluster, NS, NAME, replicas=1)
     recorder = h.Recorder(cluster, NS, NAME).__enter__()
-    yield {"doc": doc, "recorder": recorder}
+    state = {"doc": doc, "recorder": recorder}
+    yield state
+    if "ramp" in state:  # sustained: stop it even when a scenario failed before the outage
+        state["ramp"].stop()
     recorder.__exit__()
     recorder.save(cluster.workdir / "timeline-autoscale.json")
     delete_namespace(cluster, NS)
@@ -72,7 +75,7 @@ def test_scale_up_before_queue_and_operator_restart(cluster, fleet):
     (pod,) = h.ready_pods(cluster, NS, NAME)
     ramp = Ramp(f"http://{pod['status']['podIP']}:8000",
                 [Step(1, 3), Step(2, 12), Step(3, 24), Step(4, 40)],
-                cluster.workdir / "bench-ramp").start()
+                cluster.workdir / "bench-ramp", sustain=True).start()
     fleet["ramp"] = ramp
     try:
         cluster.wait_for(lambda: _replicas(cluster) >= 2, 300, "the first scale-up")
