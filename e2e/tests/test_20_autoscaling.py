@@ -237,13 +237,20 @@ def test_concurrent_edits_are_retried(cluster, fleet):
     threads = [threading.Thread(target=writer, args=(i,), daemon=True) for i in range(2)]
     for t in threads:
         t.start()
-    time.sleep(5 * INTERVAL)  # the edits run for five autoscaler intervals on purpose
-    stop.set()
-    for t in threads:
-        t.join(30)
+    time.sleep(5 * INTERVAL)  # the edits run for at least five autoscaler intervals
+
+    def reconciles() -> int:
+        return cluster.operator_logs()[log_start:].count("Handler 'reconcile-update' succeeded")
+
+    # ... and until the operator has reconciled three of them: on a loaded machine (the
+    # ramp keeps its load) a reconcile with its 409 retries can take seconds.
+    try:
+        cluster.wait_for(lambda: reconciles() >= 3, 90, "the label edits to reach the operator")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
     assert not errors, errors[:3]
-    reconciles = cluster.operator_logs()[log_start:].count("Handler 'reconcile-update' succeeded")
-    assert reconciles >= 3, "the label edits did not reach the operator"
 
     # Every writer's last edit is still there: the operator's applies kept them.
     dep = h.deployment(cluster, NS, NAME)
