@@ -78,7 +78,9 @@ def crd():
 
 
 @pytest.mark.parametrize("model", [S3, OCI, {**OCI, "ociMount": "ImageVolume"},
-                                   {"uri": "s3://bucket"},
+                                   {"uri": "s3://bucket"}, {"uri": "s3://bucket/"},
+                                   {"uri": "s3://bucket//models/m/"}, {"uri": "s3://bucket/a/.cfg/..x"},
+                                   {"uri": "oci://localhost:5000/m"},
                                    {"uri": "oci://registry.local:5000/m@sha256:" + "a" * 64}])
 def test_the_crd_admits_s3_and_oci_models_and_the_operator_parses_them(crd, model):
     assert admit(crd, obj({"model": model}))[1] == []
@@ -90,6 +92,13 @@ def test_the_crd_admits_s3_and_oci_models_and_the_operator_parses_them(crd, mode
     ({"uri": "s3://bucket/m", "ociMount": "ImageVolume"}, "model.ociMount is for oci://"),
     ({"uri": "s3://B/m"}, "unsupported model.uri"),
     ({"uri": "oci://ghcr.io/Acme/m"}, "unsupported model.uri"),
+    # What the operator's parser refuses, the CRD refuses at apply time too.
+    ({"uri": "oci://reg.io/foo/"}, "unsupported model.uri"),
+    ({"uri": "oci://registry/m:v1"}, "unsupported model.uri"),  # no dot, no port: Docker Hub
+    ({"uri": "oci://reg.io/a//b"}, "unsupported model.uri"),
+    ({"uri": "s3://bucket/a//b"}, "unsupported model.uri"),
+    ({"uri": "s3://bucket/a/../b"}, "unsupported model.uri"),
+    ({"uri": "s3://bucket/./b"}, "unsupported model.uri"),
     ({"uri": "oci://r.io/m", "ociMount": "Mounted"}, "not in ['InitContainer', 'ImageVolume']"),
 ])
 def test_the_crd_and_the_operator_refuse_the_same_model_specs(crd, model, message):
