@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ class Ramp:
         self._thread.start()
         return self
 
-    def _schedule(self):
+    def _schedule(self) -> Iterator[Step]:
         yield from self.steps
         while self.sustain and self.steps:
             yield self.steps[-1]
