@@ -216,11 +216,6 @@ FLAGS: tuple[VLLMFlag, ...] = (
     _if("--enable-log-requests", B, False,
         "kvpilot never logs requests",
         "kvpilot does not log requests (prompts, parameters); only uvicorn's access line"),
-    _if("--disable-sliding-window", B, True,
-        "kvpilot has no sliding-window attention: a model with a window is already capped "
-        "to its window, as this flag does in vLLM",
-        "kvpilot does not implement sliding-window attention (a model with a window is "
-        "capped to it instead)"),
     _if("--language-model-only", B, True, _NO_MM, _NO_MM),
     _if("--enable-prompt-tokens-details", B, True,
         "usage.prompt_tokens_details.cached_tokens is always reported",

@@ -64,6 +64,9 @@ def test_bad_inputs_are_refused_with_the_value():
         ("qwen2.5-7b", 7_615_616_512),
         ("smollm2-135m", 134_515_008),
         ("smollm2-1.7b", 1_711_376_384),
+        ("mixtral-8x7b", 46_702_792_704),
+        ("qwen3-30b-a3b", 30_532_122_624),
+        ("qwen1.5-moe-a2.7b", 14_315_784_192),
     ],
 )
 def test_preset_parameter_counts_equal_the_model_cards(name, published):

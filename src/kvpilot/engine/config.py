@@ -92,6 +92,9 @@ class EngineArgs:
         kv_events_config: vLLM's ``--kv-events-config``: publish the prefix cache's
             block stores and evictions on ZMQ for KV-aware routers
             (:mod:`kvpilot.engine.kv_events`); a JSON string or a dict is parsed.
+        disable_sliding_window: vLLM's flag of that name: run a sliding-window model's
+            layers with full attention and cap ``max_model_len`` to the smallest window
+            (within the window both are the same computation).
     """
 
     model: str | None = None
@@ -116,6 +119,7 @@ class EngineArgs:
     calculate_kv_scales: bool = False
     skip_tokenizer_init: bool = False
     kv_events_config: KVEventsConfig | None = None
+    disable_sliding_window: bool = False
 
     def __post_init__(self) -> None:
         _choice("--dtype", self.dtype, ["auto", *DTYPES])
@@ -230,6 +234,12 @@ class EngineArgs:
             help="publish KV cache events for KV-aware routers (vLLM's flag), e.g. "
             '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
             '"replay_endpoint": "tcp://*:5558"}\'',
+        )
+        g.add_argument(
+            "--disable-sliding-window",
+            action=argparse.BooleanOptionalAction,
+            default=d.disable_sliding_window,
+            help="sliding-window models: full attention, context capped to the window",
         )
 
     @classmethod

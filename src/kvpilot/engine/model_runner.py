@@ -36,7 +36,8 @@ from kvpilot.engine.kv_scales import (
     calibrate_at_startup,
     calibration_token_ids,
 )
-from kvpilot.engine.model.config import ModelConfig
+from kvpilot.engine.model.config import GEMMA_ARCHITECTURES, ModelConfig
+from kvpilot.engine.model.gemma import GemmaForCausalLM
 from kvpilot.engine.model.llama import LlamaForCausalLM, can_pack_linears, probe_batch_invariance
 from kvpilot.engine.model.loader import (
     GGUFModelFile,
@@ -50,6 +51,12 @@ from kvpilot.engine.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
+
+
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The decoder class for ``config.architecture``: Gemma 2/3 have their own
+    (:mod:`kvpilot.engine.model.gemma`), every other architecture runs the Llama one."""
+    return GemmaForCausalLM if config.architecture in GEMMA_ARCHITECTURES else LlamaForCausalLM
 
 
 def build_model(
@@ -68,7 +75,7 @@ def build_model(
     benchmarks of large shapes without a checkpoint.
     """
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = model_class(config)(config, max_positions)
     model = model.to_empty(device=device).to(dtype)
     if load_format == "dummy":
         # Drawn where the weights live: an 8B model's 8e9 normals take about a minute on
@@ -191,8 +198,10 @@ def load_model(args: EngineArgs) -> LoadedModel:
             logger.info("using %d CPU threads (affinity and cgroup quota)", threads)
             torch.set_num_threads(threads)
     model_max = config.max_position_embeddings
-    if config.sliding_window:
+    if args.disable_sliding_window and config.sliding_window:
+        # vLLM's --disable-sliding-window: full attention, context capped to the window.
         model_max = min(model_max, config.sliding_window)
+        config = config.without_sliding_window()
     if args.max_model_len is not None and args.max_model_len > model_max:
         raise ValueError(f"--max-model-len {args.max_model_len} is larger than the model's context ({model_max} tokens)")
     model = build_model(config, source, gguf_file, model_max, dtype, device, args.load_format, args.seed)

@@ -314,8 +314,16 @@ def paged_attention(
     key_group_scales: torch.Tensor | None = None,
     value_group_scales: torch.Tensor | None = None,
     kv4_format: str | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Varlen paged attention over a mixed batch of decodes and prefill chunks.
+
+    ``sliding_window`` W: a query at position ``p`` sees keys ``j`` with
+    ``p - W < j <= p`` (HF transformers' mask ``kv_idx > q_idx - sliding_window``);
+    ``logit_softcap`` c: scores ``s = scale * q.k`` become ``c * tanh(s / c)`` before the
+    mask and softmax (Gemma 2's ``attn_logit_softcapping``). Either one routes every
+    sequence through :func:`masked_paged_attention` (explicit fp32 scores).
 
     Sequence ``i`` owns queries ``q[query_start_loc[i]:query_start_loc[i+1]]``, the last
     tokens of its ``seq_lens[i]``-token context. Single-token sequences are batched
@@ -327,6 +335,15 @@ def paged_attention(
     out = torch.empty_like(q)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    if sliding_window is not None or logit_softcap is not None:
+        for i in range(len(lens)):
+            s, e = qsl[i], qsl[i + 1]
+            if e > s:
+                out[s:e] = masked_paged_attention(
+                    q[s:e], key_cache, value_cache, block_tables[i], lens[i], scale, k_scale, v_scale,
+                    sliding_window=sliding_window, logit_softcap=logit_softcap, **kv4,
+                )
+        return out
     qlens = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
     decode_idx = [i for i, n in enumerate(qlens) if n == 1]
     for bucket in _length_buckets([lens[i] for i in decode_idx]) if decode_idx else []:
@@ -343,3 +360,61 @@ def paged_attention(
                 q[s : s + n], key_cache, value_cache, block_tables[i], lens[i], scale, k_scale, v_scale, **kv4
             )
     return out
+
+
+def masked_paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    key_group_scales: torch.Tensor | None = None,
+    value_group_scales: torch.Tensor | None = None,
+    kv4_format: str | None = None,
+) -> torch.Tensor:
+    """The last ``len(q)`` tokens of one sequence attend causally, optionally within a
+    sliding window and with soft-capped scores (explicit fp32 math, the reference for
+    the kernels).
+
+    Args:
+        q: ``[chunk_len, num_heads, head_dim]``; its tokens sit at positions
+            ``seq_len - chunk_len .. seq_len - 1``.
+        block_table: ``[>= ceil(seq_len / block_size)]`` block ids. Only blocks holding a
+            key inside some query's window are read (out-of-window blocks may be freed).
+        sliding_window: W; query ``p`` sees keys ``p - W < j <= p`` (HF transformers'
+            sliding mask). None: full causal.
+        logit_softcap: c; scores ``s`` become ``c * tanh(s / c)`` before the mask (Gemma 2).
+    Returns:
+        ``[chunk_len, num_heads, head_dim]`` in ``q.dtype``.
+    """
+    chunk, num_heads, _ = q.shape
+    num_kv_heads = key_cache.shape[2]
+    block_size = key_cache.shape[1]
+    first = 0
+    if sliding_window is not None:
+        first = max(0, seq_len - chunk - sliding_window + 1) // block_size * block_size
+    table = block_table[first // block_size :]
+    k, k_factor = gather_kv_unscaled(key_cache, table, seq_len - first, q.dtype, k_scale, key_group_scales, kv4_format)
+    v, v_factor = gather_kv_unscaled(value_cache, table, seq_len - first, q.dtype, v_scale, value_group_scales,
+                                     kv4_format)
+    qf = _times(q, k_factor).float().transpose(0, 1)  # [H, chunk, D]
+    rep = num_heads // num_kv_heads
+    kf = k.float().transpose(0, 1).repeat_interleave(rep, dim=0)  # [H, n, D]
+    vf = v.float().transpose(0, 1).repeat_interleave(rep, dim=0)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale
+    if logit_softcap is not None:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    q_pos = torch.arange(seq_len - chunk, seq_len, device=q.device)[:, None]
+    k_pos = torch.arange(first, seq_len, device=q.device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask = mask & (k_pos > q_pos - sliding_window)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), vf).transpose(0, 1).to(q.dtype)
+    return _times(out, v_factor)

@@ -29,4 +29,5 @@ SERVE_OPTIONS: dict[str, bool] = {
     "--seed": True, "--kv-cache-key-rotation": False, "--no-kv-cache-key-rotation": False,
     "--kv-cache-skip-layers": True, "--calculate-kv-scales": False,
     "--skip-tokenizer-init": False, "--kv-events-config": True,
+    "--disable-sliding-window": False, "--no-disable-sliding-window": False,
 }

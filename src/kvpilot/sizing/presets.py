@@ -40,6 +40,14 @@ class ModelShape:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     num_params: int = 0  # 0 = computed
+    # Mixture of experts (Mixtral, Qwen-MoE): every layer sparse when num_experts > 0, each
+    # expert a SwiGLU MLP of moe_intermediate_size (0 = intermediate_size, Mixtral's case),
+    # plus a router [num_experts, hidden] and, for Qwen2-MoE, a shared expert and its
+    # [1, hidden] gate. The KV cache does not depend on any of it.
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    qk_norm: bool = False  # Qwen3: per-head q/k RMSNorm weights (2 x head_dim per layer)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads"):
@@ -66,7 +74,16 @@ class ModelShape:
         attn = h * q * d + 2 * h * kv * d + q * d * h
         if self.attention_bias:
             attn += q * d + 2 * kv * d
-        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        if self.qk_norm:
+            attn += 2 * d
+        if self.num_experts:
+            moe_inter = self.moe_intermediate_size or self.intermediate_size
+            mlp = self.num_experts * (3 * h * moe_inter + h)  # experts + router rows
+            if self.shared_expert_intermediate_size:
+                mlp += 3 * h * self.shared_expert_intermediate_size + h
+        else:
+            mlp = 3 * h * self.intermediate_size
+        layer = attn + mlp + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embed + self.num_layers * layer + h
 
@@ -100,6 +117,12 @@ MODEL_PRESETS: dict[str, ModelShape] = {
         _m("llama-3.2-1b", 2048, 8192, 16, 32, 8, 128256, head_dim=64, tied=True),
         _m("llama-3.2-3b", 3072, 8192, 28, 24, 8, 128256, head_dim=128, tied=True),
         _m("mistral-7b", 4096, 14336, 32, 32, 8, 32768),
+        # Mixture of experts (hf.co model cards' safetensors totals).
+        ModelShape("mixtral-8x7b", 4096, 14336, 32, 32, 8, 32000, num_experts=8),
+        ModelShape("qwen3-30b-a3b", 2048, 6144, 48, 32, 4, 151936, head_dim=128, num_experts=128,
+                   moe_intermediate_size=768, qk_norm=True),
+        ModelShape("qwen1.5-moe-a2.7b", 2048, 5632, 24, 16, 16, 151936, attention_bias=True, num_experts=60,
+                   moe_intermediate_size=1408, shared_expert_intermediate_size=5632),
     )
 }
 
@@ -148,7 +171,11 @@ def shape_from_config(name: str, config: Mapping[str, Any]) -> ModelShape:
             vocab_size=int(cfg.get("vocab_size", 0)),
             head_dim=int(cfg.get("head_dim") or 0),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") in ("qwen2", "qwen2_moe"))),
+            num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+            qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe"),
         )
     except KeyError as exc:
         raise ValueError(f"config.json of {name!r} lacks {exc.args[0]!r}") from None

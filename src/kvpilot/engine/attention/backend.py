@@ -121,8 +121,16 @@ class AttentionBackend(ABC):
         kv: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         """Store ``k``/``v`` at ``meta.slot_mapping`` (mutates ``kv``), then attend.
+
+        ``sliding_window`` W: a query at position ``p`` attends to keys ``p - W < j <= p``
+        (HF transformers' sliding mask); None = full causal. ``logit_softcap`` c: scores
+        ``s = scale * q.k`` become ``c * tanh(s / c)`` before mask and softmax (Gemma 2);
+        None = off.
 
         Every backend applies ``kv.key_rotation`` (:func:`rotate_query_key`), writes
         with ``kv.k_scale``/``kv.v_scale`` and reads with them on every path.

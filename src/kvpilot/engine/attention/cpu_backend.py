@@ -52,10 +52,20 @@ class CpuAttentionBackend(AttentionBackend):
         kv: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         q, k = rotate_query_key(q, k, kv)
         kv4 = kv.kv4
         reference.store_kv(k, v, kv.key_cache, kv.value_cache, meta.slot_mapping, kv.k_scale, kv.v_scale, **kv4)
+        if sliding_window is not None or logit_softcap is not None:
+            # Interim: the window / soft-cap run on the torch reference path until the
+            # kernels implement them (same cache layout, so the result is exact).
+            return reference.paged_attention(
+                q, kv.key_cache, kv.value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+                kv.k_scale, kv.v_scale, **kv4, sliding_window=sliding_window, logit_softcap=logit_softcap,
+            )
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return cpu_attention.paged_decode_attention(

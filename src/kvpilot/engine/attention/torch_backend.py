@@ -29,6 +29,9 @@ class TorchAttentionBackend(AttentionBackend):
         kv: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         q, k = rotate_query_key(q, k, kv)
         reference.store_kv(k, v, kv.key_cache, kv.value_cache, meta.slot_mapping, kv.k_scale, kv.v_scale, **kv.kv4)
@@ -43,4 +46,6 @@ class TorchAttentionBackend(AttentionBackend):
             kv.k_scale,
             kv.v_scale,
             **kv.kv4,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
         )

@@ -15,6 +15,7 @@ from kvpilot.engine.attention.backend import (
     LayerKVCache,
     rotate_query_key,
 )
+from kvpilot.kernels import reference
 from kvpilot.kernels.decode_attention import paged_decode_attention
 from kvpilot.kernels.prefill_attention import paged_prefill_attention
 from kvpilot.kernels.store_kv import store_kv
@@ -49,6 +50,9 @@ class TritonAttentionBackend(AttentionBackend):
         kv: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         q, k = rotate_query_key(q, k, kv)
         quantized = is_fp8(kv.key_cache.dtype) or kv.kv4_format is not None
@@ -56,6 +60,13 @@ class TritonAttentionBackend(AttentionBackend):
         v_scale = kv.v_scale if quantized else None
         kv4 = kv.kv4
         store_kv(k, v, kv.key_cache, kv.value_cache, meta.slot_mapping, k_scale, v_scale, **kv4)
+        if sliding_window is not None or logit_softcap is not None:
+            # Interim: the window / soft-cap run on the torch reference path until the
+            # kernels implement them (same cache layout, so the result is exact).
+            return reference.paged_attention(
+                q, kv.key_cache, kv.value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+                k_scale, v_scale, **kv4, sliding_window=sliding_window, logit_softcap=logit_softcap,
+            )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:

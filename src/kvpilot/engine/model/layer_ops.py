@@ -57,6 +57,14 @@ class TorchLayerOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """GeGLU's ``gelu_tanh(gate) * up`` for ``x = [gate | up]`` ``[T, 2I]`` (Shazeer 2020;
+        Gemma's MLP): GELU with the tanh approximation, as transformers' ``gelu_pytorch_tanh``
+        (``F.gelu(approximate="tanh")``). Returns a new ``[T, I]`` tensor of ``x.dtype``;
+        the cpu ops inherit this one."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 class CpuLayerOps(TorchLayerOps):
     """The fused C++ kernels (CPU tensors, fp32/bf16/fp16). ``add_rms_norm`` and

@@ -19,6 +19,7 @@ from torch import nn
 from kvpilot.engine.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvpilot.engine.model.config import ModelConfig
 from kvpilot.engine.model.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
+from kvpilot.engine.model.moe import SparseMoeBlock
 from kvpilot.engine.model.rotary import RotaryEmbedding
 
 
@@ -148,6 +149,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         # Qwen3: RMSNorm over each head of q and of k, before RoPE (one weight per dim).
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.sliding_window = config.sliding_window_for(layer_idx)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -161,18 +163,19 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if ctx.calibrate is not None:
             ctx.calibrate(self.layer_idx, k, v)
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta, self.scale)
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta, self.scale,
+                                  sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor, ops: TorchLayerOps = TORCH_LAYER_OPS) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
@@ -184,7 +187,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = SparseMoeBlock(config) if config.is_moe_layer(layer_idx) else MLP(config)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,6 +209,10 @@ _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 # ``self_attn.{k,v}_scale``, AutoFP8 ``self_attn.kv_scale``, ModelOpt ``{k,v}_proj.{k,v}_scale``.
 _KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:k_proj\.|v_proj\.)?(k|v|kv)_scale$")
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
+# One MoE expert's projection: Mixtral's w1 (gate) / w3 (up) / w2 (down), Qwen-MoE's names.
+_EXPERT = re.compile(r"layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -300,7 +307,11 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...) in,
-        fusing q/k/v and gate/up. FP8 KV-cache scales are kept in ``kv_cache_scales``.
+        fusing q/k/v and gate/up. MoE experts' per-expert tensors (Mixtral's
+        ``block_sparse_moe.experts.N.w1/w3/w2``, Qwen-MoE's ``mlp.experts.N.gate_proj/
+        up_proj/down_proj``) are copied into the layer's stacked ``mlp.w13``/``mlp.w2``; a
+        missing one is reported as ``layers.L.mlp.experts.N.gate|up|down``. FP8 KV-cache
+        scales are kept in ``kv_cache_scales``.
 
         Raises:
             ValueError: an unexpected tensor name or shape, or a missing tensor.
@@ -315,8 +326,13 @@ class LlamaForCausalLM(nn.Module):
             """The pieces ``pname`` is loaded as: the fused projections' row blocks."""
             if pname.endswith("qkv_proj.weight") or pname.endswith("qkv_proj.bias"):
                 return {f"{pname}[{qkv_rows[i]}:{qkv_rows[i + 1]}]" for i in range(3)}
-            if pname.endswith("gate_up_proj.weight"):
-                return {f"{pname}[0:{inter}]", f"{pname}[{inter}:{2 * inter}]"}
+            if pname.endswith("gate_up_proj.weight") or pname.endswith("gate_up_proj.bias"):
+                half = params[pname].shape[0] // 2  # the shared expert's differs
+                return {f"{pname}[0:{half}]", f"{pname}[{half}:{2 * half}]"}
+            if pname.endswith(".w13") or pname.endswith(".w2"):  # stacked MoE experts
+                base = pname.removesuffix(".w13").removesuffix(".w2")
+                parts = ("gate", "up") if pname.endswith(".w13") else ("down",)
+                return {f"{base}.experts.{e}.{part}" for e in range(params[pname].shape[0]) for part in parts}
             return {pname}
 
         for name, tensor in weights:
@@ -326,7 +342,24 @@ class LlamaForCausalLM(nn.Module):
                 for kind in ("k", "v") if scale.group(2) == "kv" else (scale.group(2),):
                     layer_scales[kind] = float(tensor.float().max())
                 continue
-            target, rows = self._map_name(name, qkv_rows, inter)
+            expert = _EXPERT.search(name)
+            if expert is not None:  # one expert's projection into the layer's stacked tensor
+                layer, e, proj = int(expert.group(1)), int(expert.group(2)), expert.group(3)
+                part = _EXPERT_PART[proj]
+                stacked = params.get(f"layers.{layer}.mlp.{'w2' if part == 'down' else 'w13'}")
+                if stacked is None or e >= stacked.shape[0]:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                moe_inter = stacked.shape[1] // 2 if part != "down" else stacked.shape[2]
+                dst = stacked.data[e]
+                if part != "down":
+                    dst = dst[:moe_inter] if part == "gate" else dst[moe_inter:]
+                if tuple(dst.shape) != tuple(tensor.shape):
+                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+                dst.copy_(tensor)
+                loaded.add(f"layers.{layer}.mlp.experts.{e}.{part}")
+                continue
+            target, rows = self._map_name(name, qkv_rows, inter, c.shared_expert_intermediate_size)
             if target is None or (target == "lm_head.weight" and self.lm_head is None):
                 continue
             param = params.get(target)
@@ -346,14 +379,18 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
 
     @staticmethod
-    def _map_name(name: str, qkv_rows: list[int], inter: int) -> tuple[str | None, tuple[int, int] | None]:
+    def _map_name(name: str, qkv_rows: list[int], inter: int,
+                  shared_inter: int = 0) -> tuple[str | None, tuple[int, int] | None]:
         if "rotary_emb.inv_freq" in name:
             return None, None
         name = name.removeprefix("model.")
         for proj, idx in _QKV.items():
             if f"self_attn.{proj}." in name:
                 return name.replace(proj, "qkv_proj"), (qkv_rows[idx], qkv_rows[idx + 1])
+        name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router
         for proj, idx in _GATE_UP.items():
             if f"mlp.{proj}." in name:
                 return name.replace(proj, "gate_up_proj"), (idx * inter, (idx + 1) * inter)
+            if f"mlp.shared_expert.{proj}." in name:  # Qwen2-MoE: its own intermediate size
+                return name.replace(proj, "gate_up_proj"), (idx * shared_inter, (idx + 1) * shared_inter)
         return name, None

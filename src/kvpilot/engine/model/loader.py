@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvpilot.engine.model.config import ModelConfig, UnsupportedModelError
+from kvpilot.engine.model.config import GEMMA_ARCHITECTURES, ModelConfig, UnsupportedModelError
 from kvpilot.engine.model.presets import PRESET_PREFIX, preset_config
 
 if TYPE_CHECKING:
@@ -111,12 +111,31 @@ _GGUF_LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused q/k/v
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture of experts: the router, Qwen2-MoE's shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Gemma 2/3: a norm after attention and one on each side of the MLP (llama.cpp's
+# ``ffn_norm`` is Gemma's pre-MLP norm, not Llama's post-attention one).
+_GGUF_GEMMA_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Tensors read into the config, not the model: llama3's and LongRoPE's frequency factors.
+_GGUF_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# Fused expert tensors ``[E, rows, cols]``, split into HF's per-expert names at load.
+_GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -125,13 +144,15 @@ _GGUF_GLOBAL_NAMES = {
 _BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
 
 
-def gguf_hf_name(name: str) -> str | None:
-    """GGUF tensor name -> HF name (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
+def gguf_hf_name(name: str, architecture: str | None = None) -> str | None:
+    """GGUF tensor name -> HF name (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``);
+    ``architecture`` (ours: ``gemma2``...) picks Gemma's layer names."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
+    names = _GGUF_GEMMA_LAYER_NAMES if architecture in GEMMA_ARCHITECTURES else _GGUF_LAYER_NAMES
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -166,14 +187,28 @@ class GGUFModelFile:
         self.tensors = {t.name: t for t in self.reader.tensors}
 
     def model_config(self) -> ModelConfig:
+        """The config from the metadata (:meth:`ModelConfig.from_gguf_metadata`), the
+        vocabulary from the token list or ``token_embd``'s rows when ``<arch>.vocab_size`` is
+        absent, and the frequency factors stored as tensors: ``rope_freqs`` (llama3) and
+        Phi-3's LongRoPE ``rope_factors_long`` / ``rope_factors_short``."""
         meta = dict(self.metadata)
-        if meta.get("llama.vocab_size") is None and "tokenizer.ggml.tokens.count" in meta:
-            arch = meta.get("general.architecture")
-            meta[f"{arch}.vocab_size"] = meta["tokenizer.ggml.tokens.count"]
+        arch = meta.get("general.architecture")
+        if meta.get(f"{arch}.vocab_size") is None:
+            if "tokenizer.ggml.tokens.count" in meta:
+                meta[f"{arch}.vocab_size"] = meta["tokenizer.ggml.tokens.count"]
+            elif "token_embd.weight" in self.tensors:  # ggml order: [hidden, vocab]
+                meta[f"{arch}.vocab_size"] = int(self.tensors["token_embd.weight"].shape[-1])
         config = ModelConfig.from_gguf_metadata(meta, set(self.tensors), self.path.stem)
+
+        def factors(tensor_name: str) -> list[float]:
+            return [float(f) for f in self._dequantize(self.tensors[tensor_name]).reshape(-1)]
+
         if "rope_freqs.weight" in self.tensors:
-            factors = self._dequantize(self.tensors["rope_freqs.weight"]).reshape(-1)
-            config = ModelConfig(**{**config.__dict__, "rope_freq_factors": tuple(float(f) for f in factors)})
+            config = ModelConfig(**{**config.__dict__, "rope_freq_factors": tuple(factors("rope_freqs.weight"))})
+        if config.rope_scaling is not None and config.rope_scaling.get("rope_type") == "longrope":
+            scaling = {**config.rope_scaling, "long_factor": factors("rope_factors_long.weight"),
+                       "short_factor": factors("rope_factors_short.weight")}
+            config = ModelConfig(**{**config.__dict__, "rope_scaling": scaling})
         return config
 
     @staticmethod
@@ -184,21 +219,40 @@ class GGUFModelFile:
         return np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
 
     def iter_weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """Dequantized tensors with HF names, Q/K rows restored to the HF rotary layout."""
+        """Dequantized tensors with HF names, undoing convert_hf_to_gguf.py's transforms:
+        Q/K rows back to the HF rotary layout (it permutes them for arch llama only);
+        Phi-3's fused ``ffn_up`` (no ``ffn_gate``) is HF's ``gate_up_proj``; Gemma's norm
+        weights had 1 added (llama.cpp multiplies by ``w``, HF by ``1 + w``), so 1 is
+        taken off here and :meth:`GemmaForCausalLM.load_weights` adds it back (exact in
+        fp32 for weights in [0.5, 2], Sterbenz)."""
         import numpy as np
 
-        unpermute = config.architecture == "llama"
+        unpermute = config.architecture in ("llama", "mixtral")  # llama.cpp permutes arch llama only
+        gemma = config.architecture in GEMMA_ARCHITECTURES
         for name, tensor in self.tensors.items():
-            hf = gguf_hf_name(name)
+            parts = name.split(".")
+            if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_EXPERT_NAMES:
+                stacked = self._dequantize(tensor)  # [E, out, in]
+                for e in range(stacked.shape[0]):
+                    yield (f"model.layers.{parts[1]}.mlp.experts.{e}.{_GGUF_EXPERT_NAMES[parts[2]]}.weight",
+                           torch.from_numpy(np.array(stacked[e], dtype=np.float32, order="C", copy=True)))
+                continue
+            hf = gguf_hf_name(name, config.architecture)
             if hf is None:
-                if name != "rope_freqs.weight":
+                if name not in _GGUF_CONFIG_TENSORS:
                     logger.warning("ignoring GGUF tensor %s", name)
                 continue
+            if parts[-2:-1] == ["ffn_up"] and f"blk.{parts[1]}.ffn_gate.weight" not in self.tensors:
+                hf = hf.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")  # Phi-3: [gate; up] rows
             w = self._dequantize(tensor)
+            if gemma and name.endswith("norm.weight"):
+                w = w - np.float32(1.0)
             if unpermute and ".q_proj." in hf:
                 w = unpermute_rope_rows(w, config.num_heads)
             elif unpermute and ".k_proj." in hf:
                 w = unpermute_rope_rows(w, config.num_kv_heads)
+            if hf.endswith("shared_expert_gate.weight"):  # llama.cpp stores it 1-D: [hidden]
+                w = w.reshape(1, -1)
             yield hf, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
 
 
