@@ -123,7 +123,9 @@ class LLMEngine:
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=cfg.max_model_len,
             ),
-            KVCacheManager(cfg.num_blocks, cfg.block_size, args.enable_prefix_caching, self.kv_events),
+            KVCacheManager(cfg.num_blocks, cfg.block_size, args.enable_prefix_caching, self.kv_events,
+                           sliding_window=(self.model_config.sliding_window
+                                           if self.model_config.all_layers_slide else None)),
             clock,
         )
         self.sampler = Sampler(cfg.device, args.seed, vocab_size=self.model_config.vocab_size)

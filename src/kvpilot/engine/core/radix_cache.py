@@ -15,7 +15,9 @@ Contract:
 - A node is evictable when its block has ``ref_count == 0`` and it has no children;
   eviction is LRU over such leaves, so a chain is trimmed from its tail. Because a
   request holds every block of its prefix, a referenced node's ancestors are referenced
-  too, and no locked node or ancestor of one can ever be evicted.
+  too, and no locked node or ancestor of one can ever be evicted. (A request that has
+  freed blocks behind an all-layer sliding window holds no tree node at all: it drops
+  its published prompt blocks together, see ``KVCacheManager.free_skipped``.)
 - Blocks are inserted only after their KV has been written (the scheduler publishes a
   block once ``num_computed_tokens`` covers it), so a match never returns unwritten KV.
 - With a :class:`~kvpilot.engine.kv_events.KVEventCollector` (KV cache events on), every

@@ -50,6 +50,10 @@ class Request:
             into a shared block).
         num_published_blocks / last_node: how much of the block table is in the radix
             tree, and the tree node of the last published block.
+        num_skipped_blocks: leading block-table entries already freed because every
+            layer's sliding window has moved past them (all-sliding models only); those
+            entries hold ``NULL_BLOCK`` and no reference
+            (:meth:`KVCacheManager.free_skipped`).
         num_cached_tokens: prefix-cache hit at the first admission (reported as usage).
         prompt_logprobs: with ``prompt_logprobs`` asked, entry ``i`` is
             ``(logprob, rank, top)`` of prompt token ``i + 1``: its logprob, its rank in
@@ -82,6 +86,7 @@ class Request:
         self.num_prefix_kv_tokens = 0
         self.block_ids: list[int] = []
         self.num_published_blocks = 0
+        self.num_skipped_blocks = 0
         self.last_node: RadixNode | None = None
         self._block_hashes: list[int] = []  # chain hashes of full blocks, see block_hashes()
 

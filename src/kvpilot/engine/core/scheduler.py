@@ -19,6 +19,10 @@ the recompute is mostly a cache hit). No request is admitted in a step that pree
 and admission keeps a small reserve of blocks for running requests to grow into, which
 stops a preempted request from being re-admitted only to be preempted again.
 
+When every layer of the model slides (the KV cache manager has a ``sliding_window``),
+each update also frees the blocks the window has left behind
+(:meth:`KVCacheManager.free_skipped`), so a long generation holds bounded memory.
+
 The scheduler is plain Python: no device calls, so it is tested block by block on CPU.
 """
 
@@ -324,7 +328,7 @@ class Scheduler:
     # ------------------------------------------------- in-batch prefix sharing
     def _unpublished_hashes(self, req: Request) -> list[int]:
         bs = self.kv.block_size
-        return req.block_hashes(bs, req.num_tokens // bs)[req.num_published_blocks :]
+        return req.block_hashes(bs, self.kv.num_publishable_blocks(req))[req.num_published_blocks :]
 
     def _inflight_block_hashes(self) -> set[int]:
         """Chain hashes of full blocks that running requests will publish but have not
@@ -376,7 +380,8 @@ class Scheduler:
         ``output.scheduled[i]`` (None where ``sample`` is False).
 
         Advances ``num_computed_tokens``, publishes full blocks to the prefix cache,
-        appends tokens, applies token-level stops and frees finished requests.
+        frees blocks behind an all-layer sliding window, appends tokens, applies
+        token-level stops and frees finished requests.
         Returns the requests that got a token this step (finished ones included).
         """
         touched: list[Request] = []
@@ -386,6 +391,7 @@ class Scheduler:
                 continue  # finished between schedule() and update()
             req.num_computed_tokens += item.num_tokens
             self.kv.publish(req)
+            self.kv.free_skipped(req)
             if not item.sample:
                 continue
             assert token is not None
