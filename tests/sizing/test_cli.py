@@ -92,3 +92,30 @@ def test_kv_calc_tensor_parallel_replicates_kv_heads_beyond_one_per_gpu(capsys):
     assert main(["kv-calc", "--model", "llama-3-70b", "--gpu", "H100-80GB",
                  "--tensor-parallel-size", "3"]) == 2
     assert "must divide the model's 8 KV heads" in capsys.readouterr().err
+
+
+def test_kv_calc_states_the_window_cap_of_an_all_sliding_model(capsys):
+    argv = ["kv-calc", "--model", "mistral-7b-v0.1", "--gpu", "H100-80GB", "--context", "32768"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "sliding window   4,096: a sequence holds at most 4,112 tokens of KV" in out
+    assert main([*argv, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    # (cdiv(4096, 16) + 1) x 16 = 4,112 tokens; 476,720 // 4,112 = 115 requests
+    assert r["kv_tokens_per_request_max"] == 4112
+    row = r["per_request"][0]
+    assert row["kv_tokens"] == 4112 and row["kv_bytes"] == 4112 * 131_072
+    assert r["kv_capacity_tokens"] == 476_720 and row["max_concurrent_requests"] == 115
+
+
+def test_kv_calc_says_a_hybrid_saves_nothing_yet(capsys):
+    argv = ["kv-calc", "--model", "gemma-2-9b", "--gpu", "H100-80GB", "--context", "32768"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "4,096 on 21 of 42 layers: the sliding layers do not save memory yet" in out
+    assert main([*argv, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    # 2 x 2 B x 42 x 8 x 256 = 344,064 B per token, all 32,768 tokens held
+    assert r["kv_tokens_per_request_max"] is None
+    assert r["per_request"][0]["kv_bytes"] == 32768 * 344_064
+    assert r["per_request"][0]["max_concurrent_requests"] == 5

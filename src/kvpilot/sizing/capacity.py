@@ -8,6 +8,15 @@ written once here in :func:`kv_token_bytes`::
 Llama-3-70B (80 layers, 8 KV heads, head_dim 128) in fp16: 327,680 B per token, so 8,192
 tokens take 2.68 GB and 65,536 tokens 21.47 GB (decimal GB); fp8 halves that.
 
+Sliding windows: a layer that attends to the last W tokens only needs their K/V, but the
+engine's blocks hold every layer's K/V for their tokens, so a block can be given back only
+when no layer needs it any more. When every layer slides (Mistral-7B-v0.1) a sequence
+holds at most ``cdiv(W, block_size) + 1`` blocks (:func:`sliding_window_tokens`: the
+window straddles one block boundary at most); when sliding and full layers interleave
+(Gemma 2/3) the full layers keep every block, so the KV of a hybrid is sized as full
+attention (the sliding layers do not save memory yet). The window never changes the
+bytes per token, nor does a mixture of experts (experts hold no KV).
+
 Users: the engine sizes its KV pool with :func:`kv_token_bytes` and :func:`kv_dtype`
 (``kvpilot.engine.kv_cache``); ``kvpilot kv-calc`` prints these numbers offline; the
 operator's FinOps status reuses :func:`max_concurrent_requests`, :func:`cost_per_hour` and
@@ -156,16 +165,44 @@ def kv_capacity_tokens(kv_memory: float, bytes_per_token: float, block_size: int
     return int(kv_memory // (bytes_per_token * block_size)) * block_size
 
 
-def max_concurrent_requests(
-    capacity_tokens: int, context_tokens: float, block_size: int = 1
+def sliding_window_tokens(sliding_window: int, block_size: int = 1) -> int:
+    """The most KV tokens one sequence holds when every layer slides with window
+    ``sliding_window``: ``(cdiv(W, block_size) + 1) x block_size`` (whole blocks; the last
+    W tokens straddle at most one more block boundary than W alone needs). That is the
+    steady state the engine's block freeing reaches in decode; while a prefill chunk of C
+    tokens runs, the request briefly holds about C more."""
+    _positive("sliding_window", sliding_window)
+    _positive("block_size", block_size)
+    return (math.ceil(sliding_window / block_size) + 1) * block_size
+
+
+def kv_tokens_per_request(
+    context_tokens: float, block_size: int = 1, sliding_window: int | None = None
 ) -> int:
-    """Requests of ``context_tokens`` tokens (prompt + output) that fit at once. Each takes
-    whole blocks, so with ``block_size`` > 1 the last partial block counts in full."""
+    """KV tokens one request of ``context_tokens`` tokens holds at its longest: whole
+    blocks, at most :func:`sliding_window_tokens` when ``sliding_window`` is given (pass
+    it only when every layer slides: ``ModelShape.kv_window``)."""
     _positive("context_tokens", context_tokens)
     _positive("block_size", block_size)
+    tokens = math.ceil(context_tokens / block_size) * block_size
+    if sliding_window is not None:
+        tokens = min(tokens, sliding_window_tokens(sliding_window, block_size))
+    return tokens
+
+
+def max_concurrent_requests(
+    capacity_tokens: int,
+    context_tokens: float,
+    block_size: int = 1,
+    sliding_window: int | None = None,
+) -> int:
+    """Requests of ``context_tokens`` tokens (prompt + output) that fit at once. Each takes
+    whole blocks, so with ``block_size`` > 1 the last partial block counts in full; with
+    ``sliding_window`` (every layer slides) a request takes at most
+    :func:`sliding_window_tokens`."""
     if capacity_tokens < 0:
         raise ValueError(f"capacity_tokens must be >= 0; got {capacity_tokens}")
-    per_request = math.ceil(context_tokens / block_size) * block_size
+    per_request = kv_tokens_per_request(context_tokens, block_size, sliding_window)
     return int(capacity_tokens // per_request)
 
 
@@ -219,6 +256,7 @@ def finops(
     cost_per_replica_hour: float | None = None,
     generated_tokens_per_second: float | None = None,
     block_size: int = 1,
+    sliding_window: int | None = None,
 ) -> FinOps:
     """Everything the operator writes to status, from what the engines report.
 
@@ -229,10 +267,14 @@ def finops(
             KV usage x capacity / running requests; ``None`` skips the concurrency estimate.
         cost_per_replica_hour: ``finops.costPerReplicaHour``; ``None`` skips costs.
         generated_tokens_per_second: ``rate(kvpilot:generation_tokens_total)`` summed over pods.
+        sliding_window: the window when every layer of the model slides (caps the KV a
+            request holds); None for full attention and for hybrids.
     """
     conc = None
     if mean_context_tokens:
-        conc = max_concurrent_requests(kv_capacity_tokens, mean_context_tokens, block_size)
+        conc = max_concurrent_requests(
+            kv_capacity_tokens, mean_context_tokens, block_size, sliding_window
+        )
     hourly = (
         None if cost_per_replica_hour is None else cost_per_hour(cost_per_replica_hour, replicas)
     )

@@ -99,6 +99,15 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         model.num_layers, model.num_kv_heads, model.head_dim, dtype.name
     )
     weight_bytes = model.num_params * capacity.kv_dtype(args.weight_dtype).bytes_per_element
+    if args.block_size <= 0:
+        raise ValueError(f"--block-size must be > 0; got {args.block_size}")
+    # Only a model whose every layer slides holds less than its context (ModelShape.kv_window).
+    window = model.kv_window
+    cap = capacity.sliding_window_tokens(window, args.block_size) if window else None
+
+    def held(context: int) -> int:
+        return min(context, cap) if cap else context
+
     out: dict[str, Any] = {
         "model": model.name,
         "num_params": model.num_params,
@@ -109,10 +118,19 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         "bytes_per_element": dtype.bytes_per_element,
         "scale_format": dtype.scale_format or None,
         "kv_bytes_per_token": per_token,
+        "block_size": args.block_size,
         "weight_dtype": args.weight_dtype,
         "weight_bytes": weight_bytes,
+        "sliding_window": model.sliding_window or None,
+        "num_sliding_layers": model.num_sliding_layers,
+        "kv_tokens_per_request_max": cap,
         "per_request": [
-            {"context_tokens": c, "kv_bytes": capacity.kv_bytes(per_token, c)} for c in contexts
+            {
+                "context_tokens": c,
+                "kv_tokens": held(c),
+                "kv_bytes": capacity.kv_bytes(per_token, held(c)),
+            }
+            for c in contexts
         ],
     }
     gpu_bytes: float | None = None
@@ -151,7 +169,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         )
         for row in out["per_request"]:
             row["max_concurrent_requests"] = capacity.max_concurrent_requests(
-                tokens, row["context_tokens"], args.block_size
+                tokens, row["context_tokens"], args.block_size, window
             )
     if args.cost_per_replica_hour is not None:
         hourly = capacity.cost_per_hour(args.cost_per_replica_hour, args.replicas)
@@ -178,6 +196,21 @@ def render(r: Mapping[str, Any]) -> str:
         " head_dim)",
         f"weights          {_gb(r['weight_bytes'])}  ({r['weight_dtype']})",
     ]
+    window = r.get("sliding_window")
+    if window and r.get("kv_tokens_per_request_max"):
+        cap = r["kv_tokens_per_request_max"]
+        lines.append(
+            f"sliding window   {window:,}: a sequence holds at most {cap:,} tokens of KV"
+            f" ({cap // r['block_size']:,} blocks of {r['block_size']}; every layer slides)"
+        )
+    elif window:
+        lines += [
+            f"sliding window   {window:,} on {r['num_sliding_layers']} of {r['num_layers']} layers:"
+            " the sliding layers do not save memory yet",
+            "                 (blocks are shared by all layers and the full-attention layers"
+            " keep every one),",
+            "                 so the KV is sized as full attention",
+        ]
     if "kv_capacity_tokens" in r:
         tp = r["tensor_parallel_size"]
         gpus = f"{tp} x {r.get('gpu', 'custom')}" if tp > 1 else r.get("gpu", "custom")
@@ -206,16 +239,22 @@ def render(r: Mapping[str, Any]) -> str:
         line = f"{row['context_tokens']:>10,}  {_gb(row['kv_bytes']):>15}"
         if has_conc:
             line += f"  {row['max_concurrent_requests']:>15,}"
+        if row["kv_tokens"] < row["context_tokens"]:
+            line += f"  (window: {row['kv_tokens']:,} tokens held)"
         lines.append(line)
     return "\n".join(lines)
 
 
 def _listing() -> str:
-    lines = ["models (preset: layers / KV heads / head_dim / params):"]
+    lines = ["models (preset: layers / KV heads / head_dim / params / sliding window):"]
     for m in presets.MODEL_PRESETS.values():
+        window = ""
+        if m.sliding_window:
+            which = "all layers" if m.kv_window else f"{m.num_sliding_layers} of {m.num_layers} layers"
+            window = f"  W {m.sliding_window} on {which}"
         lines.append(
-            f"  {m.name:16} {m.num_layers:>4} {m.num_kv_heads:>3} {m.head_dim:>4}"
-            f"  {m.num_params / 1e9:7.2f} B"
+            f"  {m.name:18} {m.num_layers:>4} {m.num_kv_heads:>3} {m.head_dim:>4}"
+            f"  {m.num_params / 1e9:7.2f} B{window}"
         )
     lines.append("GPUs (memory as nvidia-smi reports it):")
     for g, mib in presets.GPU_MEMORY_MIB.items():

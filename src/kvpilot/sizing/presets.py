@@ -47,7 +47,14 @@ class ModelShape:
     num_experts: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
-    qk_norm: bool = False  # Qwen3: per-head q/k RMSNorm weights (2 x head_dim per layer)
+    qk_norm: bool = False  # Qwen3, Gemma 3: per-head q/k RMSNorm weights (2 x head_dim per layer)
+    norms_per_layer: int = 2  # RMSNorms per decoder layer (Gemma 2/3: 4, around attention and MLP)
+    # Sliding-window attention: ``sliding_window`` W tokens (0 = none). With a window,
+    # ``num_full_attention_layers`` of the layers attend to the whole context (Gemma 2:
+    # every other layer, Gemma 3: one in six) and the rest slide; 0 = every layer slides
+    # (Mistral-7B-v0.1). Whether the window saves KV memory is :attr:`kv_window`.
+    sliding_window: int = 0
+    num_full_attention_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads"):
@@ -63,12 +70,36 @@ class ModelShape:
             )
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.sliding_window < 0 or not 0 <= self.num_full_attention_layers <= self.num_layers:
+            raise ValueError(
+                f"model {self.name!r}: sliding_window ({self.sliding_window}) must be >= 0 and"
+                f" num_full_attention_layers ({self.num_full_attention_layers}) in 0..num_layers"
+            )
+        if not self.sliding_window or self.num_full_attention_layers == self.num_layers:
+            object.__setattr__(self, "sliding_window", 0)
+            object.__setattr__(self, "num_full_attention_layers", 0)
         if not self.num_params:
             object.__setattr__(self, "num_params", self.computed_params())
 
+    @property
+    def num_sliding_layers(self) -> int:
+        """Layers that attend to the last ``sliding_window`` tokens only."""
+        return self.num_layers - self.num_full_attention_layers if self.sliding_window else 0
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window that bounds a sequence's KV memory, or None: W when every layer
+        slides, else None. The engine's blocks hold every layer's K/V for their tokens, so
+        a block can only go once no layer needs it; with one full-attention layer none
+        ever can, and a hybrid model (Gemma 2/3) keeps the whole context on every layer."""
+        if self.sliding_window and self.num_sliding_layers == self.num_layers:
+            return self.sliding_window
+        return None
+
     def computed_params(self) -> int:
-        """Embeddings (+ untied LM head), per layer: q/k/v/o projections (+ qkv bias),
-        gate/up/down MLP and two RMSNorms; plus the final norm."""
+        """Embeddings (+ untied LM head), per layer: q/k/v/o projections (+ qkv bias, + q/k
+        norms), the MLP or the experts, and ``norms_per_layer`` RMSNorms; plus the final
+        norm."""
         h, q, kv = self.hidden_size, self.num_attention_heads, self.num_kv_heads
         d = self.head_dim
         attn = h * q * d + 2 * h * kv * d + q * d * h
@@ -83,7 +114,7 @@ class ModelShape:
                 mlp += 3 * h * self.shared_expert_intermediate_size + h
         else:
             mlp = 3 * h * self.intermediate_size
-        layer = attn + mlp + 2 * h
+        layer = attn + mlp + self.norms_per_layer * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embed + self.num_layers * layer + h
 
@@ -116,7 +147,22 @@ MODEL_PRESETS: dict[str, ModelShape] = {
         _m("llama-3.1-405b", 16384, 53248, 126, 128, 8, 128256),
         _m("llama-3.2-1b", 2048, 8192, 16, 32, 8, 128256, head_dim=64, tied=True),
         _m("llama-3.2-3b", 3072, 8192, 28, 24, 8, 128256, head_dim=128, tied=True),
-        _m("mistral-7b", 4096, 14336, 32, 32, 8, 32768),
+        _m("mistral-7b", 4096, 14336, 32, 32, 8, 32768),  # v0.3: no sliding window
+        # Sliding windows. Mistral-7B-v0.1: every layer slides (W 4096), so a sequence's KV
+        # stops growing at the window. Gemma 2/3 interleave sliding and full layers (the
+        # KV of a hybrid is sized as full attention: see ModelShape.kv_window); 4 norms
+        # per layer, tied embeddings. Gemma 3 12B is its text decoder (config.json's
+        # text_config; vocab 262208 as there, the vision tower not counted).
+        ModelShape("mistral-7b-v0.1", 4096, 14336, 32, 32, 8, 32000, sliding_window=4096),
+        ModelShape("gemma-2-9b", 3584, 14336, 42, 16, 8, 256000, head_dim=256,
+                   tie_word_embeddings=True, norms_per_layer=4, sliding_window=4096,
+                   num_full_attention_layers=21),
+        ModelShape("gemma-3-1b", 1152, 6912, 26, 4, 1, 262144, head_dim=256,
+                   tie_word_embeddings=True, norms_per_layer=4, qk_norm=True, sliding_window=512,
+                   num_full_attention_layers=4),
+        ModelShape("gemma-3-12b", 3840, 15360, 48, 16, 8, 262208, head_dim=256,
+                   tie_word_embeddings=True, norms_per_layer=4, qk_norm=True, sliding_window=1024,
+                   num_full_attention_layers=8),
         # Mixture of experts (hf.co model cards' safetensors totals).
         ModelShape("mixtral-8x7b", 4096, 14336, 32, 32, 8, 32000, num_experts=8),
         ModelShape("qwen3-30b-a3b", 2048, 6144, 48, 32, 4, 151936, head_dim=128, num_experts=128,
@@ -156,11 +202,47 @@ def gpu_memory_bytes(name: str) -> int:
     raise ValueError(f"GPU must be one of {', '.join(GPU_MEMORY_MIB)}; got {name!r}")
 
 
+def _sliding_layers(cfg: Mapping[str, Any]) -> tuple[int, int]:
+    """``(sliding_window, num_full_attention_layers)`` the way the engine reads them
+    (``kvpilot.engine.model.config``): ``layer_types`` when present; Gemma 2 slides on even
+    layers, Gemma 3 on all but every ``sliding_window_pattern``-th (6); Mistral, Mixtral
+    and Phi-3 on every layer once ``sliding_window`` is set; Qwen2/Qwen3 only with
+    ``use_sliding_window``, on layers ``>= max_window_layers``."""
+    kind = cfg.get("model_type")
+    n = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window")
+    if kind == "gemma2" and window is None:
+        window = 4096  # transformers' Gemma2Config default
+    if not window:
+        return 0, 0
+    gemma = kind in ("gemma2", "gemma3", "gemma3_text")
+    if not gemma and not cfg.get("use_sliding_window", kind in ("mistral", "mixtral", "phi3")):
+        return 0, 0
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        if kind == "gemma2":
+            layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        elif gemma:
+            pattern = int(cfg.get("sliding_window_pattern") or 6)
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        elif kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+            first = int(cfg.get("max_window_layers") or 0)
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+        else:
+            return int(window), 0
+    sliding = sum(t == "sliding_attention" for t in layer_types)
+    return (int(window), n - sliding) if sliding else (0, 0)
+
+
 def shape_from_config(name: str, config: Mapping[str, Any]) -> ModelShape:
-    """Read a HF ``config.json`` mapping (Llama, Mistral, Qwen2, Qwen3, SmolLM2 keys)."""
+    """Read a HF ``config.json`` mapping (Llama, Mistral, Mixtral, Qwen2/3 and their MoE,
+    Gemma 2/3, SmolLM2 keys)."""
     cfg = config.get("text_config", config)  # multimodal wrappers nest the decoder
+    kind = cfg.get("model_type")
+    gemma = kind in ("gemma2", "gemma3", "gemma3_text")
     try:
         heads = int(cfg["num_attention_heads"])
+        window, full_layers = _sliding_layers(cfg)
         return ModelShape(
             name=name,
             hidden_size=int(cfg["hidden_size"]),
@@ -169,13 +251,16 @@ def shape_from_config(name: str, config: Mapping[str, Any]) -> ModelShape:
             num_attention_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             vocab_size=int(cfg.get("vocab_size", 0)),
-            head_dim=int(cfg.get("head_dim") or 0),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            head_dim=int(cfg.get("head_dim") or (256 if gemma else 0)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") in ("qwen2", "qwen2_moe"))),
             num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
             shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
-            qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe"),
+            qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
+            norms_per_layer=4 if gemma else 2,
+            sliding_window=window,
+            num_full_attention_layers=full_layers,
         )
     except KeyError as exc:
         raise ValueError(f"config.json of {name!r} lacks {exc.args[0]!r}") from None
