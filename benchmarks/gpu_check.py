@@ -22,6 +22,14 @@ Sections:
                 (row ``sdpa_contiguous_bf16``; its "vs bf16" is our paged bf16 time over
                 SDPA's, so above 1 means SDPA is faster).
 
+  moe           one MoE forward, the Triton fused kernel (kvpilot.kernels.fused_moe) against
+                the torch reference loop over experts, same inputs (benchmarks/moe_forward.py):
+                max abs difference, median time of each over 20 runs and the ratio reference /
+                fused (above 1: fused is faster). Shapes: Mixtral-8x7B's layer (hidden 4,096,
+                intermediate 14,336, top-2 of 8) at 16 and 2,048 tokens in bf16, Qwen3-30B-A3B's
+                (hidden 2,048, intermediate 768, top-8 of 128) at 1,024 tokens, and a small fp32
+                case (IEEE products, so the two should agree to rounding).
+
 A kernel_tests section killed at its timeout keeps the tests it finished (the JSON is
 rewritten after each test).
 
@@ -45,7 +53,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("env", "kernel_tests", "decode_bench", "decode_tune", "engine")
+SECTIONS = ("env", "kernel_tests", "decode_bench", "decode_tune", "engine", "moe")
 CACHE_DTYPES = ("bfloat16", "fp8_e4m3", "int4", "fp4_e2m1")
 
 
@@ -372,6 +380,37 @@ def section_engine(smoke: bool) -> dict:
             "ok": all(r["ok"] for r in rows), "rows": rows}
 
 
+# ----------------------------------------------------------------------------- moe
+MOE_SHAPES = (  # tokens, hidden, intermediate, experts, top-k, dtype
+    (16, 4096, 14336, 8, 2, "bfloat16"),     # Mixtral-8x7B, decode-sized batch
+    (2048, 4096, 14336, 8, 2, "bfloat16"),   # Mixtral-8x7B, a prefill chunk
+    (1024, 2048, 768, 128, 8, "bfloat16"),   # Qwen3-30B-A3B: many small experts
+    (256, 1024, 512, 8, 2, "float32"),       # IEEE on both sides: agreement to rounding
+)
+
+
+def section_moe(smoke: bool) -> dict:
+    """benchmarks/moe_forward.py's :func:`measure` per shape; a shape that fails is a row
+    with its error, the others still run."""
+    import torch
+    from moe_forward import measure  # this folder is sys.path[0] (the script runs as a file)
+
+    device = _device()
+    shapes = [(8, 64, 48, 8, 2, "float32")] if smoke else MOE_SHAPES
+    rows = []
+    for tokens, hidden, inter, experts, topk, dtype in shapes:
+        try:
+            rows.append(measure(tokens, hidden, inter, experts, topk, dtype, device.type,
+                                repeats=1 if smoke else 20))
+        except Exception as e:  # recorded; the next shape still runs
+            rows.append({"shape": {"tokens": tokens, "hidden": hidden, "intermediate": inter,
+                                   "experts": experts, "topk": topk}, "dtype": dtype, "ok": False,
+                         "error": f"{type(e).__name__}: {e}"})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"ok": all(r["ok"] for r in rows), "rows": rows}
+
+
 # ----------------------------------------------------------------------------- driver
 def run_section(name: str, smoke: bool, out: Path) -> int:
     _setup_path()
@@ -420,6 +459,20 @@ def render(summary: dict) -> str:
         for key, r in tune["best"].items():
             lines.append(f"| {key} | {r['BLOCK_N']} | {r['num_warps']} | {r['num_stages']} | "
                          f"{r['num_splits'] or 'auto'} | {r['median_us']:.1f} | {r['bandwidth_tb_s']:.2f} |")
+    moe = summary["sections"].get("moe", {})
+    if moe.get("rows"):
+        lines += ["", "| MoE tokens x hidden x inter, top-k of E | dtype | max abs diff | reference ms | "
+                  "fused ms | reference / fused |", "|---|---|---|---|---|---|"]
+        for r in moe["rows"]:
+            s = r["shape"]
+            name = f"{s['tokens']} x {s['hidden']} x {s['intermediate']}, top-{s['topk']} of {s['experts']}"
+            if "error" in r:
+                lines.append(f"| {name} | {r['dtype']} | FAILED: {r['error'][:120]} | | | |")
+            elif "fused_ms" in r:
+                lines.append(f"| {name} | {r['dtype']} | {r['max_abs_diff']:.3g} | {r['reference_ms']:.3f} | "
+                             f"{r['fused_ms']:.3f} | {r['ratio_reference_over_fused']:.2f}x |")
+            else:
+                lines.append(f"| {name} | {r['dtype']} | {r['max_abs_diff']:.3g} | - | - | interpreter |")
     bench = summary["sections"].get("decode_bench", {})
     if bench.get("rows"):
         lines += ["", "| batch x context | KV cache | median us | TB/s | vs bf16 |", "|---|---|---|---|---|"]
