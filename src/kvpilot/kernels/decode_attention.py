@@ -28,6 +28,12 @@ min_tiles)``), so short sequences in a batch use fewer splits and the rest exit 
 FP8 and 4-bit caches: ``k_scale`` is folded into the softmax scale and ``v_scale`` multiplies the
 output once; both are exact because attention is linear in K (inside the exponent) and
 in V. Accumulators are fp32 throughout.
+
+Sliding window ``W`` (``HAS_WINDOW``): the query at ``p = seq_len - 1`` sees keys
+``[max(0, seq_len - W), seq_len)``; the splits share out that range only, so keys (and
+whole blocks) before it are never loaded, and split 0 always holds a key. Logit
+soft-cap ``c`` (``HAS_SOFTCAP``): scores ``s`` become ``c * tanh(s / c)`` before the
+softmax. Both are compile-time switches; without them the kernels are unchanged.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .decode_attention_kv4 import decode_split_kv4_kernel, kv4_launch_meta
-from .kv4_triton import check_any_cache
+from .kv4_triton import check_any_cache, check_window_softcap, softcap_log2
 from .triton_utils import (
     FLOAT_DTYPES,
     check,
@@ -74,6 +80,9 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     sm_scale,
     num_splits,
     min_tiles_per_split,
+    # sliding window in tokens (read when HAS_WINDOW) and soft-cap (read when HAS_SOFTCAP)
+    window,
+    softcap,
     # q strides: seq, head (dim stride 1)
     stride_qs,
     stride_qh,
@@ -99,6 +108,8 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     QUANT: tl.constexpr,
     DIRECT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -106,9 +117,14 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    # The keys this query sees are [first, seq_len); the splits share them out, so with a
+    # window nothing before it is loaded (its blocks may be freed) and split 0 is never empty.
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+    num_tiles = (seq_len - first + BLOCK_N - 1) // BLOCK_N
     tiles_per_split = tl.maximum((num_tiles + num_splits - 1) // num_splits, min_tiles_per_split)
-    start = split * tiles_per_split * BLOCK_N
+    start = first + split * tiles_per_split * BLOCK_N
     end = tl.minimum(seq_len, start + tiles_per_split * BLOCK_N)
 
     rows = tl.arange(0, BLOCK_H)
@@ -121,7 +137,10 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
         mask=row_mask[:, None] & dim_mask[None, :],
         other=0.0,
     ).to(DOT_DTYPE)
-    qk_scale = sm_scale * 1.4426950408889634  # softmax in base 2
+    if HAS_SOFTCAP:
+        qk_scale = sm_scale / softcap  # softcap_log2 brings the base-2 factor
+    else:
+        qk_scale = sm_scale * 1.4426950408889634  # softmax in base 2
     if QUANT:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
 
@@ -137,6 +156,8 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
         kv_mask = pos_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_SOFTCAP:
+            qk = softcap_log2(qk, softcap)
         qk = tl.where(pos_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -286,6 +307,8 @@ def paged_decode_attention(
     key_group_scales: torch.Tensor | None = None,
     value_group_scales: torch.Tensor | None = None,
     kv4_format: str | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -305,11 +328,20 @@ def paged_decode_attention(
             ``[..., head_dim // 2]``, E4M3 group scales ``[..., head_dim // 16]``,
             ``fp4_e2m1`` or ``int4``), dequantized in registers
             (:mod:`kvpilot.kernels.decode_attention_kv4`); ``k_scale``/``v_scale`` required.
+        sliding_window: W tokens, or None for the whole context. The query of a
+            sequence sits at position ``p = seq_len - 1`` and sees the keys ``j`` with
+            ``p - W < j <= p`` (the last W tokens, itself included). Keys before the
+            window are never read, so block-table entries wholly before it may point
+            anywhere (a freed or null block); the splits share out the window only.
+        logit_softcap: c, or None for none: each score ``s = scale * q.k`` (``k_scale``
+            included) becomes ``c * tanh(s / c)`` before the softmax.
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
     Raises:
-        ValueError: shapes, dtypes, strides or devices that do not fit.
+        ValueError: shapes, dtypes, strides or devices that do not fit; a window below
+            1 or a soft-cap that is not positive and finite.
     """
+    window, softcap = check_window_softcap(sliding_window, logit_softcap)
     kv4 = kv4_format is not None
     _, page, num_kv_heads, head_dim = check_any_cache(
         key_cache, value_cache, key_group_scales, value_group_scales, kv4_format
@@ -364,8 +396,10 @@ def paged_decode_attention(
     )
     min_split_tokens = cfg["MIN_SPLIT_TOKENS"]
     if num_splits is None:
+        # With a window only its last W keys are read: split by that many.
+        attended = min(max_seq_len, window) if window else max_seq_len
         num_splits = choose_num_splits(
-            num_seqs, num_kv_heads, max_seq_len, num_sms(q.device), block_n, min_split_tokens
+            num_seqs, num_kv_heads, attended, num_sms(q.device), block_n, min_split_tokens
         )
     check(num_splits >= 1, f"num_splits must be >= 1; got {num_splits}")
     # Per-sequence split length: never below this many tiles (short sequences split less).
@@ -389,7 +423,7 @@ def paged_decode_attention(
         assert key_group_scales is not None and value_group_scales is not None
         decode_split_kv4_kernel[grid](
             q, key_cache, value_cache, key_group_scales, value_group_scales, block_tables, seq_lens,
-            k_scale, v_scale, out, mid_o, mid_lse, scale, num_splits, min_tiles,
+            k_scale, v_scale, out, mid_o, mid_lse, scale, num_splits, min_tiles, window, softcap,
             q.stride(0), q.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             key_group_scales.stride(0), key_group_scales.stride(1), key_group_scales.stride(2),
@@ -402,6 +436,8 @@ def paged_decode_attention(
             BLOCK_N=block_n,
             IS_INT4=kv4_format == "int4",
             DIRECT=direct,
+            HAS_WINDOW=bool(window),
+            HAS_SOFTCAP=bool(softcap),
             DOT_DTYPE=dot_dtype(q.dtype),
             DOT_PRECISION=dot_precision(q.dtype),
             num_warps=cfg["num_warps"],
@@ -423,6 +459,8 @@ def paged_decode_attention(
             scale,
             num_splits,
             min_tiles,
+            window,
+            softcap,
             q.stride(0),
             q.stride(1),
             key_cache.stride(0),
@@ -443,6 +481,8 @@ def paged_decode_attention(
             BLOCK_N=block_n,
             QUANT=quant,
             DIRECT=direct,
+            HAS_WINDOW=bool(window),
+            HAS_SOFTCAP=bool(softcap),
             DOT_DTYPE=dot_dtype(q.dtype),
             DOT_PRECISION=dot_precision(q.dtype),
             num_warps=cfg["num_warps"],

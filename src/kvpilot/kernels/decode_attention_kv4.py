@@ -10,6 +10,9 @@ dim ``j`` (low nibble) and dim ``j + D/2`` (high nibble)::
                                                                           + q_hi k_hi^T
     V likewise; acc_lo += p v_lo, acc_hi += p v_hi (fp32)
 
+A sliding window starts the key range at the window's first key and a logit soft-cap
+is applied to the scores before the mask, as in the plain kernel.
+
 The per-layer tensor scales are exact outside the loop: ``k_scale`` in the softmax
 scale, ``v_scale`` on the output. Codes times an E4M3 scale have at most 7 significant
 bits, so the cast of the dequantized tile to bf16/fp16 for ``tl.dot`` is exact.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kv4_triton import load_kv4_tile
+from .kv4_triton import load_kv4_tile, softcap_log2
 
 
 @triton.jit
@@ -44,6 +47,9 @@ def decode_split_kv4_kernel(  # type: ignore[no-untyped-def]
     sm_scale,
     num_splits,
     min_tiles_per_split,
+    # sliding window in tokens (read when HAS_WINDOW) and soft-cap (read when HAS_SOFTCAP)
+    window,
+    softcap,
     # q strides: seq, head (dim stride 1)
     stride_qs,
     stride_qh,
@@ -73,6 +79,8 @@ def decode_split_kv4_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     IS_INT4: tl.constexpr,
     DIRECT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -80,9 +88,14 @@ def decode_split_kv4_kernel(  # type: ignore[no-untyped-def]
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    # The keys this query sees are [first, seq_len), shared out by the splits (see
+    # decode_attention): nothing before a sliding window is loaded.
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+    num_tiles = (seq_len - first + BLOCK_N - 1) // BLOCK_N
     tiles_per_split = tl.maximum((num_tiles + num_splits - 1) // num_splits, min_tiles_per_split)
-    start = split * tiles_per_split * BLOCK_N
+    start = first + split * tiles_per_split * BLOCK_N
     end = tl.minimum(seq_len, start + tiles_per_split * BLOCK_N)
 
     rows = tl.arange(0, BLOCK_H)
@@ -94,7 +107,10 @@ def decode_split_kv4_kernel(  # type: ignore[no-untyped-def]
     q_rows = q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :]
     q_lo = tl.load(q_rows, mask=q_mask, other=0.0).to(DOT_DTYPE)
     q_hi = tl.load(q_rows + HALF, mask=q_mask, other=0.0).to(DOT_DTYPE)
-    qk_scale = sm_scale * 1.4426950408889634 * tl.load(k_scale_ptr)  # softmax in base 2
+    if HAS_SOFTCAP:
+        qk_scale = sm_scale / softcap * tl.load(k_scale_ptr)  # softcap_log2 brings log2(e)
+    else:
+        qk_scale = sm_scale * 1.4426950408889634 * tl.load(k_scale_ptr)  # softmax in base 2
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -110,7 +126,10 @@ def decode_split_kv4_kernel(  # type: ignore[no-untyped-def]
         k_lo, k_hi = load_kv4_tile(k_cache_ptr, k_gs_ptr, off, goff, pos_mask, dims, dim_mask, HALF, IS_INT4)
         qk = tl.dot(q_lo, tl.trans(k_lo.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
         qk += tl.dot(q_hi, tl.trans(k_hi.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        qk = tl.where(pos_mask[None, :], qk * qk_scale, float("-inf"))
+        qk = qk * qk_scale
+        if HAS_SOFTCAP:
+            qk = softcap_log2(qk, softcap)
+        qk = tl.where(pos_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])

@@ -34,6 +34,20 @@ from .triton_utils import (
 # Elements of K (and of V) per store program on the GPU.
 MAX_TILE = 4096
 
+@triton.jit
+def softcap_log2(x, softcap):  # type: ignore[no-untyped-def]
+    """Soft-capped attention scores in the base-2 softmax domain: ``softcap * tanh(x) *
+    log2(e)`` for fp32 ``x = scale * q.k / softcap`` (any shape; ``softcap`` a positive
+    float). Shared by every attention kernel, plain and 4-bit (this module is the one
+    they all import).
+
+    ``tanh`` is built from one ``exp2`` as ``(1 - t) / (1 + t)`` with ``t = exp(-2|x|)``
+    in ``(0, 1]``: no overflow for any finite ``x`` (large scores saturate at
+    ``+-softcap``), and it runs the same under the interpreter, which lacks libdevice."""
+    t = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return (softcap * 1.4426950408889634) * tl.where(x < 0.0, -y, y)
+
 
 @triton.jit
 def kv4_values(codes, IS_INT4: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -215,6 +229,26 @@ def check_any_cache(
     if fmt_name is not None:
         return check_kv4_cache(key_cache, value_cache, key_group_scales, value_group_scales, fmt_name)
     return check_cache_pair(key_cache, value_cache)
+
+
+def check_window_softcap(sliding_window: int | None, logit_softcap: float | None) -> tuple[int, float]:
+    """The attention launchers' ``sliding_window`` / ``logit_softcap`` as the kernels'
+    runtime arguments ``(window, softcap)``: 0 and 0.0 stand for "off" (the kernels then
+    compile without that code, see ``HAS_WINDOW`` / ``HAS_SOFTCAP``).
+
+    Raises:
+        ValueError: a window below 1 token, or a soft-cap that is not a positive finite
+            number.
+    """
+    window = 0
+    if sliding_window is not None:
+        window = int(sliding_window)
+        check(window >= 1, f"sliding_window must be >= 1 token; got {sliding_window}")
+    softcap = 0.0
+    if logit_softcap is not None:
+        softcap = float(logit_softcap)
+        check(0.0 < softcap < float("inf"), f"logit_softcap must be positive and finite; got {logit_softcap}")
+    return window, softcap
 
 
 def check_kv4_cache(

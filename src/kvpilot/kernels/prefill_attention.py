@@ -28,6 +28,16 @@ q_len``) and sees keys ``<= ctx_len + i``. Tiles are launched last-first so the 
 (causal) programs start early. FP8: ``k_scale`` folded into the softmax scale,
 ``v_scale`` on the output, fp32 accumulators. 4-bit caches run
 :mod:`kvpilot.kernels.prefill_attention_kv4` (same grid, head_dim in two halves).
+
+Sliding window ``W`` (``HAS_WINDOW``): query ``p`` sees keys ``p - W < j <= p``. A tile
+with queries at ``[first_pos, last_pos]`` starts its key loop at ``first_pos - W + 1``
+(nothing before it is loaded, so blocks wholly behind the window may be freed)::
+
+    keys   lo ......... lo + ~BLOCK_Q ........... first_pos ........ last_pos
+           |== window + causal mask ==|== no mask ==|== causal + window mask ==|
+
+Logit soft-cap ``c`` (``HAS_SOFTCAP``): scores ``s`` become ``c * tanh(s / c)`` before
+the masks. Both are compile-time switches; without them the kernel is unchanged.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv4_triton import check_any_cache
+from .kv4_triton import check_any_cache, check_window_softcap, softcap_log2
 from .prefill_attention_kv4 import prefill_kv4_kernel
 from .triton_utils import (
     FLOAT_DTYPES,
@@ -67,6 +77,9 @@ def _attend_tile(  # type: ignore[no-untyped-def]
     kv_head,
     qk_scale,
     seq_len,
+    # sliding window in tokens (read when HAS_WINDOW), soft-cap (read when HAS_SOFTCAP)
+    window,
+    softcap,
     dims,
     dim_mask,
     # cache strides: block, token in block, head
@@ -76,10 +89,13 @@ def _attend_tile(  # type: ignore[no-untyped-def]
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``."""
+    """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``. ``CAUSAL``: mask each
+    row's keys after its position and, with ``HAS_WINDOW``, those before its window."""
     pos = n0 + tl.arange(0, BLOCK_N)
     pos_mask = pos < seq_len
     block = tl.load(table + pos // PAGE, mask=pos_mask, other=0).to(tl.int64)
@@ -87,11 +103,20 @@ def _attend_tile(  # type: ignore[no-untyped-def]
     kv_mask = pos_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+    if HAS_SOFTCAP:
+        qk = softcap_log2(qk, softcap)
     if CAUSAL:
-        qk = tl.where(pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+        visible = pos[None, :] <= q_pos[:, None]
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    m_ref = m_new
+    if CAUSAL and HAS_WINDOW:
+        # A row may have seen no key yet (all before its window): keep it at 0, not NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(
@@ -116,6 +141,9 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     v_scale_ptr,
     sm_scale,
     num_q_tiles,
+    # sliding window in tokens (read when HAS_WINDOW) and soft-cap (read when HAS_SOFTCAP)
+    window,
+    softcap,
     # q strides: token, head; out strides: token, head (dim stride 1)
     stride_qt,
     stride_qh,
@@ -135,6 +163,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     QUANT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -160,7 +190,10 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
         other=0.0,
     ).to(DOT_DTYPE)
     q_pos = ctx_len + tok
-    qk_scale = sm_scale * 1.4426950408889634  # softmax in base 2
+    if HAS_SOFTCAP:
+        qk_scale = sm_scale / softcap  # softcap_log2 brings the base-2 factor
+    else:
+        qk_scale = sm_scale * 1.4426950408889634  # softmax in base 2
     if QUANT:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
 
@@ -172,57 +205,37 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
     # Keys [0, unmasked_end) are visible to every row of the tile: no mask needed.
     unmasked_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
-    for n0 in range(0, unmasked_end, BLOCK_N):
+    unmasked_start = 0
+    if HAS_WINDOW:
+        # The tile's keys start at lo, the first key in the window of its first row
+        # (nothing before it is loaded: those blocks may be freed). Keys before
+        # last_pos - window + 1 are outside some row's window: masked tiles up to there.
+        lo = tl.maximum(first_pos - window + 1, 0)
+        in_all = tl.maximum(last_pos - window + 1, lo)
+        unmasked_start = lo + ((in_all - lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        for n0 in range(lo, unmasked_start, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, n0, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head, qk_scale, seq_len,
+                window, softcap, dims, dim_mask, stride_cb, stride_ct, stride_ch,
+                PAGE, BLOCK_N, True, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
+            )
+        unmasked_end = unmasked_start + (tl.maximum(first_pos + 1 - unmasked_start, 0) // BLOCK_N) * BLOCK_N
+    for n0 in range(unmasked_start, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q,
-            acc,
-            m_i,
-            l_i,
-            n0,
-            q_pos,
-            k_cache_ptr,
-            v_cache_ptr,
-            table,
-            kv_head,
-            qk_scale,
-            seq_len,
-            dims,
-            dim_mask,
-            stride_cb,
-            stride_ct,
-            stride_ch,
-            PAGE,
-            BLOCK_N,
-            False,
-            DOT_DTYPE,
-            DOT_PRECISION,
+            q, acc, m_i, l_i, n0, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head, qk_scale, seq_len,
+            window, softcap, dims, dim_mask, stride_cb, stride_ct, stride_ch,
+            PAGE, BLOCK_N, False, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
         )
     for n0 in range(unmasked_end, last_pos + 1, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q,
-            acc,
-            m_i,
-            l_i,
-            n0,
-            q_pos,
-            k_cache_ptr,
-            v_cache_ptr,
-            table,
-            kv_head,
-            qk_scale,
-            seq_len,
-            dims,
-            dim_mask,
-            stride_cb,
-            stride_ct,
-            stride_ch,
-            PAGE,
-            BLOCK_N,
-            True,
-            DOT_DTYPE,
-            DOT_PRECISION,
+            q, acc, m_i, l_i, n0, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head, qk_scale, seq_len,
+            window, softcap, dims, dim_mask, stride_cb, stride_ct, stride_ch,
+            PAGE, BLOCK_N, True, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
         )
-    # Every row saw key 0 at least, so l_i > 0.
+    # Every row saw its own key at least, so l_i > 0; with a window, padding rows past
+    # the chunk may have seen none (never stored: only kept off 0 / 0).
+    if HAS_WINDOW:
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_i[:, None]
     if QUANT:
         out = out * tl.load(v_scale_ptr)
@@ -270,6 +283,8 @@ def paged_prefill_attention(
     key_group_scales: torch.Tensor | None = None,
     value_group_scales: torch.Tensor | None = None,
     kv4_format: str | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their paged contexts.
 
@@ -291,11 +306,20 @@ def paged_prefill_attention(
             ``[..., head_dim // 2]``, E4M3 group scales ``[..., head_dim // 16]``,
             ``fp4_e2m1`` or ``int4``), dequantized in registers
             (:mod:`kvpilot.kernels.prefill_attention_kv4`); ``k_scale``/``v_scale`` required.
+        sliding_window: W tokens, or None for full causal attention. A query at
+            position ``p`` sees the keys ``j`` with ``p - W < j <= p``. A query tile
+            starts reading at the first key of its earliest query's window, so
+            block-table entries wholly before the window of a sequence's first new
+            token are never read (they may point at a freed or null block).
+        logit_softcap: c, or None for none: each score ``s = scale * q.k`` (``k_scale``
+            included) becomes ``c * tanh(s / c)`` before the mask and the softmax.
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
     Raises:
-        ValueError: shapes, dtypes, strides or devices that do not fit.
+        ValueError: shapes, dtypes, strides or devices that do not fit; a window below
+            1 or a soft-cap that is not positive and finite.
     """
+    window, softcap = check_window_softcap(sliding_window, logit_softcap)
     kv4 = kv4_format is not None
     _, page, num_kv_heads, head_dim = check_any_cache(
         key_cache, value_cache, key_group_scales, value_group_scales, kv4_format
@@ -354,7 +378,7 @@ def paged_prefill_attention(
         assert key_group_scales is not None and value_group_scales is not None
         prefill_kv4_kernel[grid](
             q, key_cache, value_cache, key_group_scales, value_group_scales, out,
-            block_tables, query_start_loc, seq_lens, k_scale, v_scale, scale, num_q_tiles,
+            block_tables, query_start_loc, seq_lens, k_scale, v_scale, scale, num_q_tiles, window, softcap,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             key_group_scales.stride(0), key_group_scales.stride(1), key_group_scales.stride(2),
@@ -367,6 +391,8 @@ def paged_prefill_attention(
             PAGE=page,
             BLOCK_N=cfg["BLOCK_N"],
             IS_INT4=kv4_format == "int4",
+            HAS_WINDOW=bool(window),
+            HAS_SOFTCAP=bool(softcap),
             DOT_DTYPE=dot_dtype(q.dtype),
             DOT_PRECISION=dot_precision(q.dtype),
             num_warps=cfg["num_warps"],
@@ -385,6 +411,8 @@ def paged_prefill_attention(
         v_scale if quant else dummy,
         scale,
         num_q_tiles,
+        window,
+        softcap,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -401,6 +429,8 @@ def paged_prefill_attention(
         PAGE=page,
         BLOCK_N=cfg["BLOCK_N"],
         QUANT=quant,
+        HAS_WINDOW=bool(window),
+        HAS_SOFTCAP=bool(softcap),
         DOT_DTYPE=dot_dtype(q.dtype),
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"],

@@ -5,7 +5,9 @@ Same grid, row packing (``BLOCK_Q`` tokens x ``GROUP`` heads per tile), causal b
 launch order as :mod:`kvpilot.kernels.prefill_attention`; head_dim runs as two halves
 (low nibbles = dims ``[0, D/2)``, high nibbles = ``[D/2, D)``), so ``q . k`` is two
 half-width dots and the output two half-width accumulators. ``k_scale`` is folded into
-the softmax scale and ``v_scale`` applied to the output; accumulators are fp32.
+the softmax scale and ``v_scale`` applied to the output; accumulators are fp32. A
+sliding window and a logit soft-cap work as in the plain kernel (``HAS_WINDOW`` /
+``HAS_SOFTCAP``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kv4_triton import load_kv4_tile
+from .kv4_triton import load_kv4_tile, softcap_log2
 
 
 @triton.jit
@@ -37,6 +39,9 @@ def _attend_tile_kv4(  # type: ignore[no-untyped-def]
     kv_head,
     qk_scale,
     seq_len,
+    # sliding window in tokens (read when HAS_WINDOW), soft-cap (read when HAS_SOFTCAP)
+    window,
+    softcap,
     dims,
     dim_mask,
     # packed cache strides: block, token in block, head; group scales: the same
@@ -51,10 +56,13 @@ def _attend_tile_kv4(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     IS_INT4: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``."""
+    """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``. ``CAUSAL``: mask each
+    row's keys after its position and, with ``HAS_WINDOW``, those before its window."""
     pos = n0 + tl.arange(0, BLOCK_N)
     pos_mask = pos < seq_len
     block = tl.load(table + pos // PAGE, mask=pos_mask, other=0).to(tl.int64)
@@ -64,11 +72,20 @@ def _attend_tile_kv4(  # type: ignore[no-untyped-def]
     qk = tl.dot(q_lo, tl.trans(k_lo.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
     qk += tl.dot(q_hi, tl.trans(k_hi.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
     qk = qk * qk_scale
+    if HAS_SOFTCAP:
+        qk = softcap_log2(qk, softcap)
     if CAUSAL:
-        qk = tl.where(pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+        visible = pos[None, :] <= q_pos[:, None]
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    m_ref = m_new
+    if CAUSAL and HAS_WINDOW:
+        # A row may have seen no key yet (all before its window): keep it at 0, not NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v_lo, v_hi = load_kv4_tile(v_cache_ptr, v_gs_ptr, off, goff, pos_mask, dims, dim_mask, HALF, IS_INT4)
     p = p.to(DOT_DTYPE)
@@ -95,6 +112,9 @@ def prefill_kv4_kernel(  # type: ignore[no-untyped-def]
     v_scale_ptr,
     sm_scale,
     num_q_tiles,
+    # sliding window in tokens (read when HAS_WINDOW) and soft-cap (read when HAS_SOFTCAP)
+    window,
+    softcap,
     # q strides: token, head; out strides: token, head (dim stride 1)
     stride_qt,
     stride_qh,
@@ -117,6 +137,8 @@ def prefill_kv4_kernel(  # type: ignore[no-untyped-def]
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_INT4: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -141,7 +163,10 @@ def prefill_kv4_kernel(  # type: ignore[no-untyped-def]
     q_lo = tl.load(q_rows, mask=mask, other=0.0).to(DOT_DTYPE)
     q_hi = tl.load(q_rows + HALF, mask=mask, other=0.0).to(DOT_DTYPE)
     q_pos = ctx_len + tok
-    qk_scale = sm_scale * 1.4426950408889634 * tl.load(k_scale_ptr)  # softmax in base 2
+    if HAS_SOFTCAP:
+        qk_scale = sm_scale / softcap * tl.load(k_scale_ptr)  # softcap_log2 brings log2(e)
+    else:
+        qk_scale = sm_scale * 1.4426950408889634 * tl.load(k_scale_ptr)  # softmax in base 2
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -152,21 +177,39 @@ def prefill_kv4_kernel(  # type: ignore[no-untyped-def]
     last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
     # Keys [0, unmasked_end) are visible to every row of the tile: no mask needed.
     unmasked_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
-    for n0 in range(0, unmasked_end, BLOCK_N):
+    unmasked_start = 0
+    if HAS_WINDOW:
+        # As in prefill_attention: start at the first row's window, masked tiles until
+        # every row's window has begun.
+        lo = tl.maximum(first_pos - window + 1, 0)
+        in_all = tl.maximum(last_pos - window + 1, lo)
+        unmasked_start = lo + ((in_all - lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        for n0 in range(lo, unmasked_start, BLOCK_N):
+            acc_lo, acc_hi, m_i, l_i = _attend_tile_kv4(
+                q_lo, q_hi, acc_lo, acc_hi, m_i, l_i, n0, q_pos,
+                k_cache_ptr, v_cache_ptr, k_gs_ptr, v_gs_ptr, table, kv_head, qk_scale, seq_len, window, softcap,
+                dims, dim_mask, stride_cb, stride_ct, stride_ch, stride_gb, stride_gt, stride_gh,
+                HALF, PAGE, BLOCK_N, True, IS_INT4, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
+            )
+        unmasked_end = unmasked_start + (tl.maximum(first_pos + 1 - unmasked_start, 0) // BLOCK_N) * BLOCK_N
+    for n0 in range(unmasked_start, unmasked_end, BLOCK_N):
         acc_lo, acc_hi, m_i, l_i = _attend_tile_kv4(
             q_lo, q_hi, acc_lo, acc_hi, m_i, l_i, n0, q_pos,
-            k_cache_ptr, v_cache_ptr, k_gs_ptr, v_gs_ptr, table, kv_head, qk_scale, seq_len,
+            k_cache_ptr, v_cache_ptr, k_gs_ptr, v_gs_ptr, table, kv_head, qk_scale, seq_len, window, softcap,
             dims, dim_mask, stride_cb, stride_ct, stride_ch, stride_gb, stride_gt, stride_gh,
-            HALF, PAGE, BLOCK_N, False, IS_INT4, DOT_DTYPE, DOT_PRECISION,
+            HALF, PAGE, BLOCK_N, False, IS_INT4, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
         )
     for n0 in range(unmasked_end, last_pos + 1, BLOCK_N):
         acc_lo, acc_hi, m_i, l_i = _attend_tile_kv4(
             q_lo, q_hi, acc_lo, acc_hi, m_i, l_i, n0, q_pos,
-            k_cache_ptr, v_cache_ptr, k_gs_ptr, v_gs_ptr, table, kv_head, qk_scale, seq_len,
+            k_cache_ptr, v_cache_ptr, k_gs_ptr, v_gs_ptr, table, kv_head, qk_scale, seq_len, window, softcap,
             dims, dim_mask, stride_cb, stride_ct, stride_ch, stride_gb, stride_gt, stride_gh,
-            HALF, PAGE, BLOCK_N, True, IS_INT4, DOT_DTYPE, DOT_PRECISION,
+            HALF, PAGE, BLOCK_N, True, IS_INT4, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
         )
-    # Every row saw key 0 at least, so l_i > 0.
+    # Every row saw its own key at least, so l_i > 0; with a window, padding rows past
+    # the chunk may have seen none (never stored: only kept off 0 / 0).
+    if HAS_WINDOW:
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)
     v_scale = tl.load(v_scale_ptr)
     dst = out_ptr + (q_start + tok[:, None]) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(dst, (acc_lo / l_i[:, None] * v_scale).to(out_ptr.dtype.element_ty), mask=mask)

@@ -15,7 +15,6 @@ from kvpilot.engine.attention.backend import (
     LayerKVCache,
     rotate_query_key,
 )
-from kvpilot.kernels import reference
 from kvpilot.kernels.decode_attention import paged_decode_attention
 from kvpilot.kernels.prefill_attention import paged_prefill_attention
 from kvpilot.kernels.store_kv import store_kv
@@ -25,7 +24,8 @@ from kvpilot.kernels.triton_utils import INTERPRET, is_fp8
 class TritonAttentionBackend(AttentionBackend):
     """One step per layer: store the new K/V (quantizing for FP8 and 4-bit), then the decode kernel
     over the batch's leading single-token sequences and the prefill/extend kernel over
-    the rest, both writing into one output tensor.
+    the rest, both writing into one output tensor. A layer's sliding window and logit
+    soft-cap run inside both kernels (keys before the window are never read).
 
     Raises:
         ValueError: on a CPU device without ``TRITON_INTERPRET=1``.
@@ -60,13 +60,6 @@ class TritonAttentionBackend(AttentionBackend):
         v_scale = kv.v_scale if quantized else None
         kv4 = kv.kv4
         store_kv(k, v, kv.key_cache, kv.value_cache, meta.slot_mapping, k_scale, v_scale, **kv4)
-        if sliding_window is not None or logit_softcap is not None:
-            # Interim: the window / soft-cap run on the torch reference path until the
-            # kernels implement them (same cache layout, so the result is exact).
-            return reference.paged_attention(
-                q, kv.key_cache, kv.value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-                k_scale, v_scale, **kv4, sliding_window=sliding_window, logit_softcap=logit_softcap,
-            )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:
@@ -81,6 +74,8 @@ class TritonAttentionBackend(AttentionBackend):
                 v_scale,
                 max_seq_len=max(meta.seq_lens_cpu[:nd]),
                 out=out[:nd],
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
                 **kv4,
             )
         if nd < meta.num_seqs:
@@ -98,6 +93,8 @@ class TritonAttentionBackend(AttentionBackend):
                 v_scale,
                 max_query_len=meta.max_query_len,
                 out=out,
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
                 **kv4,
             )
         return out
