@@ -11,9 +11,11 @@ One tiny random checkpoint per architecture (two to four layers, hidden 64, voca
   chunked prefill (an 8-token budget), preemption (a pool too small for the batch) and,
   for the same prompts sent again, prefix-cache hits.
 
-The architecture-specific tests (GGUF files, refused config values, kernels) live beside
-each family's code: tests/engine/test_loader.py, test_moe.py, test_gemma.py,
-test_rope_scaling.py, test_sliding_window.py.
+The architecture-specific tests live beside: GGUF files in test_model_families_gguf.py,
+refused config values in test_loader.py and test_gemma.py, MoE in test_moe.py, RoPE
+scaling in test_rope_scaling.py, the kernels' windows in
+tests/kernels/test_sliding_window_triton.py, freeing blocks behind the window in
+tests/engine/core/test_sliding_window_blocks.py.
 """
 
 from __future__ import annotations
@@ -161,6 +163,21 @@ def test_logprobs_match_transformers_past_the_window(checkpoint):
     diff = (ours - ref).abs().max().item()
     print(f"{arch}: max |logprob difference| {diff:.2e}")
     assert diff < LOGPROB_TOLERANCE, f"{arch}: max |logprob difference| {diff:.2e}"
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_triton_backend_slides_and_soft_caps_like_transformers(tmp_path, arch):
+    """The Triton kernels' own window and soft-cap (under the interpreter here), past the
+    window, with the blocks behind it freed (Mistral) or kept (Gemma 2)."""
+    from kvpilot.engine.scoring import score_tokens
+
+    hf = tiny_checkpoint(arch, tmp_path)
+    engine = make_engine(tmp_path, attention_backend="triton")
+    (ids,) = prompts(1, 40, seed=1)
+    ours = score_tokens(engine, ids, chunk_size=5, return_logprobs=True).logprobs
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    assert (ours - ref).abs().max().item() < LOGPROB_TOLERANCE
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
