@@ -97,3 +97,62 @@ def test_the_build_is_keyed_by_source_torch_compiler_and_cpu(monkeypatch):
     first = cpu_attention.build_dir()
     monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: "flags : something else")
     assert cpu_attention.build_dir() != first
+
+
+# Sliding windows and logit soft-caps (Mistral, Gemma 2): smaller than a page, not a
+# multiple of it, longer than every context; caps alone and with a window.
+MASKS = [(1, None), (5, None), (16, None), (37, 3.0), (None, 3.0), (None, 50.0), (4096, None)]
+MASK_CASES = EXTRA_CASES[:5]
+
+
+@pytest.mark.parametrize(("window", "cap"), MASKS, ids=[f"w{w}-cap{c}" for w, c in MASKS])
+@pytest.mark.parametrize("case", MASK_CASES, ids=[c.id for c in MASK_CASES])
+def test_window_and_softcap_match_the_reference(case, window, cap):
+    from kvpilot.kernels import reference as ref
+
+    b = case.batch("cpu")
+    store_new_tokens_reference(b)
+    out = cpu_attention.paged_decode_attention(
+        b.q, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.scale, b.k_scale, b.v_scale, **b.kv4,
+        sliding_window=window, logit_softcap=cap,
+    )
+    expect = ref.paged_attention(
+        b.q.float(), b.key_cache, b.value_cache, b.block_tables, b.query_start_loc, b.seq_lens, b.scale,
+        b.k_scale, b.v_scale, **b.kv4, sliding_window=window, logit_softcap=cap,
+    )
+    assert_attention_close(out, expect, case.dtype, f"cpu decode {case.id} w={window} cap={cap}")
+
+
+def test_pages_behind_the_window_are_never_read():
+    """Block-table entries wholly behind the window point at a NaN page, as after the KV
+    cache manager freed them: the output is still the clean cache's."""
+    from kvpilot.kernels import reference as ref
+
+    case, window = EXTRA_CASES[0], 20  # fp32, pages of 16, contexts up to 701 tokens
+    b = case.batch("cpu")
+    store_new_tokens_reference(b)
+    expect = ref.paged_attention(
+        b.q.float(), b.key_cache, b.value_cache, b.block_tables, b.query_start_loc, b.seq_lens, b.scale,
+        b.k_scale, b.v_scale, sliding_window=window,
+    )
+    nan = torch.full((1, *b.key_cache.shape[1:]), float("nan"))
+    key, value = torch.cat([b.key_cache, nan]), torch.cat([b.value_cache, nan])
+    tables = b.block_tables.clone()
+    for i, length in enumerate(b.seq_lens.tolist()):
+        tables[i, : max(0, length - window) // case.page] = key.shape[0] - 1
+    assert (tables == key.shape[0] - 1).sum() > 10
+    out = cpu_attention.paged_decode_attention(q := b.q, key, value, tables, b.seq_lens, b.scale,
+                                               sliding_window=window)
+    assert_attention_close(out, expect, case.dtype, "cpu decode with NaN pages behind the window")
+    full = cpu_attention.paged_decode_attention(q, key, value, tables, b.seq_lens, b.scale)
+    assert not torch.isfinite(full).all()  # the poison is live for full attention
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"sliding_window": 0}, "sliding_window must be >= 1"),
+                                               ({"logit_softcap": 0.0}, "logit_softcap must be finite"),
+                                               ({"logit_softcap": float("inf")}, "logit_softcap must be finite")])
+def test_a_bad_window_or_softcap_is_refused(kwargs, match):
+    b = EXTRA_CASES[0].batch("cpu")
+    with pytest.raises(ValueError, match=match):
+        cpu_attention.paged_decode_attention(b.q, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.scale,
+                                             **kwargs)

@@ -150,10 +150,16 @@ def paged_decode_attention(
     key_group_scales: torch.Tensor | None = None,
     value_group_scales: torch.Tensor | None = None,
     kv4_format: str | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its paged context, K/V read in place.
 
-    Same contract as :func:`kvpilot.kernels.reference.paged_decode_attention`.
+    Same contract as :func:`kvpilot.kernels.reference.paged_decode_attention`, with
+    :func:`kvpilot.kernels.reference.paged_attention`'s ``sliding_window`` W (the query
+    at position ``p`` sees keys ``p - W < j <= p``; the pages wholly before that are not
+    read, so their block-table entries may point anywhere in range) and
+    ``logit_softcap`` c (scores ``s`` become ``c * tanh(s / c)`` before the softmax).
 
     Args:
         q: ``[num_seqs, num_heads, head_dim]`` fp32, bf16 or fp16 (CPU).
@@ -170,7 +176,12 @@ def paged_decode_attention(
     Raises:
         RuntimeError: the kernels are unavailable; a context longer than its block table,
             a block id outside the cache, a query dtype other than fp32/bf16/fp16.
+        ValueError: ``sliding_window`` below 1, ``logit_softcap`` not finite and > 0.
     """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 token; got {sliding_window}")
+    if logit_softcap is not None and not (0 < logit_softcap < float("inf")):
+        raise ValueError(f"logit_softcap must be finite and > 0; got {logit_softcap}")
     load()
     if q.dtype not in QUERY_DTYPES:
         raise RuntimeError(f"CPU paged decode: query dtype {q.dtype} is not one of {QUERY_DTYPES}")
@@ -193,7 +204,7 @@ def paged_decode_attention(
     torch.ops.kvpilot_cpu.paged_decode_attention(
         out, q, _raw(key_cache), _raw(value_cache), kg, vg,
         block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
-        float(scale), kf, vf, kind, head_dim,
+        float(scale), kf, vf, kind, head_dim, int(sliding_window or 0), float(logit_softcap or 0.0),
     )
     return out
 

@@ -59,26 +59,30 @@ class CpuAttentionBackend(AttentionBackend):
         q, k = rotate_query_key(q, k, kv)
         kv4 = kv.kv4
         reference.store_kv(k, v, kv.key_cache, kv.value_cache, meta.slot_mapping, kv.k_scale, kv.v_scale, **kv4)
-        if sliding_window is not None or logit_softcap is not None:
-            # Interim: the window / soft-cap run on the torch reference path until the
-            # kernels implement them (same cache layout, so the result is exact).
-            return reference.paged_attention(
-                q, kv.key_cache, kv.value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-                kv.k_scale, kv.v_scale, **kv4, sliding_window=sliding_window, logit_softcap=logit_softcap,
-            )
+        masks = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return cpu_attention.paged_decode_attention(
                 q, kv.key_cache, kv.value_cache, meta.block_tables, meta.seq_lens, scale, kv.k_scale, kv.v_scale,
-                **kv4,
+                **kv4, **masks,
             )
         out = torch.empty_like(q)
         if nd:
             out[:nd] = cpu_attention.paged_decode_attention(
                 q[:nd], kv.key_cache, kv.value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                kv.k_scale, kv.v_scale, **kv4,
+                kv.k_scale, kv.v_scale, **kv4, **masks,
             )
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        if sliding_window is not None or logit_softcap is not None:
+            # Prefill chunks of sliding or soft-capped layers: the torch reference's masked
+            # path (exact; reads the whole context of the chunk's sequence).
+            for i in range(nd, meta.num_seqs):
+                s, e = qsl[i], qsl[i + 1]
+                out[s:e] = reference.masked_paged_attention(
+                    q[s:e], kv.key_cache, kv.value_cache, meta.block_tables[i], lens[i], scale, kv.k_scale,
+                    kv.v_scale, **kv4, **masks,
+                )
+            return out
         # A cache that stores the activations unchanged holds exactly this step's k/v: a
         # chunk that is its sequence's whole context attends to them without a gather.
         exact_cache = kv.kv4_format is None and kv.key_cache.dtype == q.dtype

@@ -262,6 +262,8 @@ struct Problem {
   const int32_t* block_tables;
   const int32_t* seq_lens;
   float k_mult, v_mult;  // scale * k_factor (* FP8 factor), v_factor (* FP8 factor)
+  int64_t window;        // sliding window W (> 0): only the last W keys; 0 = all of them
+  float softcap;         // > 0: logits l become softcap * tanh(l / softcap); 0 = off
 };
 
 struct Scratch {
@@ -269,23 +271,32 @@ struct Scratch {
 };
 
 // One (sequence s, KV head h): the G query heads' outputs into `w.acc` [G, D],
-// normalised and scaled. `q` holds the G query rows in fp32 [G, D].
+// normalised and scaled. `q` holds the G query rows in fp32 [G, D]. The query sits at
+// position len - 1; with a sliding window W it sees keys start = max(0, len - W) ..
+// len - 1 (transformers' mask p - W < j <= p), and the pages before `start` are never
+// read (the KV cache manager may have freed them).
 template <Kind K, int DC>
 void attend(const Problem& P, int64_t s, int64_t h, Scratch& w) {
   const int64_t D = DC ? DC : P.D, G = P.G, bs = P.block_size, Hkv = P.Hkv;
-  const int64_t len = P.seq_lens[s];
+  const int64_t end = P.seq_lens[s];
+  const int64_t start = P.window > 0 ? std::max<int64_t>(0, end - P.window) : 0;
+  const int64_t len = end - start;  // keys seen; logits are indexed t - start
   const int32_t* table = P.block_tables + s * P.max_blocks;
   float* logits = w.logits.data();
   float* row = w.row.data();
   const float* q = w.q.data();
   // Pass 1: logits[g][t] = q_g . k_t, K read from its page.
-  for (int64_t t = 0, b = 0; t < len; ++b) {
-    const int64_t n = std::min(bs, len - t);
-    int64_t r = static_cast<int64_t>(table[b]) * bs * Hkv + h;
+  for (int64_t t = start; t < end;) {
+    const int64_t b = t / bs, off = t % bs, n = std::min(bs - off, end - t);
+    int64_t r = (static_cast<int64_t>(table[b]) * bs + off) * Hkv + h;
     for (int64_t i = 0; i < n; ++i, ++t, r += Hkv) {
       const float* k = read_row<K, DC>(P.key, r, P.row_bytes, P.key_groups, D, row);
-      dots<DC>(q, k, G, D, logits + t, len);
+      dots<DC>(q, k, G, D, logits + (t - start), len);
     }
+  }
+  if (P.softcap > 0.f) {  // Gemma 2: soft-cap the scaled scores before the softmax
+    const float c = P.softcap, inv = 1.f / P.softcap;
+    for (int64_t i = 0; i < G * len; ++i) logits[i] = c * std::tanh(logits[i] * inv);
   }
   // Softmax weights, unnormalised: exp(logit - max).
   float denom[64];
@@ -306,12 +317,12 @@ void attend(const Problem& P, int64_t s, int64_t h, Scratch& w) {
   // Pass 2: acc_g = sum_t p[g][t] v_t, V read from its page.
   float* acc = w.acc.data();
   std::fill(acc, acc + G * D, 0.f);
-  for (int64_t t = 0, b = 0; t < len; ++b) {
-    const int64_t n = std::min(bs, len - t);
-    int64_t r = static_cast<int64_t>(table[b]) * bs * Hkv + h;
+  for (int64_t t = start; t < end;) {
+    const int64_t b = t / bs, off = t % bs, n = std::min(bs - off, end - t);
+    int64_t r = (static_cast<int64_t>(table[b]) * bs + off) * Hkv + h;
     for (int64_t i = 0; i < n; ++i, ++t, r += Hkv) {
       const float* v = read_row<K, DC>(P.value, r, P.row_bytes, P.value_groups, D, row);
-      for (int64_t g = 0; g < G; ++g) axpy<DC>(acc + g * D, logits[g * len + t], v, D);
+      for (int64_t g = 0; g < G; ++g) axpy<DC>(acc + g * D, logits[g * len + (t - start)], v, D);
     }
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -366,11 +377,14 @@ auto pick(int64_t kind, int64_t D) -> void (*)(const Problem&, int64_t, int64_t,
 // [num_blocks, block_size, Hkv, D/16] (empty tensors otherwise).
 // block_tables [S, max_blocks] int32, seq_lens [S] int32 (>= 1).
 // k_factor/v_factor: fp32 0-d tensors, the factors that turn stored values into K/V.
+// window: sliding window in tokens (0 = full context); softcap: logit soft-cap (0 = off).
 void paged_decode_attention(
     at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const at::Tensor& key_groups, const at::Tensor& value_groups, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, double scale, const at::Tensor& k_factor, const at::Tensor& v_factor,
-    int64_t kind, int64_t head_dim) {
+    int64_t kind, int64_t head_dim, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0 = full context); got ", window);
+  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "softcap must be finite and >= 0 (0 = off); got ", softcap);
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous(), "q/out must be contiguous [S, H, D]");
   TORCH_CHECK(q.size(2) == head_dim && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
               "out must match q");
@@ -405,7 +419,8 @@ void paged_decode_attention(
     const int64_t nb = (lens[s] + block_size - 1) / block_size;
     TORCH_CHECK(nb <= max_blocks, "seq_lens[", s, "] = ", lens[s], " exceeds the block table (", max_blocks,
                 " blocks of ", block_size, ")");
-    for (int64_t b = 0; b < nb; ++b) {
+    const int64_t first = window > 0 ? std::max<int64_t>(0, lens[s] - window) / block_size : 0;
+    for (int64_t b = first; b < nb; ++b) {
       const int32_t blk = bt[s * max_blocks + b];
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "block_tables[", s, ", ", b, "] = ", blk,
                   " out of range (", num_blocks, " blocks)");
@@ -416,7 +431,8 @@ void paged_decode_attention(
   Problem P{key_cache.data_ptr<uint8_t>(), value_cache.data_ptr<uint8_t>(),
             kv4 ? key_groups.data_ptr<uint8_t>() : nullptr, kv4 ? value_groups.data_ptr<uint8_t>() : nullptr,
             row_bytes, block_size, Hkv, H / Hkv, D, max_blocks, bt, lens,
-            k_factor.item<float>() * fp8 * static_cast<float>(scale), v_factor.item<float>() * fp8};
+            k_factor.item<float>() * fp8 * static_cast<float>(scale), v_factor.item<float>() * fp8,
+            window, static_cast<float>(softcap)};
   auto item = pick(kind, D);
   switch (q.scalar_type()) {
     case at::kFloat:
@@ -439,7 +455,7 @@ TORCH_LIBRARY(kvpilot_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, "
       "Tensor key_groups, Tensor value_groups, Tensor block_tables, Tensor seq_lens, float scale, "
-      "Tensor k_factor, Tensor v_factor, int kind, int head_dim) -> ()");
+      "Tensor k_factor, Tensor v_factor, int kind, int head_dim, int window, float softcap) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvpilot_cpu, CPU, m) {
