@@ -4,8 +4,10 @@ from __future__ import annotations
 
 
 def page(usage=0.25, waiting=3, preemptions=7, generated=1000, capacity=True,
-         finished=4) -> str:
-    """An engine /metrics page in the format our engine writes."""
+         finished=4, window=None) -> str:
+    """An engine /metrics page in the format our engine writes; ``window`` is the
+    ``sliding_window`` label of the cache-config info (None: no label, as older engines)."""
+    window_label = "" if window is None else f',sliding_window="{window}"'
     lines = [
         "# TYPE kvpilot:gpu_cache_usage_factor gauge",
         f'kvpilot:gpu_cache_usage_factor{{model_name="m"}} {usage}',
@@ -23,7 +25,8 @@ def page(usage=0.25, waiting=3, preemptions=7, generated=1000, capacity=True,
         'kvpilot:prompt_tokens_total{model_name="m"} 3000',
         "# TYPE kvpilot:cache_config_info gauge",
         'kvpilot:cache_config_info{block_size="16",cache_dtype="float32",'
-        'enable_prefix_caching="true",model_name="m",num_gpu_blocks="1456"} 1.0',
+        'enable_prefix_caching="true",model_name="m",num_gpu_blocks="1456"'
+        f"{window_label}}} 1.0",
     ]
     if capacity:
         lines += ["# TYPE kvpilot:kv_cache_capacity_tokens gauge",

@@ -61,6 +61,30 @@ def test_finops_status_from_capacity_context_and_counters():
     assert status["cost"]["costPerMillionTokens"] == round(4.0 / (200 * 3600) * 1e6, 4)
 
 
+def test_finops_concurrency_counts_a_request_up_to_the_kv_window():
+    """Every layer slides with a 512-token window: a request holds at most
+    (cdiv(512, 16) + 1) x 16 = 528 tokens, not the 1,008 its 1,000-token context takes."""
+    def read(pods, now):
+        return dataclasses.replace(loaded(0.5)(pods, now), kv_window_tokens=512)
+    fleet = Fleet(load=read, replicas=2)
+    fleet.pods(ready=2)
+    fleet.tick(0)
+    assert fleet.status["capacity"] == {"kvCapacityTokensPerReplica": 16384,
+                                        "meanContextTokens": 1000.0,
+                                        "maxConcurrentRequestsEstimate": 31}  # 16,384 // 528
+
+
+@pytest.mark.parametrize("window", [None, 0, -512, True, "512", 512.0])
+def test_no_window_or_a_garbage_one_estimates_whole_contexts(window):
+    """An estimate never raises: a window that is no positive integer is no window."""
+    from kvpilot.operator.autoscale import finops_estimates
+    from kvpilot.operator.metrics_source import EnginePod
+
+    reading = dataclasses.replace(loaded(0.5)([EnginePod("chat-0")], 0.0), kv_window_tokens=window)
+    capacity, _ = finops_estimates(reading, 1, None, 16)
+    assert capacity.max_concurrent_requests_estimate == 16384 // 1008
+
+
 @pytest.mark.parametrize("garbage", [float("inf"), -5.0, float("nan")])
 def test_garbage_finops_inputs_leave_estimates_out_and_scaling_goes_on(garbage):
     """A source that reports a nonsense token rate or context (a buggy exporter) must not

@@ -18,7 +18,7 @@ from kvpilot.operator.metrics_source import (
     signal_queries,
 )
 from kvpilot.operator.metrics_source.exposition import ExpositionError, parse_engine_metrics
-from kvpilot.operator.metrics_source.reading import pod_signals
+from kvpilot.operator.metrics_source.reading import fleet_kv_window, pod_signals
 
 from .engine_pages import page
 
@@ -55,6 +55,31 @@ def test_capacity_falls_back_to_cache_config_info():
     assert parse_engine_metrics(page(capacity=False), NAMES).kv_capacity_tokens == 1456 * 16
 
 
+@pytest.mark.parametrize("capacity", [True, False])
+def test_the_kv_window_is_the_sliding_window_label_of_cache_config_info(capacity):
+    sample = parse_engine_metrics(page(capacity=capacity, window="4096"), NAMES)
+    assert sample.kv_window_tokens == 4096
+    assert sample.kv_capacity_tokens == (20000.0 if capacity else 1456 * 16)
+
+
+@pytest.mark.parametrize("label", [None, "None", "", "0", "-4096", "4096.0", "abc", "\u0664"])
+def test_no_window_label_or_a_garbage_one_is_no_window(label):
+    """An engine without the label (older), a full-attention model ("None", as vLLM
+    formats a missing value) or a value that is no positive integer: no window, and the
+    rest of the page reads as before."""
+    sample = parse_engine_metrics(page(capacity=False, window=label), NAMES)
+    assert sample.kv_window_tokens is None
+    assert sample.kv_capacity_tokens == 1456 * 16 and sample.kv_usage == 0.25
+
+
+@pytest.mark.parametrize("windows,expected", [
+    ([], None), ([4096], 4096), ([4096, 4096], 4096), ([4096, 8192], 8192),
+    ([4096, None], None), ([None], None),
+])
+def test_the_fleet_window_is_the_largest_only_when_every_pod_has_one(windows, expected):
+    assert fleet_kv_window(windows) == expected
+
+
 def test_a_page_that_is_not_prometheus_text_is_an_error():
     with pytest.raises(ExpositionError, match="not Prometheus text format"):
         parse_engine_metrics("kvpilot:gpu_cache_usage_factor{ oops", NAMES)
@@ -86,6 +111,9 @@ def test_promql_is_the_documented_text_and_escapes_label_values():
         '{namespace="llm",inference_deployment="chat"}[1m]))')
     assert queries["kv_usage"] == (
         'max by (pod) (kvpilot:gpu_cache_usage_factor'
+        '{namespace="llm",inference_deployment="chat"})')
+    assert queries["cache_config"] == (
+        'max by (pod, num_gpu_blocks, block_size, sliding_window) (kvpilot:cache_config_info'
         '{namespace="llm",inference_deployment="chat"})')
     odd = SeriesSelector('we"ird', "a\\b").matchers()
     assert odd == '{namespace="we\\"ird",inference_deployment="a\\\\b"}'

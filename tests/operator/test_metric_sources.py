@@ -81,6 +81,20 @@ def test_pods_source_turns_counters_into_rates_from_its_memory(scraped):
                                            "http://10.0.0.2:8000/metrics"]
 
 
+def test_pods_source_reads_the_fleets_kv_window(scraped):
+    pages, source = scraped
+    pages.pages = {"10.0.0.1": page(window="4096"), "10.0.0.2": page(window="4096")}
+    assert source.read(PODS, now=1.0).kv_window_tokens == 4096
+    # An engine without the label (older, or in the middle of a rollout): no window.
+    pages.pages["10.0.0.2"] = page()
+    assert source.read(PODS, now=2.0).kv_window_tokens is None
+    pages.pages["10.0.0.2"] = page(window="None")
+    assert source.read(PODS, now=3.0).kv_window_tokens is None
+    # A pod that could not be scraped reported no capacity: it does not count.
+    pages.pages["10.0.0.2"] = httpx.ConnectError("refused")
+    assert source.read(PODS, now=4.0).kv_window_tokens == 4096
+
+
 def test_pods_source_failures_are_missing_and_logged_once_per_episode(scraped, caplog):
     pages, source = scraped
     caplog.set_level(logging.DEBUG, logger="kvpilot.operator.metrics_source.pods")
@@ -176,6 +190,25 @@ def test_prometheus_matches_answers_to_pods_and_reports_what_is_empty(prom):
     assert reading.reachable
     assert "returned no series for waiting_tokens" in reading.problem
     assert server.queries == [*source.queries.values(), source.router_query]
+    assert reading.kv_window_tokens is None  # no sliding_window label: older engines
+    source.close()
+
+
+@pytest.mark.parametrize("window_b,expected", [("4096", 4096), ("8192", 8192), ("None", None),
+                                               ("garbage", None)])
+def test_prometheus_reads_the_kv_window_from_the_cache_config_label(prom, window_b, expected):
+    server, url = prom
+    server.answers = {
+        "gpu_cache_usage_factor": [sample("chat-a", 0.5), sample("chat-b", 0.5)],
+        "cache_config_info": [
+            sample("chat-a", 1, num_gpu_blocks="10", block_size="16", sliding_window="4096"),
+            sample("chat-b", 1, num_gpu_blocks="20", block_size="16", sliding_window=window_b)],
+    }
+    source = PrometheusSource(url, SeriesSelector("llm", "chat"))
+    reading = source.read([EnginePod("chat-a"), EnginePod("chat-b")], now=1.0)
+    assert [p.kv_capacity_tokens for p in reading.pods] == [160.0, 320.0]
+    assert reading.kv_window_tokens == expected
+    assert "sliding_window" in source.queries["cache_config"]
     source.close()
 
 

@@ -150,6 +150,10 @@ def test_pods_and_prometheus_sources_read_the_same_signals_as_the_engine(engine,
         assert from_prom.kv_capacity_tokens == signals.kv_capacity_tokens
         assert from_prom.preemption_rate == 0.0
         assert prom.generated_tokens_per_second > 0
+        # SmolLM2 has no sliding window: sliding_window="None" on the info series, read
+        # through the PromQL grouping as through the page.
+        assert prom.kv_window_tokens is None and reading.kv_window_tokens is None
+        assert prometheus.query('kvpilot:cache_config_info{pod="chat-0",sliding_window="None"}')
 
         # C17: a counter without _total, and a label matching nothing -> missing, not 0.
         misspelled = dataclasses.replace(NAMES, preemptions="kvpilot:num_preemptions")

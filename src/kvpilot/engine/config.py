@@ -249,7 +249,13 @@ class EngineArgs:
 
 @dataclass(frozen=True)
 class ResolvedConfig:
-    """What the engine actually runs with, after ``auto`` values are resolved."""
+    """What the engine actually runs with, after ``auto`` values are resolved.
+
+    ``sliding_window``: the window W (tokens) when every layer slides, so the KV cache
+    frees the blocks behind it and a sequence holds at most ``(cdiv(W, block_size) + 1)
+    x block_size`` tokens; None when any layer attends to the whole context (full
+    attention, interleaved sliding and full layers, ``--disable-sliding-window``).
+    """
 
     device: torch.device
     dtype: torch.dtype
@@ -260,6 +266,7 @@ class ResolvedConfig:
     block_size: int
     max_model_len: int
     served_model_name: str
+    sliding_window: int | None = None
 
 
 def resolve_device(name: str) -> torch.device:

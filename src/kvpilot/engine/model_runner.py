@@ -254,6 +254,7 @@ class ModelRunner:
             block_size=args.block_size,
             max_model_len=max_model_len,
             served_model_name=args.served_model_name or loaded.source.name,
+            sliding_window=model_config.sliding_window if model_config.all_layers_slide else None,
         )
         logger.info(
             "engine ready: %s %s on %s, weights %.0f MiB (loaded in %.1fs); KV cache %s, %d blocks x %d = %d tokens; attention %s",

@@ -109,15 +109,20 @@ def _usable(value: float | None) -> float | None:
 def finops_estimates(reading: MetricsReading, replicas: int, cost_per_replica_hour: float | None,
                      block_size: int) -> tuple[CapacityEstimate, CostEstimate]:
     """Capacity per replica, concurrent requests at the mean context, cost per hour for
-    ``replicas`` and per million generated tokens (kvpilot.sizing.capacity formulas)."""
+    ``replicas`` and per million generated tokens (kvpilot.sizing.capacity formulas).
+    With the engines' KV window (every layer slides) a request counts at most
+    ``(cdiv(W, block_size) + 1) x block_size`` tokens, as the engine holds no more."""
     # Estimates only: an input a source could not vouch for is left out, never raised on
     # (an exception here would stop the scaling decision that follows).
     kv = _usable(reading.kv_capacity_tokens)
     context = _usable(reading.mean_context_tokens)
     rate = _usable(reading.generated_tokens_per_second)
+    window = reading.kv_window_tokens
+    if not (isinstance(window, int) and not isinstance(window, bool) and window > 0):
+        window = None
     concurrent = None
     if kv is not None and context:
-        concurrent = finops.max_concurrent_requests(int(kv), context, block_size)
+        concurrent = finops.max_concurrent_requests(int(kv), context, block_size, sliding_window=window)
     hourly = per_million = None
     if cost_per_replica_hour is not None:
         hourly = finops.cost_per_hour(cost_per_replica_hour, replicas)

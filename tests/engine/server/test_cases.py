@@ -235,5 +235,6 @@ def test_metrics_exposes_every_documented_name(server):
     info = next(k for k in m if k.startswith("kvpilot:cache_config_info"))
     assert "('block_size', '16')" in info and "('cache_dtype', 'float32')" in info
     assert "('enable_prefix_caching', 'true')" in info
+    assert "('sliding_window', 'None')" in info  # SmolLM2: full attention
     blocks = int(info.split("('num_gpu_blocks', '")[1].split("'")[0])
     assert m["kvpilot:kv_cache_capacity_tokens"] == blocks * 16

@@ -18,6 +18,8 @@ from kvpilot.engine.server.metrics import (
     EngineMetrics,
     build_1_2_5_buckets,
 )
+from tests.engine.test_model_families import WINDOW, tiny_checkpoint
+from tests.engine.test_model_families import make_engine as make_family_engine
 
 from .metrics_util import scrape, wait_metric
 
@@ -77,7 +79,8 @@ TOKEN_HISTOGRAMS = ("request_prompt_tokens", "request_generation_tokens", "reque
                     "request_max_num_generation_tokens")
 PER_PARENT = ("request_params_n", "request_max_num_generation_tokens")
 CACHE_INFO_LABELS = {"block_size", "cache_dtype", "calculate_kv_scales", "enable_prefix_caching",
-                     "gpu_memory_utilization", "num_gpu_blocks", "num_gpu_blocks_override", "engine"}
+                     "gpu_memory_utilization", "num_gpu_blocks", "num_gpu_blocks_override", "sliding_window",
+                     "engine"}
 
 MAX_MODEL_LEN = 512
 
@@ -206,6 +209,44 @@ def test_engine_run_moves_every_vllm_series_by_the_right_amounts(run):
     assert info["block_size"] == str(engine.config.block_size) == "16"
     assert info["num_gpu_blocks"] == str(engine.config.num_blocks)
     assert info["enable_prefix_caching"] == "False" and info["cache_dtype"] == "auto" and info["engine"] == "0"
+    # SmolLM2 has no sliding window: vLLM's str(None), on both series.
+    assert info["sliding_window"] == "None"
+    assert cache_config_info(metrics, "kvpilot:cache_config_info")["sliding_window"] == "None"
+
+
+def cache_config_info(metrics: EngineMetrics, name: str) -> dict[str, str]:
+    (family,) = (f for f in metrics.registry.collect() if f.name == name)
+    (sample,) = family.samples
+    return dict(sample.labels)
+
+
+@pytest.mark.parametrize(("arch", "kvpilot_window", "vllm_window"), [
+    ("mistral", str(WINDOW), str(WINDOW)),  # every layer slides: the engine frees blocks behind W
+    ("gemma2", "None", str(WINDOW)),  # sliding and full layers interleave: nothing is freed
+])
+def test_cache_config_info_carries_the_sliding_window(tmp_path, arch, kvpilot_window, vllm_window):
+    """``sliding_window`` on ``kvpilot:cache_config_info`` is the window the KV cache frees
+    blocks behind (the operator's capacity estimate caps a request at it), so only a
+    model whose every layer slides has one; ``vllm:cache_config_info`` carries the
+    model's window as vLLM's CacheConfig does."""
+    tiny_checkpoint(arch, tmp_path)
+    engine = make_family_engine(tmp_path)
+    assert engine.config.sliding_window == (WINDOW if arch == "mistral" else None)
+    metrics = EngineMetrics("m")
+    metrics.set_config(engine)
+    info = cache_config_info(metrics, "kvpilot:cache_config_info")
+    assert info["sliding_window"] == kvpilot_window
+    assert info["block_size"] == "4" and int(info["num_gpu_blocks"]) == engine.config.num_blocks
+    assert cache_config_info(metrics, "vllm:cache_config_info")["sliding_window"] == vllm_window
+
+
+def test_cache_config_info_has_no_window_with_disable_sliding_window(tmp_path):
+    tiny_checkpoint("mistral", tmp_path)
+    engine = make_family_engine(tmp_path, max_model_len=WINDOW, disable_sliding_window=True)
+    metrics = EngineMetrics("m")
+    metrics.set_config(engine)
+    assert cache_config_info(metrics, "kvpilot:cache_config_info")["sliding_window"] == "None"
+    assert cache_config_info(metrics, "vllm:cache_config_info")["sliding_window"] == "None"
 
 
 def test_per_parent_histograms_take_one_observation_per_user_prompt(run):

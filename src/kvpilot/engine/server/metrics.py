@@ -125,10 +125,13 @@ class EngineMetrics:
         # yet" reads as 0, not as a missing series (the operator's scale to zero needs it).
         for reason in VLLM_FINISH_REASONS:
             self.success.labels(self.model_name, reason)
+        # sliding_window: W (tokens) when every layer slides and the engine frees the
+        # blocks behind the window (a sequence then holds at most (cdiv(W, block_size) + 1)
+        # x block_size tokens of KV), else "None".
         self.config_info = Gauge(
             "kvpilot:cache_config_info",
             "KV cache configuration (value 1).",
-            ["model_name", "block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],
+            ["model_name", "block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "sliding_window"],
             registry=r,
         )
         self._init_vllm()
@@ -269,6 +272,9 @@ class EngineMetrics:
             "gpu_memory_utilization": str(args.gpu_memory_utilization),
             "num_gpu_blocks": str(engine.config.num_blocks),
             "num_gpu_blocks_override": str(args.num_gpu_blocks_override),
+            # vLLM's CacheConfig.sliding_window is the model's window (None without one or
+            # with --disable-sliding-window), whether or not every layer slides.
+            "sliding_window": str(engine.model_config.sliding_window),
             "engine": VLLM_ENGINE,
         }
         self._v_cache_info = Gauge(
@@ -288,6 +294,7 @@ class EngineMetrics:
             str(cfg.num_blocks),
             cfg.kv_cache_dtype_name,
             str(engine.args.enable_prefix_caching).lower(),
+            str(cfg.sliding_window),
         ).set(1)
         if self.v_prompt_len is None:
             self._init_vllm_config(engine)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.operator.metrics_source.names import EngineMetricNames, RouterMetricNames
+from kvpilot.operator.metrics_source.reading import fleet_kv_window, parse_kv_window
 
 
 class ExpositionError(ValueError):
@@ -31,6 +32,9 @@ class EngineSample:
         preemptions, generation_tokens, prompt_tokens, requests_finished: counter values.
         kv_capacity_tokens: the capacity gauge, else ``num_gpu_blocks`` x ``block_size``
             from the cache-config info series.
+        kv_window_tokens: the ``sliding_window`` label of the cache-config info series
+            (the window behind which the engine frees KV blocks); None when the series
+            or the label is absent (an older engine), ``"None"`` or not a positive integer.
     """
 
     kv_usage: float | None
@@ -42,6 +46,7 @@ class EngineSample:
     generation_tokens: float | None
     prompt_tokens: float | None
     requests_finished: float | None
+    kv_window_tokens: int | None = None
 
 
 # Samples by name: (labels, value) for each series of that name.
@@ -85,6 +90,13 @@ def _capacity_from_info(by_name: SamplesByName, name: str) -> float | None:
     return None
 
 
+def _window_from_info(by_name: SamplesByName, name: str) -> int | None:
+    """The ``sliding_window`` label of the info series (one per engine; with several,
+    the largest when all have one)."""
+    return fleet_kv_window([parse_kv_window(labels.get("sliding_window"))
+                            for labels, _ in by_name.get(name, ())])
+
+
 def parse_engine_metrics(text: str, names: EngineMetricNames) -> EngineSample:
     """The values of ``names`` on one ``/metrics`` page.
 
@@ -105,6 +117,7 @@ def parse_engine_metrics(text: str, names: EngineMetricNames) -> EngineSample:
         generation_tokens=_counter(by_name, names.generation_tokens),
         prompt_tokens=_counter(by_name, names.prompt_tokens),
         requests_finished=_counter(by_name, names.requests_finished),
+        kv_window_tokens=_window_from_info(by_name, names.cache_config),
     )
 
 

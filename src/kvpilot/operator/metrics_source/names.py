@@ -27,7 +27,9 @@ class EngineMetricNames:
         preemptions: counter, preemptions since the engine started.
         kv_capacity: gauge, KV pool in tokens.
         cache_config: info gauge with ``num_gpu_blocks`` and ``block_size`` labels (the
-            capacity when ``kv_capacity`` is absent).
+            capacity when ``kv_capacity`` is absent) and, from engines that export it,
+            ``sliding_window`` (the KV window that caps a request's tokens; ``None`` or
+            absent: no window).
         generation_tokens / prompt_tokens: counters, tokens.
         requests_finished: counter, finished requests (label ``finished_reason``; summed).
     """

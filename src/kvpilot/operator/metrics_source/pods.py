@@ -42,6 +42,7 @@ from kvpilot.operator.metrics_source.names import EngineMetricNames, RouterMetri
 from kvpilot.operator.metrics_source.reading import (
     EnginePod,
     MetricsReading,
+    fleet_kv_window,
     fleet_requests_finished,
     mean_context,
     pod_signals,
@@ -167,6 +168,7 @@ class PodScrapeSource:
         failures: list[str] = []
         prompt = generated = finished = 0.0
         finished_each: list[float | None] = []
+        windows: list[int | None] = []  # of the pods that reported a KV capacity
         previous, self._previous = self._previous, {}
         for pod, result in zip(pods, results):
             if isinstance(result, Exception):
@@ -188,6 +190,8 @@ class PodScrapeSource:
             signals.append(pod_signals(pod.name, result.kv_usage, result.num_waiting,
                                        result.waiting_tokens, result.num_running,
                                        preemption_rate, result.kv_capacity_tokens))
+            if signals[-1].kv_capacity_tokens is not None:
+                windows.append(result.kv_window_tokens)
             rates.append(gen_rate)
             if None not in (result.prompt_tokens, result.generation_tokens,
                             result.requests_finished):
@@ -212,4 +216,5 @@ class PodScrapeSource:
             problem=problem,
             router_queued=self._router_queued(pods, signals, routers, router_results, now),
             requests_finished=fleet_requests_finished(finished_each),
+            kv_window_tokens=fleet_kv_window(windows),
         )

@@ -36,8 +36,10 @@ from kvpilot.operator.metrics_source.promql import (
 from kvpilot.operator.metrics_source.reading import (
     EnginePod,
     MetricsReading,
+    fleet_kv_window,
     fleet_requests_finished,
     mean_context,
+    parse_kv_window,
     pod_signals,
     router_queued,
 )
@@ -47,18 +49,27 @@ _log = logging.getLogger(__name__)
 PodValues = dict[str, dict[str, float]]  # signal -> pod -> value
 
 
-def _capacities(result: list[Mapping[str, Any]], pod_label: str) -> dict[str, float]:
-    """``num_gpu_blocks`` x ``block_size`` per pod from cache-config info samples."""
-    out: dict[str, float] = {}
+def _cache_configs(result: list[Mapping[str, Any]], pod_label: str
+                   ) -> tuple[dict[str, float], dict[str, float]]:
+    """From cache-config info samples: ``num_gpu_blocks`` x ``block_size`` per pod, and
+    the KV window (``sliding_window`` label) of the pods that have one."""
+    capacities: dict[str, float] = {}
+    windows: dict[str, float] = {}
     for item in result:
         labels = item.get("metric") or {}
         try:
             value = float(labels["num_gpu_blocks"]) * float(labels["block_size"])
-        except (KeyError, ValueError):
+        except (KeyError, TypeError, ValueError):
             continue
-        if value > 0 and labels.get(pod_label):
-            out[labels[pod_label]] = value
-    return out
+        pod = labels.get(pod_label)
+        if value > 0 and isinstance(pod, str) and pod:
+            capacities[pod] = value
+            window = parse_kv_window(labels.get("sliding_window"))
+            if window is None:
+                windows.pop(pod, None)
+            else:
+                windows[pod] = float(window)
+    return capacities, windows
 
 
 def _per_pod(result: list[Mapping[str, Any]], pod_label: str) -> dict[str, float]:
@@ -116,7 +127,8 @@ class PrometheusSource:
 
     def _run_queries(self) -> tuple[PodValues, list[str], list[str], bool]:
         """(values, failed query notes, empty signals, any answer at all); the routers'
-        in-flight requests per worker, when answered, under ``values["router_in_flight"]``."""
+        in-flight requests per worker, when answered, under ``values["router_in_flight"]``,
+        and the pods' KV windows under ``values["kv_window"]``."""
         values: PodValues = {}
         failed: list[str] = []
         empty: list[str] = []
@@ -139,8 +151,10 @@ class PrometheusSource:
                 failed.append(f"{signal}: {exc}")
                 continue
             answered = True
-            values[signal] = (_capacities(result, pod) if signal == "cache_config"
-                              else _per_pod(result, pod))
+            if signal == "cache_config":
+                values[signal], values["kv_window"] = _cache_configs(result, pod)
+            else:
+                values[signal] = _per_pod(result, pod)
             if not result and signal != "cache_config":
                 empty.append(signal)
         left = deadline - time.monotonic()
@@ -164,12 +178,16 @@ class PrometheusSource:
         signals, rates = [], []
         prompt = generated = finished = 0.0
         finished_each = [get("requests_finished", p.name) for p in pods]
+        windows: list[int | None] = []  # of the pods that reported a KV capacity
         for p in pods:
             capacity = get("kv_capacity", p.name) or get("cache_config", p.name)
             signals.append(pod_signals(p.name, get("kv_usage", p.name),
                                        get("num_waiting", p.name), get("waiting_tokens", p.name),
                                        get("num_running", p.name), get("preemption_rate", p.name),
                                        capacity))
+            if signals[-1].kv_capacity_tokens is not None:
+                window = get("kv_window", p.name)
+                windows.append(int(window) if window is not None else None)
             rates.append(get("generation_rate", p.name))
             counters = (get("prompt_tokens", p.name), get("generation_tokens", p.name),
                         get("requests_finished", p.name))
@@ -198,4 +216,5 @@ class PrometheusSource:
             problem=problem,
             router_queued=router_queued(values.get("router_in_flight", {}), pods, signals),
             requests_finished=fleet_requests_finished(finished_each),
+            kv_window_tokens=fleet_kv_window(windows),
         )

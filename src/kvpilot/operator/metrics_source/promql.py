@@ -14,8 +14,8 @@ waiting_tokens         ``max by (pod) (kvpilot:num_waiting_tokens{S})``
 num_running            ``max by (pod) (kvpilot:num_requests_running{S})``
 preemption_rate        ``max by (pod) (rate(kvpilot:num_preemptions_total{S}[W]))``
 kv_capacity            ``max by (pod) (kvpilot:kv_cache_capacity_tokens{S})``
-cache_config           ``max by (pod, num_gpu_blocks, block_size)
-                       (kvpilot:cache_config_info{S})`` (capacity fallback)
+cache_config           ``max by (pod, num_gpu_blocks, block_size, sliding_window)
+                       (kvpilot:cache_config_info{S})`` (capacity fallback; KV window)
 generation_rate        ``max by (pod) (rate(kvpilot:generation_tokens_total{S}[W]))``
 prompt_tokens          ``max by (pod) (kvpilot:prompt_tokens_total{S})``
 generation_tokens      ``max by (pod) (kvpilot:generation_tokens_total{S})``
@@ -25,7 +25,9 @@ requests_finished      ``sum by (pod) (max by (pod, finished_reason)
 
 ``max by (pod)`` keeps one sample per pod even when two scrape jobs collect the same
 target (duplicates are equal; a sum would double them). An empty vector for a pod is
-missing data, never zero (case C17).
+missing data, never zero (case C17). ``sliding_window`` in the cache-config grouping is
+the window behind which the engine frees KV blocks (``None`` without one); an engine that
+does not export the label yields samples without it, which read as no window.
 
 The router pods' series carry the same ``namespace`` and ``inference_deployment`` labels
 (``pod`` is then the router pod), and one sample per engine (label ``worker``, its URL);
@@ -109,7 +111,8 @@ def signal_queries(names: EngineMetricNames, selector: SeriesSelector,
         "num_running": per_pod(f"{names.num_running}{s}"),
         "preemption_rate": per_pod(f"rate({names.preemptions}{s}[{rate_window}])"),
         "kv_capacity": per_pod(f"{names.kv_capacity}{s}"),
-        "cache_config": f"max by ({pod}, num_gpu_blocks, block_size) ({names.cache_config}{s})",
+        "cache_config": (f"max by ({pod}, num_gpu_blocks, block_size, sliding_window)"
+                         f" ({names.cache_config}{s})"),
         "generation_rate": per_pod(f"rate({names.generation_tokens}{s}[{rate_window}])"),
         "prompt_tokens": per_pod(f"{names.prompt_tokens}{s}"),
         "generation_tokens": per_pod(f"{names.generation_tokens}{s}"),

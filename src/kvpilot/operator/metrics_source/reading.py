@@ -5,8 +5,8 @@ sources (Prometheus, pod scraping) and the autoscaler loop.
 
     EnginePod(name, ip, port)  x N ready pods   (+ the router pods, when there are any)
         --MetricsSource.read(pods, now, routers)-->
-    MetricsReading(pods=(PodSignals, ...), generated tokens/s, mean context, reachable, problem,
-                   router_queued)
+    MetricsReading(pods=(PodSignals, ...), generated tokens/s, mean context, KV window,
+                   reachable, problem, router_queued)
 
 Every value a source could not read is ``None``: a failed scrape, an empty PromQL vector,
 a series absent from ``/metrics``, a NaN or out-of-range sample. ``None`` is missing data,
@@ -73,6 +73,11 @@ class MetricsReading:
         requests_without_engine: router attempts that found no engine since the previous
             read (scale to zero's activation signal; the autoscaler loop fills it from
             :mod:`kvpilot.operator.activation`, the sources leave 0).
+        kv_window_tokens: the sliding window W (tokens) behind which the engines free KV
+            blocks (every layer of the model slides), from the ``sliding_window`` label
+            of the cache-config info series (:func:`fleet_kv_window`); a request then
+            holds at most ``(cdiv(W, block_size) + 1) x block_size`` tokens. None = no
+            window: full attention, an engine too old to export the label, or unknown.
     """
 
     source: str
@@ -84,6 +89,7 @@ class MetricsReading:
     router_queued: float | None = None
     requests_finished: float | None = None
     requests_without_engine: float = 0.0
+    kv_window_tokens: int | None = None
 
     @property
     def kv_capacity_tokens(self) -> float | None:
@@ -135,6 +141,29 @@ def pod_signals(name: str, kv_usage: float | None, num_waiting: float | None,
         preemption_rate=valid(preemption_rate),
         kv_capacity_tokens=capacity if capacity else None,
     )
+
+
+def parse_kv_window(value: object) -> int | None:
+    """The ``sliding_window`` label of the cache-config info series as a window in
+    tokens: a positive decimal integer; None for anything else (absent, vLLM's
+    ``"None"``, garbage). Estimates only, so it never raises."""
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    if not (text.isascii() and text.isdigit()):
+        return None
+    window = int(text)
+    return window if window > 0 else None
+
+
+def fleet_kv_window(windows: Sequence[int | None]) -> int | None:
+    """One window for the fleet from those of the pods that reported a KV capacity: the
+    largest (the fewest requests fit) when every such pod has one, else None (a pod
+    without a window, such as an older engine or a full-attention model in the middle
+    of a rollout, holds whole contexts: no cap is the safe estimate)."""
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(w for w in windows if w is not None)
 
 
 def mean_context(prompt_tokens: float, generated_tokens: float,
