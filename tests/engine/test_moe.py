@@ -124,7 +124,7 @@ def test_moe_block_matches_a_dense_loop_over_all_experts():
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    ({"scoring_func": "sigmoid"}, "scoring_func = 'sigmoid' is not supported"),
+    ({"scoring_func": "sparsemixer"}, "scoring_func = 'sparsemixer' is not supported; MoE routing is top-k"),
     ({"topk_method": "noaux_tc"}, "topk_method = 'noaux_tc' is not supported"),
     ({"n_group": 8}, "n_group = 8 is not supported"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok = 9 is not supported; 1..num_experts (8)"),
@@ -257,7 +257,47 @@ def test_gguf_moe_needs_its_counts_and_softmax_gating():
             "qwen3moe.expert_feed_forward_length": 8}
     cfg = ModelConfig.from_gguf_metadata(meta, {"blk.0.ffn_gate_inp.weight"}, "m.gguf")
     assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == ("qwen3_moe", 4, 2, True)
-    with pytest.raises(UnsupportedModelError, match=re.escape("qwen3moe.expert_gating_func = 2 is not supported")):
-        ModelConfig.from_gguf_metadata({**meta, "qwen3moe.expert_gating_func": 2}, set(), "m.gguf")
+    assert ModelConfig.from_gguf_metadata({**meta, "qwen3moe.expert_gating_func": 2}, set(),
+                                          "m.gguf").moe_scoring_func == "sigmoid"
+    with pytest.raises(UnsupportedModelError, match=re.escape(
+            "qwen3moe.expert_gating_func = 3 is not supported; softmax (1) or sigmoid (2)")):
+        ModelConfig.from_gguf_metadata({**meta, "qwen3moe.expert_gating_func": 3}, set(), "m.gguf")
     with pytest.raises(UnsupportedModelError, match=re.escape("qwen3moe.expert_used_count = 5")):
         ModelConfig.from_gguf_metadata({**meta, "qwen3moe.expert_used_count": 5}, set(), "m.gguf")
+
+
+def test_sigmoid_routing_scores_each_expert_on_its_own(tmp_path):
+    """scoring_func sigmoid (config.json) / expert_gating_func 2 (GGUF): the weights are
+    sigmoid(logit) of the chosen experts, renormalised only when norm_topk_prob."""
+    from kvpilot.engine.model.moe import SparseMoeBlock
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [0.0, 0.1, -0.2, -3.0]])
+    weights, ids = route_topk(logits, 2, renormalize=False, scoring="sigmoid")
+    assert ids.tolist() == [[3, 0], [1, 0]]
+    assert torch.allclose(weights, torch.sigmoid(torch.tensor([[3.0, 2.0], [0.1, 0.0]])))
+    renormed, _ = route_topk(logits, 2, renormalize=True, scoring="sigmoid")
+    assert torch.allclose(renormed.sum(-1), torch.ones(2))
+    with pytest.raises(ValueError, match="scoring = 'tanh' is not supported"):
+        route_topk(logits, 2, renormalize=False, scoring="tanh")
+
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 32, "hidden_size": 16,
+           "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_experts": 4,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 8, "norm_topk_prob": False,
+           "scoring_func": "sigmoid"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    config = ModelConfig.from_hf_config(tmp_path)
+    assert config.moe_scoring_func == "sigmoid"
+    torch.manual_seed(0)
+    block = SparseMoeBlock(config)
+    for p in block.parameters():
+        torch.nn.init.normal_(p)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        got = block(x)
+        w, e = torch.topk(torch.sigmoid(x @ block.gate.weight.T), 2, dim=-1)
+        expect = torch.zeros_like(x)
+        for t in range(5):
+            for slot in range(2):
+                h = block.w13[e[t, slot]] @ x[t]
+                expect[t] += w[t, slot] * (block.w2[e[t, slot]] @ (torch.nn.functional.silu(h[:8]) * h[8:]))
+    torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-4)

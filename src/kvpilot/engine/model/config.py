@@ -24,6 +24,8 @@ SUPPORTED_HF_ARCHITECTURES = {
 # Mixture-of-experts architectures (kvpilot.engine.model.moe for the sparse layers).
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # MoE routing options that are not the softmax top-k implemented here: refused by name.
+# How router logits become expert weights (HF's / DeepSeek's ``scoring_func``).
+MOE_SCORING_FUNCS = ("softmax", "sigmoid")
 REFUSED_MOE_ROUTING = ("scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor",
                        "e_score_correction_bias", "n_shared_experts")
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma2", "gemma3")
@@ -66,12 +68,13 @@ def check_hf_config(cfg: dict[str, Any], where: str, arch: str | None = None) ->
     gemma = arch in GEMMA_ARCHITECTURES
     for key in REFUSED_MOE_ROUTING:  # DeepSeek-style grouped / biased / sigmoid routing
         value = cfg.get(key)
-        if value is None or (key == "scoring_func" and value == "softmax") or (key == "topk_method" and value == "greedy") \
+        if value is None or (key == "scoring_func" and value in MOE_SCORING_FUNCS and arch in MOE_ARCHITECTURES) \
+                or (key == "topk_method" and value == "greedy") \
                 or (key in ("n_group", "topk_group") and value == 1) or (key == "routed_scaling_factor" and value == 1.0) \
                 or (key == "n_shared_experts" and value == 0):
             continue
-        raise refuse(key, value, "MoE routing is softmax top-k over all experts (scoring_func softmax, "
-                     "topk_method greedy, no expert groups, bias or scaling)")
+        raise refuse(key, value, "MoE routing is top-k over all experts (scoring_func softmax or sigmoid on "
+                     "a MoE architecture, topk_method greedy, no expert groups, bias or scaling)")
     for key in ("hidden_act", "hidden_activation"):
         act = cfg.get(key)
         if act is None:
@@ -216,6 +219,7 @@ def _moe_hf_fields(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]
     if not 1 <= int(top_k) <= int(experts):
         raise UnsupportedModelError(f"{where}: num_experts_per_tok = {top_k!r} is not supported; "
                                     f"1..num_experts ({experts})")
+    fields["moe_scoring_func"] = cfg.get("scoring_func") or "softmax"  # checked in check_hf_config
     return dict(num_experts=int(experts), num_experts_per_tok=int(top_k), **fields)
 
 
@@ -239,14 +243,18 @@ def _moe_gguf_fields(meta: dict[str, Any], tensor_names: set[str], name: str, ar
         raise UnsupportedModelError(f"{name}: {arch}.expert_count = {experts!r}, {arch}.expert_used_count = "
                                     f"{top_k!r} is not supported; 1 <= expert_used_count <= expert_count")
     gating = key("expert_gating_func")
-    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX = 1
-        raise UnsupportedModelError(f"{name}: {arch}.expert_gating_func = {gating!r} is not supported; softmax (1)")
+    # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX = 1, _SIGMOID = 2 (3, softmax over
+    # the chosen experts' logits only, is not implemented).
+    if gating not in (None, 1, 2):
+        raise UnsupportedModelError(f"{name}: {arch}.expert_gating_func = {gating!r} is not supported; "
+                                    "softmax (1) or sigmoid (2)")
     layers = int(key("block_count"))
     dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
     fields: dict[str, Any] = dict(
         num_experts=int(experts), num_experts_per_tok=int(top_k),
         moe_intermediate_size=int(key("expert_feed_forward_length") or key("feed_forward_length")),
-        norm_topk_prob=bool(key("expert_weights_norm", arch != "qwen2moe")), mlp_only_layers=dense)
+        norm_topk_prob=bool(key("expert_weights_norm", arch != "qwen2moe")), mlp_only_layers=dense,
+        moe_scoring_func="sigmoid" if gating == 2 else "softmax")
     if arch == "qwen2moe":
         fields["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length", 0))
     return fields
@@ -433,6 +441,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    moe_scoring_func: str = "softmax"
     shared_expert_intermediate_size: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()

@@ -3,7 +3,8 @@
 The block follows HF transformers' ``MixtralSparseMoeBlock`` / ``Qwen2MoeSparseMoeBlock``
 / ``Qwen3MoeSparseMoeBlock``:
 
-1. router logits ``x @ gate.T`` ``[T, E]``; probabilities ``softmax`` over experts in fp32;
+1. router logits ``x @ gate.T`` ``[T, E]``; scores in fp32: ``softmax`` over experts, or
+   an independent ``sigmoid`` per expert when the config's ``scoring_func`` says so;
 2. the top-``k`` experts per token (``num_experts_per_tok``); their weights renormalised to
    sum to 1 when ``norm_topk_prob`` (Mixtral always does);
 3. each chosen expert is a SwiGLU MLP ``down(silu(gate(x)) * up(x))``; the output is the
@@ -27,17 +28,28 @@ from kvpilot.engine.model.config import ModelConfig
 from kvpilot.engine.model.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
 
 
-def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax top-k routing (HF Mixtral / Qwen-MoE).
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+               scoring: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing: HF Mixtral / Qwen-MoE (softmax), or sigmoid scores per expert
+    (DeepSeek-V3's and llama.cpp's ``expert_gating_func`` sigmoid, without their bias
+    and groups, which the config check refuses).
 
     Args:
         router_logits: ``[T, E]`` any float dtype.
         top_k: experts per token.
         renormalize: divide the chosen weights by their sum (``norm_topk_prob``).
+        scoring: ``softmax`` or ``sigmoid``.
     Returns:
         ``(weights [T, k] fp32, expert ids [T, k] int64)``.
+    Raises:
+        ValueError: another ``scoring``.
     """
-    probs = torch.softmax(router_logits.float(), dim=-1)
+    if scoring == "softmax":
+        probs = torch.softmax(router_logits.float(), dim=-1)
+    elif scoring == "sigmoid":
+        probs = torch.sigmoid(router_logits.float())
+    else:
+        raise ValueError(f"scoring = {scoring!r} is not supported; softmax or sigmoid")
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -85,6 +97,7 @@ class SparseMoeBlock(nn.Module):
         e, inter, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
+        self.scoring = config.moe_scoring_func
         self.gate = nn.Linear(hidden, e, bias=False)
         self.w13 = nn.Parameter(torch.empty(e, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(e, hidden, inter))
@@ -98,7 +111,7 @@ class SparseMoeBlock(nn.Module):
         """``[T, hidden]`` -> ``[T, hidden]`` in ``x``'s dtype: the experts by the Triton
         kernel (:func:`kvpilot.kernels.fused_moe.fused_moe`) on CUDA, by the torch loop
         (:func:`moe_experts_reference`) elsewhere."""
-        weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize, self.scoring)
         if x.is_cuda:
             from kvpilot.kernels.fused_moe import fused_moe  # needs Triton, which needs a GPU
 
