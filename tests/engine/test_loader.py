@@ -217,3 +217,38 @@ def test_which_layers_slide_per_architecture(tmp_path):
                                                       "max_window_layers": 0}, 4096)):
         (tmp_path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "architectures": [arch], **extra}))
         assert ModelConfig.from_hf_config(tmp_path).sliding_window == window, (arch, extra)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"architectures": ["Gemma2ForCausalLM"], "sliding_window": 0}, "sliding_window = 0 is not supported"),
+    ({"architectures": ["Gemma3ForCausalLM"], "sliding_window": -1}, "sliding_window = -1 is not supported"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 8.5}, "sliding_window = 8.5 is not supported"),
+    ({"sliding_window": 8, "layer_types": ["sliding_attention"]},
+     "sliding_window = 8 is not supported for LlamaForCausalLM"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 8, "layer_types": ["sliding_attention"] * 2},
+     "layer_types has 2 entries is not supported; one per layer (num_hidden_layers 1)"),
+])
+def test_a_window_the_model_cannot_honour_is_refused(tmp_path, extra, message):
+    """A window of 0 or below used to run Gemma with every key masked (all-zero tokens), and
+    a Llama config's window was dropped without a word."""
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "head_dim": 8, **extra}))
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)):
+        ModelConfig.from_hf_config(tmp_path)
+
+
+def test_gguf_windows_and_expert_scales_are_checked():
+    meta = {"general.architecture": "gemma2", "gemma2.attention.head_count": 2, "gemma2.embedding_length": 16,
+            "gemma2.feed_forward_length": 32, "gemma2.block_count": 2, "gemma2.vocab_size": 32,
+            "gemma2.attention.key_length": 8, "gemma2.attention.value_length": 8}
+    for bad in (-5, 8.5):
+        with pytest.raises(UnsupportedModelError, match=re.escape(f"gemma2.attention.sliding_window = {bad!r}")):
+            ModelConfig.from_gguf_metadata({**meta, "gemma2.attention.sliding_window": bad}, set(), "g.gguf")
+    with pytest.raises(UnsupportedModelError, match=re.escape("sliding_window_pattern = -2 is not supported")):
+        ModelConfig.from_gguf_metadata({**meta, "gemma2.attention.sliding_window": 8,
+                                        "gemma2.attention.sliding_window_pattern": -2}, set(), "g.gguf")
+    moe = {"general.architecture": "qwen3moe", "qwen3moe.attention.head_count": 2,
+           "qwen3moe.embedding_length": 16, "qwen3moe.feed_forward_length": 32, "qwen3moe.block_count": 1,
+           "qwen3moe.vocab_size": 32, "qwen3moe.expert_count": 4, "qwen3moe.expert_used_count": 2,
+           "qwen3moe.expert_weights_scale": 2.5}
+    with pytest.raises(UnsupportedModelError, match=re.escape("qwen3moe.expert_weights_scale = 2.5")):
+        ModelConfig.from_gguf_metadata(moe, {"blk.0.ffn_gate_inp.weight"}, "m.gguf")

@@ -247,3 +247,17 @@ def test_context_is_not_capped_to_the_window_unless_asked(tmp_path):
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
     assert (ours - ref).abs().max().item() < LOGPROB_TOLERANCE
+
+
+def test_longrope_serves_short_factors_within_the_original_context(tmp_path):
+    """--max-model-len at or below original_max_position_embeddings picks LongRoPE's short
+    factors, as transformers does for such sequences (it used to take the model's context)."""
+    from kvpilot.engine.scoring import score_tokens
+
+    hf = tiny_checkpoint("phi3_longrope", tmp_path)
+    engine = make_engine(tmp_path, max_model_len=16, attention_backend="torch")
+    (ids,) = prompts(1, 12, seed=5)
+    ours = score_tokens(engine, ids, chunk_size=5, return_logprobs=True).logprobs
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    assert (ours - ref).abs().max().item() < LOGPROB_TOLERANCE

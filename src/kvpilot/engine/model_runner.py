@@ -204,7 +204,9 @@ def load_model(args: EngineArgs) -> LoadedModel:
         config = config.without_sliding_window()
     if args.max_model_len is not None and args.max_model_len > model_max:
         raise ValueError(f"--max-model-len {args.max_model_len} is larger than the model's context ({model_max} tokens)")
-    model = build_model(config, source, gguf_file, model_max, dtype, device, args.load_format, args.seed)
+    # The served context picks LongRoPE's factor list and sizes the RoPE tables.
+    served = args.max_model_len if args.max_model_len is not None else model_max
+    model = build_model(config, source, gguf_file, served, dtype, device, args.load_format, args.seed)
     return LoadedModel(source, config, model, tokenizer, device, dtype, model_max, time.monotonic() - t0)
 
 

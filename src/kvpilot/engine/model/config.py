@@ -248,6 +248,10 @@ def _moe_gguf_fields(meta: dict[str, Any], tensor_names: set[str], name: str, ar
     if gating not in (None, 1, 2):
         raise UnsupportedModelError(f"{name}: {arch}.expert_gating_func = {gating!r} is not supported; "
                                     "softmax (1) or sigmoid (2)")
+    scale = key("expert_weights_scale")
+    if scale is not None and float(scale) != 1.0:  # DeepSeek's routed_scaling_factor
+        raise UnsupportedModelError(f"{name}: {arch}.expert_weights_scale = {scale!r} is not supported; 1.0 "
+                                    "(routing weights are not scaled)")
     layers = int(key("block_count"))
     dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
     fields: dict[str, Any] = dict(
@@ -337,8 +341,8 @@ def _gguf_layer_types(meta: dict[str, Any], name: str, arch: str, num_layers: in
     Raises:
         UnsupportedModelError: a per-layer pattern of the wrong length.
     """
-    window = meta.get(f"{arch}.attention.sliding_window")
-    if not window:
+    window = gguf_window(meta, arch, name)
+    if window is None:
         return None, None
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern", default_pattern)
     if isinstance(pattern, (list, tuple)):
@@ -347,11 +351,29 @@ def _gguf_layer_types(meta: dict[str, Any], name: str, arch: str, num_layers: in
                                         f"is not supported; one per layer ({num_layers})")
         slides = [bool(s) for s in pattern]
     else:
-        n = int(pattern)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 0:
+            raise UnsupportedModelError(f"{name}: {arch}.attention.sliding_window_pattern = {pattern!r} is not "
+                                        "supported; an integer >= 0 or one bool per layer")
+        n = pattern
         slides = [n == 0 or i % n < n - 1 for i in range(num_layers)]
     if not any(slides):
         return None, None
-    return int(window), tuple("sliding_attention" if s else "full_attention" for s in slides)
+    return window, tuple("sliding_attention" if s else "full_attention" for s in slides)
+
+
+def gguf_window(meta: dict[str, Any], arch: str, name: str) -> int | None:
+    """``<arch>.attention.sliding_window`` in tokens, None when absent or 0.
+
+    Raises:
+        UnsupportedModelError: a value that is not a whole number >= 0.
+    """
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window is None or (not isinstance(window, bool) and window == 0):
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UnsupportedModelError(f"{name}: {arch}.attention.sliding_window = {window!r} is not supported; "
+                                    "a whole number of tokens >= 1 (0: no window)")
+    return window
 
 
 def _gemma_gguf_fields(meta: dict[str, Any], name: str, arch: str, num_layers: int, hidden: int, num_heads: int,
@@ -485,11 +507,15 @@ class ModelConfig:
         if self.layer_types is not None:
             bad = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
             if bad:
-                raise UnsupportedModelError(f"layer_types contains {bad}; supported: "
+                raise UnsupportedModelError(f"{self.name}: layer_types contains {bad}; supported: "
                                             "'sliding_attention', 'full_attention'")
             if len(self.layer_types) != self.num_layers:
-                raise UnsupportedModelError(f"layer_types has {len(self.layer_types)} entries, "
-                                            f"num_hidden_layers is {self.num_layers}")
+                raise UnsupportedModelError(f"{self.name}: layer_types has {len(self.layer_types)} entries is not "
+                                            f"supported; one per layer (num_hidden_layers {self.num_layers})")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise UnsupportedModelError(f"{self.name}: sliding_window = {self.sliding_window!r} is not supported; "
+                                        "a whole number of tokens >= 1, or null")
         if self.num_heads % self.num_kv_heads != 0:
             raise UnsupportedModelError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -548,8 +574,15 @@ class ModelConfig:
         # Mistral and Phi-3 slide whenever sliding_window is set (every layer); Qwen2/3
         # only with use_sliding_window, and then (transformers' Qwen2Config) layer i slides
         # iff i >= max_window_layers. config.json's layer_types, when present, wins.
-        sliding = (cfg.get("sliding_window")
-                   if cfg.get("use_sliding_window", arch in ("mistral", "phi3", "mixtral")) else None)
+        window = cfg.get("sliding_window")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise UnsupportedModelError(f"{path}/config.json: sliding_window = {window!r} is not supported; "
+                                        "a whole number of tokens >= 1, or null")
+        if window is not None and arch == "llama":
+            raise UnsupportedModelError(f"{path}/config.json: sliding_window = {window!r} is not supported for "
+                                        "LlamaForCausalLM (null); a sliding-window model declares "
+                                        "MistralForCausalLM or another architecture that has one")
+        sliding = (window if cfg.get("use_sliding_window", arch in ("mistral", "phi3", "mixtral")) else None)
         layer_types = cfg.get("layer_types")
         if layer_types is None and sliding is not None and arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             first = int(cfg.get("max_window_layers", 28))
@@ -637,8 +670,8 @@ class ModelConfig:
         family: dict[str, Any] = {}
         if arch in GEMMA_ARCHITECTURES:
             family = _gemma_gguf_fields(meta, name, arch, num_layers, hidden, num_heads, head_dim)
-        elif arch == "phi3" and key("attention.sliding_window"):
-            family = dict(sliding_window=int(key("attention.sliding_window")))
+        elif arch == "phi3" and gguf_window(meta, arch, name) is not None:
+            family = dict(sliding_window=gguf_window(meta, arch, name))
         bos = meta.get("tokenizer.ggml.bos_token_id")
         return cls(
             architecture={"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(arch, "mixtral" if experts else arch),
