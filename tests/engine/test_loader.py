@@ -252,3 +252,19 @@ def test_gguf_windows_and_expert_scales_are_checked():
            "qwen3moe.expert_weights_scale": 2.5}
     with pytest.raises(UnsupportedModelError, match=re.escape("qwen3moe.expert_weights_scale = 2.5")):
         ModelConfig.from_gguf_metadata(moe, {"blk.0.ffn_gate_inp.weight"}, "m.gguf")
+
+
+def test_gguf_keys_that_change_the_math_are_honoured_or_refused():
+    meta = {"general.architecture": "llama", "llama.attention.head_count": 2, "llama.embedding_length": 16,
+            "llama.feed_forward_length": 32, "llama.block_count": 1, "llama.vocab_size": 32}
+    # llama.cpp's default scaling type is linear: a bare factor (or rope.scale_linear) scales.
+    for k in ("llama.rope.scaling.factor", "llama.rope.scale_linear"):
+        assert ModelConfig.from_gguf_metadata({**meta, k: 4.0}, set(), "m.gguf").rope_scaling == \
+            {"rope_type": "linear", "factor": 4.0}
+    assert ModelConfig.from_gguf_metadata({**meta, "llama.rope.scaling.factor": 1.0}, set(), "m.gguf").rope_scaling \
+        is None
+    with pytest.raises(UnsupportedModelError, match=re.escape("llama.attention.sliding_window = 8 is not supported")):
+        ModelConfig.from_gguf_metadata({**meta, "llama.attention.sliding_window": 8}, set(), "m.gguf")
+    with pytest.raises(UnsupportedModelError, match=re.escape("llama.attention.scale = 0.25 is not supported")):
+        ModelConfig.from_gguf_metadata({**meta, "llama.attention.scale": 0.25}, set(), "m.gguf")
+    assert ModelConfig.from_gguf_metadata({**meta, "llama.attention.scale": 8 ** -0.5}, set(), "m.gguf")

@@ -309,9 +309,16 @@ def _gguf_rope_scaling(meta: dict[str, Any], tensor_names: set[str], name: str, 
     if attn_factor is not None and float(attn_factor) != 1.0:
         raise refuse("rope.scaling.attn_factor", attn_factor, "an attention factor other than 1.0 is implemented with "
                      "LongRoPE factor tensors only")
-    if kind in (None, "none"):
-        return None
     factor = key("rope.scaling.factor")
+    if kind is None:
+        # llama.cpp's default type is linear: a bare factor (or the older
+        # rope.scale_linear) still scales.
+        factor = factor if factor is not None else key("rope.scale_linear")
+        if factor is None or float(factor) == 1.0:
+            return None
+        kind = "linear"
+    if kind == "none":
+        return None
     if factor is None or float(factor) <= 0:
         raise refuse("rope.scaling.factor", factor, f"rope.scaling.type {kind!r} needs a positive factor")
     if kind == "linear":
@@ -575,14 +582,15 @@ class ModelConfig:
         # only with use_sliding_window, and then (transformers' Qwen2Config) layer i slides
         # iff i >= max_window_layers. config.json's layer_types, when present, wins.
         window = cfg.get("sliding_window")
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise UnsupportedModelError(f"{path}/config.json: sliding_window = {window!r} is not supported; "
-                                        "a whole number of tokens >= 1, or null")
-        if window is not None and arch == "llama":
+        if window not in (None, 0) and arch == "llama":
             raise UnsupportedModelError(f"{path}/config.json: sliding_window = {window!r} is not supported for "
                                         "LlamaForCausalLM (null); a sliding-window model declares "
                                         "MistralForCausalLM or another architecture that has one")
+        # Checked only where it is used (Qwen configs carry an unused one, some of them 0).
         sliding = (window if cfg.get("use_sliding_window", arch in ("mistral", "phi3", "mixtral")) else None)
+        if sliding is not None and (isinstance(sliding, bool) or not isinstance(sliding, int) or sliding < 1):
+            raise UnsupportedModelError(f"{path}/config.json: sliding_window = {sliding!r} is not supported; "
+                                        "a whole number of tokens >= 1, or null")
         layer_types = cfg.get("layer_types")
         if layer_types is None and sliding is not None and arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             first = int(cfg.get("max_window_layers", 28))
@@ -672,6 +680,15 @@ class ModelConfig:
             family = _gemma_gguf_fields(meta, name, arch, num_layers, hidden, num_heads, head_dim)
         elif arch == "phi3" and gguf_window(meta, arch, name) is not None:
             family = dict(sliding_window=gguf_window(meta, arch, name))
+        elif gguf_window(meta, arch, name) is not None:  # llama.cpp runs these archs unwindowed
+            raise UnsupportedModelError(f"{name}: {arch}.attention.sliding_window = "
+                                        f"{meta[f'{arch}.attention.sliding_window']!r} is not supported for arch "
+                                        f"{arch!r}; sliding windows load from phi3, gemma2 and gemma3 GGUFs or "
+                                        "from the HF folder")
+        if arch not in GEMMA_ARCHITECTURES and key("attention.scale") is not None \
+                and abs(float(key("attention.scale")) - head_dim ** -0.5) > 1e-6 * head_dim ** -0.5:
+            raise UnsupportedModelError(f"{name}: {arch}.attention.scale = {key('attention.scale')!r} is not "
+                                        f"supported; head_dim ** -0.5 ({head_dim ** -0.5:.6g}) or absent")
         bos = meta.get("tokenizer.ggml.bos_token_id")
         return cls(
             architecture={"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(arch, "mixtral" if experts else arch),
