@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 EPILOGS: dict[str, str] = {
     "serve": "vLLM command lines work as they are: 'kvpilot serve MODEL' is 'kvpilot serve --model "
              "MODEL'; vLLM flags that change nothing here (--enable-chunked-prefill, "
-             "--tensor-parallel-size 1, ...) are accepted and logged at start-up; any flag "
+             "--pipeline-parallel-size 1, ...) are accepted and logged at start-up; any flag "
              "kvpilot cannot honour fails the command, all of them named in one message. The "
              "list: docs/server.md, 'vLLM command lines'.",
 }

@@ -159,7 +159,8 @@ def _same(value: str, allowed: str) -> bool:
 
 
 S, B, ONE, MANY = Arity.SWITCH, Arity.BOOL, Arity.ONE, Arity.MANY
-_ONE_GPU = "one engine runs on one GPU; run one engine per GPU instead, as the operator's replicas do"
+_ONE_GPU = ("kvpilot splits a model over GPUs only by tensor parallelism (--tensor-parallel-size); "
+            "otherwise run one engine per GPU, as the operator's replicas do")
 _NO_HUB = ("kvpilot loads a local folder or GGUF file and never downloads from the Hugging "
            "Face Hub (the operator's hf:// model URI downloads before the engine starts)")
 _NO_GRAPHS = "kvpilot neither compiles the model nor captures CUDA graphs"
@@ -192,13 +193,14 @@ FLAGS: tuple[VLLMFlag, ...] = (
     _noop("--max-seq-len-to-capture", ONE,
           f"it only bounds CUDA graph capture; {_NO_GRAPHS}"),
     _noop("--disable-custom-all-reduce", B,
-          "there is no all-reduce: one engine runs on one GPU"),
+          "kvpilot's tensor-parallel all-reduce is torch.distributed's (NCCL, gloo); there is no "
+          "custom all-reduce to turn off"),
     _noop("--disable-cascade-attn", B,
           "kvpilot has no cascade attention to use or disable"),
     _noop("--disable-hybrid-kv-cache-manager", B,
           "kvpilot keeps one uniform paged KV cache for every layer (no hybrid manager)"),
     _noop("--max-parallel-loading-workers", ONE,
-          "kvpilot loads the weights in one worker (no tensor parallelism to load in batches)"),
+          "each tensor-parallel rank loads its own shard; there are no batches of loaders to bound"),
     _noop("--ray-workers-use-nsight", B, "kvpilot starts no Ray workers"),
     _noop("--no-skip-tokenizer-init", S, "the tokenizer is loaded by default"),
     _noop("--no-calculate-kv-scales", S,
@@ -225,21 +227,21 @@ FLAGS: tuple[VLLMFlag, ...] = (
         "kvpilot has no async scheduling: each step is scheduled after the previous one"),
     _off("--enable-lora", _NO_LORA),
     _if("--enable-expert-parallel", B, False,
-        "expert parallelism is off (one engine runs on one GPU)",
-        f"expert parallelism is not supported: {_ONE_GPU}", "-ep"),
+        "expert parallelism is off: with tensor parallelism every rank holds a slice of every expert",
+        "expert parallelism is not supported: with --tensor-parallel-size every rank holds a slice "
+        "of every expert instead", "-ep"),
     _off("--enable-sleep-mode", "sleep mode (offloading weights on request) is not supported"),
     _off("--enable-prompt-embeds", "prompt embeddings as input are not supported"),
-    _if("--tensor-parallel-size", ONE, ("1",), _ONE_GPU,
-        f"tensor parallelism is not supported yet: {_ONE_GPU}", "-tp"),
     _if("--pipeline-parallel-size", ONE, ("1",), _ONE_GPU,
         f"pipeline parallelism is not supported: {_ONE_GPU}", "-pp"),
     _if("--data-parallel-size", ONE, ("1",), "one engine per server",
         "data parallelism inside one server is not supported; run replicas behind a router "
         "(the operator's replicas and spec.router)", "-dp"),
     _if("--distributed-executor-backend", ONE, ("uni", "mp"),
-        "kvpilot runs its one worker inside the server process",
-        "kvpilot runs its one worker inside the server process; Ray and external "
-        "launchers are not supported"),
+        "kvpilot runs rank 0 inside the server process and spawns the other tensor-parallel "
+        "ranks as local processes (vLLM's mp backend)",
+        "kvpilot runs rank 0 inside the server process and spawns the other tensor-parallel "
+        "ranks as local processes; Ray and external launchers are not supported"),
     _if("--api-server-count", ONE, ("1",), "kvpilot runs one API server process",
         "kvpilot runs one API server process; run more replicas instead", "-asc"),
     _if("--num-scheduler-steps", ONE, ("1",), "kvpilot schedules every step",

@@ -92,6 +92,8 @@ class EngineArgs:
         kv_events_config: vLLM's ``--kv-events-config``: publish the prefix cache's
             block stores and evictions on ZMQ for KV-aware routers
             (:mod:`kvpilot.engine.kv_events`); a JSON string or a dict is parsed.
+        tensor_parallel_size: vLLM's ``--tensor-parallel-size``: ranks the model is split
+            over (:mod:`kvpilot.engine.distributed`), one process and device each.
         disable_sliding_window: vLLM's flag of that name: run a sliding-window model's
             layers with full attention and cap ``max_model_len`` to the smallest window
             (within the window both are the same computation).
@@ -120,6 +122,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     kv_events_config: KVEventsConfig | None = None
     disable_sliding_window: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _choice("--dtype", self.dtype, ["auto", *DTYPES])
@@ -146,6 +149,18 @@ class EngineArgs:
                 f"({self.max_num_batched_tokens}): every running request decodes one token per step; "
                 "lower --max-num-seqs or leave it out (its default then fits the budget)"
             )
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be a whole number >= 1; got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1:
+            if self.kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+                raise ValueError(
+                    f"--kv-cache-dtype {self.kv_cache_dtype} with --tensor-parallel-size {self.tensor_parallel_size}: "
+                    "a quantized KV cache is not supported with tensor parallelism yet (its scales are fixed on "
+                    "one device); use --kv-cache-dtype auto, or --tensor-parallel-size 1")
+            if self.calculate_kv_scales:
+                raise ValueError("--calculate-kv-scales is not supported with --tensor-parallel-size > 1 "
+                                 "(it needs a quantized KV cache, which tensor parallelism does not support yet)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2; got {self.max_model_len}")
         kv = self.kv_events_config
@@ -236,6 +251,14 @@ class EngineArgs:
             '"replay_endpoint": "tcp://*:5558"}\'',
         )
         g.add_argument(
+            "--tensor-parallel-size", "-tp",
+            type=int,
+            default=d.tensor_parallel_size,
+            metavar="N",
+            help="split the model over N devices (GPUs: NCCL; CPU: gloo), one process each; N must "
+            "divide the attention heads",
+        )
+        g.add_argument(
             "--disable-sliding-window",
             action=argparse.BooleanOptionalAction,
             default=d.disable_sliding_window,
@@ -267,6 +290,7 @@ class ResolvedConfig:
     max_model_len: int
     served_model_name: str
     sliding_window: int | None = None
+    tensor_parallel_size: int = 1
 
 
 def resolve_device(name: str) -> torch.device:

@@ -52,6 +52,17 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop what this LLM started: tensor-parallel workers, a KV event publisher
+        (idempotent; they also end with the process)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]],

@@ -90,6 +90,7 @@ class LLMEngine:
         self.kv_events: KVEventCollector | None = None
         self._kv_publisher: EventPublisher | None = None
         self._owns_kv_publisher = False
+        self._owned_load: LoadedModel | None = None  # loaded here: closed (TP workers) by close()
         kv_cfg = args.kv_events_config
         if kv_cfg is not None and kv_cfg.enable_kv_cache_events:
             # Bound before the weights load: a port in use fails start-up at once.
@@ -107,7 +108,9 @@ class LLMEngine:
 
     def _init(self, args: EngineArgs, loaded: LoadedModel | None) -> None:
         clock = self.clock
-        self.loaded = loaded if loaded is not None else load_model(args)
+        if loaded is None:
+            loaded = self._owned_load = load_model(args)
+        self.loaded = loaded
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         source = self.loaded.source
@@ -320,10 +323,20 @@ class LLMEngine:
         return dropped
 
     def close(self) -> None:
-        """Stop the KV event publisher if this engine started it (idempotent)."""
+        """Stop the KV event publisher and the tensor-parallel workers if this engine
+        started them (idempotent)."""
         if self._owns_kv_publisher and self._kv_publisher is not None:
             self._kv_publisher.shutdown()
             self._owns_kv_publisher = False
+        if self._owned_load is not None:
+            self._owned_load.close()
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why this engine cannot run another step (a tensor-parallel worker ended), or
+        None. The server then fails ``/health`` and exits non-zero."""
+        executor = self.loaded.executor if hasattr(self, "loaded") else None
+        return None if executor is None else executor.dead
 
     def _collect_scheduler_deltas(self, stats: IterationStats) -> None:
         s = self.scheduler

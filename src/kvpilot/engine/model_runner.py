@@ -10,8 +10,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,10 @@ from kvpilot.engine.model.loader import (
 )
 from kvpilot.engine.tokenizer import load_tokenizer
 
+if TYPE_CHECKING:
+    from kvpilot.engine.distributed import TPGroup
+    from kvpilot.engine.tp_executor import TPExecutor
+
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
@@ -68,14 +72,25 @@ def build_model(
     device: torch.device,
     load_format: str = "auto",
     seed: int = 0,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
     """Create the model on ``device`` in ``dtype`` and load its weights.
 
     ``load_format="dummy"`` fills random weights (std 0.02; norms 1) instead, for
-    benchmarks of large shapes without a checkpoint.
+    benchmarks of large shapes without a checkpoint. With ``tp`` (more than one rank) the
+    model is rank ``tp.rank``'s shard (:mod:`kvpilot.engine.distributed`): built from
+    :func:`~kvpilot.engine.distributed.rank_config`, loaded from the sliced checkpoint
+    tensors; dummy weights are then drawn per rank (seed + rank).
     """
+    from kvpilot.engine.distributed import rank_config, shard_weights
+
+    size = 1 if tp is None else tp.size
+    local = config if tp is None else rank_config(config, tp.rank, size)
     with torch.device("meta"):
-        model = model_class(config)(config, max_positions)
+        model = model_class(local)(local, max_positions)
+        if tp is not None and size > 1:
+            model.enable_tensor_parallel(tp, config.vocab_size)
+            seed += tp.rank
     model = model.to_empty(device=device).to(dtype)
     if load_format == "dummy":
         # Drawn where the weights live: an 8B model's 8e9 normals take about a minute on
@@ -92,7 +107,8 @@ def build_model(
                     p.normal_(0.0, 0.02, generator=gen)
     else:
         assert source is not None
-        model.load_weights(iter_weights(source, config, gguf_file))
+        weights = iter_weights(source, config, gguf_file)
+        model.load_weights(weights if tp is None else shard_weights(weights, config, tp.rank, size))
     model.init_rotary(device)
     model.eval()
     if can_pack_linears(device, dtype):
@@ -168,24 +184,49 @@ class LoadedModel:
     dtype: torch.dtype
     model_max_len: int
     load_seconds: float
+    # Tensor parallelism: this rank's group, and on rank 0 the executor running the others.
+    tp: TPGroup | None = None
+    executor: TPExecutor | None = field(default=None, repr=False)
 
     @property
     def weight_bytes(self) -> int:
+        """This rank's weights (with tensor parallelism, its shard)."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) + self.model.packed_bytes
 
+    @property
+    def rank_config(self) -> ModelConfig:
+        """The shapes this rank holds (its heads and slices); ``config`` is the whole model."""
+        return self.model.config
 
-def load_model(args: EngineArgs) -> LoadedModel:
+    def close(self) -> None:
+        """Stop the tensor-parallel workers this load started (idempotent)."""
+        if self.executor is not None:
+            self.executor.shutdown()
+        elif self.tp is not None:
+            self.tp.close()
+
+
+def load_model(args: EngineArgs, tp: TPGroup | None = None) -> LoadedModel:
     """Resolve ``args.model``, read its config and tokenizer, and load the weights.
+
+    With ``--tensor-parallel-size N > 1`` and no ``tp`` (rank 0), the split is checked,
+    the workers are started (:class:`~kvpilot.engine.tp_executor.TPExecutor`) and this
+    process loads rank 0's shard; a worker calls this with its own ``tp``.
 
     Raises:
         ModelNotFoundError, UnsupportedModelError: with what was found and what is supported.
-        ValueError: ``--max-model-len`` above the model's context.
+        ValueError: ``--max-model-len`` above the model's context; a tensor-parallel size
+            the model cannot be split into.
+        WorkerDiedError: a tensor-parallel worker failed to start.
     """
     t0 = time.monotonic()
     source = resolve_model(args.model)
     if source.kind == "preset" and args.load_format != "dummy":
         raise ValueError(f"--model preset:{source.name} is an architecture without weights; add --load-format dummy")
     config, gguf_file = load_model_config(source)
+    from kvpilot.engine.distributed import check_tensor_parallel
+
+    check_tensor_parallel(config, args.tensor_parallel_size)
     if args.skip_tokenizer_init or (source.kind == "preset" and args.tokenizer is None):
         tokenizer = None  # token ids in and out
     else:
@@ -193,7 +234,8 @@ def load_model(args: EngineArgs) -> LoadedModel:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     if device.type == "cpu":
-        threads = cpu_threads()
+        # Tensor-parallel ranks on one host share its cores.
+        threads = max(1, cpu_threads() // args.tensor_parallel_size)
         if threads != torch.get_num_threads():
             logger.info("using %d CPU threads (affinity and cgroup quota)", threads)
             torch.set_num_threads(threads)
@@ -206,15 +248,55 @@ def load_model(args: EngineArgs) -> LoadedModel:
         raise ValueError(f"--max-model-len {args.max_model_len} is larger than the model's context ({model_max} tokens)")
     # The served context picks LongRoPE's factor list and sizes the RoPE tables.
     served = args.max_model_len if args.max_model_len is not None else model_max
-    model = build_model(config, source, gguf_file, served, dtype, device, args.load_format, args.seed)
-    return LoadedModel(source, config, model, tokenizer, device, dtype, model_max, time.monotonic() - t0)
+    executor = None
+    if tp is None and args.tensor_parallel_size > 1:
+        from kvpilot.engine.tp_executor import TPExecutor
+
+        executor = TPExecutor(args, device)
+        tp = executor.group
+    elif tp is not None:
+        device = tp.device
+    try:
+        model = build_model(config, source, gguf_file, served, dtype, device, args.load_format, args.seed, tp)
+    except BaseException:
+        if executor is not None:
+            executor.shutdown()
+        raise
+    return LoadedModel(source, config, model, tokenizer, device, dtype, model_max, time.monotonic() - t0,
+                       tp, executor)
+
+
+@dataclass
+class StepInputs:
+    """One step, flattened (plain lists: what rank 0 sends each tensor-parallel worker).
+
+    ``ids``/``positions``/``slots``: per token; ``qsl``: query start offsets (``num_seqs +
+    1``); ``seq_lens``: per sequence; ``tables``: block tables, ``num_seqs x max_blocks``
+    row-major (0-padded); ``logits_rows``: rows whose logits are computed, in ``chunks``
+    (the sampling rows, then each prompt-logprobs span).
+    """
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    qsl: list[int]
+    seq_lens: list[int]
+    tables: list[int]
+    max_blocks: int
+    num_decodes: int
+    max_query_len: int
+    logits_rows: list[int]
+    chunks: list[int]
 
 
 class ModelRunner:
     """Loads the model, allocates the KV cache, and executes scheduler outputs."""
 
     def __init__(self, args: EngineArgs, loaded: LoadedModel) -> None:
-        device, dtype, model_config = loaded.device, loaded.dtype, loaded.config
+        # The KV cache holds this rank's KV heads (with tensor parallelism, its shard).
+        device, dtype, model_config = loaded.device, loaded.dtype, loaded.rank_config
+        self.tp = loaded.tp
+        self.executor = loaded.executor
         if (args.device != "auto" and torch.device(args.device).type != device.type) or (
             args.dtype != "auto" and resolve_dtype(args.dtype, device) != dtype
         ):
@@ -230,6 +312,8 @@ class ModelRunner:
         num_blocks = num_kv_blocks(
             args, model_config, kv_dtype, device, loaded.weight_bytes, model_config.num_layers, kv4, dtype
         )
+        if self.tp is not None:  # every rank holds every block: the smallest rank decides
+            num_blocks = self.tp.min_int(num_blocks)
         capacity = num_blocks * args.block_size
         max_model_len = args.max_model_len or min(loaded.model_max_len, capacity)
         # (request, first position, count) of this step's prompt-logprob rows (prepare_inputs).
@@ -257,10 +341,13 @@ class ModelRunner:
             max_model_len=max_model_len,
             served_model_name=args.served_model_name or loaded.source.name,
             sliding_window=model_config.sliding_window if model_config.all_layers_slide else None,
+            tensor_parallel_size=1 if self.tp is None else self.tp.size,
         )
         logger.info(
-            "engine ready: %s %s on %s, weights %.0f MiB (loaded in %.1fs); KV cache %s, %d blocks x %d = %d tokens; attention %s",
-            self.resolved.served_model_name, dtype, device, loaded.weight_bytes / 2**20, loaded.load_seconds,
+            "engine ready: %s %s on %s%s, weights %.0f MiB (loaded in %.1fs); KV cache %s, %d blocks x %d = %d tokens; "
+            "attention %s", self.resolved.served_model_name, dtype, device,
+            "" if self.tp is None else f" (tensor-parallel rank {self.tp.rank} of {self.tp.size}, per rank)",
+            loaded.weight_bytes / 2**20, loaded.load_seconds,
             kv_name + (" (keys rotated)" if self.kv_cache.rotates_keys else ""), num_blocks, args.block_size,
             capacity, backend_name,
         )
@@ -283,6 +370,11 @@ class ModelRunner:
         rows whose logits are needed: the last token of each sampling request, then the
         prompt positions of requests that asked for prompt logprobs (their spans are in
         ``self.prompt_spans``)."""
+        return self.to_tensors(self.flatten(out))
+
+    def flatten(self, out: SchedulerOutput) -> StepInputs:
+        """The step as plain lists (:class:`StepInputs`): what tensor-parallel workers are
+        sent. Sets ``self.prompt_spans``."""
         items = out.scheduled
         prompt_rows: list[int] = []
         self.prompt_spans = []
@@ -316,24 +408,54 @@ class ModelRunner:
         for it in items:
             tables.extend(it.block_ids)
             tables.extend([0] * (max_blocks - len(it.block_ids)))
+        chunks = [len(logits_rows)] + [count for _, _, count in self.prompt_spans]
+        return StepInputs(ids, positions, slots, qsl, seq_lens, tables, max_blocks, out.num_decodes,
+                          max(it.num_tokens for it in items), logits_rows + prompt_rows, chunks)
+
+    def to_tensors(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """:class:`StepInputs` as tensors on this rank's device: ``(input_ids, positions,
+        attention metadata, logits rows)``."""
         dev = self.device
+        num_seqs = len(x.seq_lens)
         meta = AttentionMetadata(
-            num_decodes=out.num_decodes,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev).view(len(items), max_blocks),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(it.num_tokens for it in items),
-            max_seq_len=max(seq_lens),
+            num_decodes=x.num_decodes,
+            slot_mapping=torch.tensor(x.slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(x.qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(x.seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(x.tables, dtype=torch.int32, device=dev).view(num_seqs, x.max_blocks),
+            query_start_loc_cpu=x.qsl,
+            seq_lens_cpu=x.seq_lens,
+            max_query_len=x.max_query_len,
+            max_seq_len=max(x.seq_lens),
         )
         return (
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
+            torch.tensor(x.ids, dtype=torch.int64, device=dev),
+            torch.tensor(x.positions, dtype=torch.int64, device=dev),
             meta,
-            torch.tensor(logits_rows + prompt_rows, dtype=torch.int64, device=dev),
+            torch.tensor(x.logits_rows, dtype=torch.int64, device=dev),
         )
+
+    def _logits(self, hidden: torch.Tensor, chunks: list[int]) -> list[torch.Tensor]:
+        """``compute_logits`` of consecutive row chunks of ``hidden``; every tensor-parallel
+        rank makes the same calls (each is an all-gather). An empty chunk gives
+        ``[0, vocab]`` without a call."""
+        parts = []
+        row = 0
+        for n in chunks:
+            if n == 0:
+                parts.append(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32))
+            else:
+                parts.append(self.model.compute_logits(hidden[row : row + n]))
+            row += n
+        return parts
+
+    @torch.inference_mode()
+    def execute_inputs(self, x: StepInputs) -> None:
+        """A tensor-parallel worker's step: the forward pass and the logits' all-gather,
+        in step with rank 0 (the logits are dropped: rank 0 samples). Mutates the KV cache."""
+        input_ids, positions, meta, logits_rows = self.to_tensors(x)
+        hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, self.backend, logits_rows, None)
+        self._logits(hidden, x.chunks)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -344,17 +466,24 @@ class ModelRunner:
         computed this step appends ``(logprob of the next prompt token, its rank (1 =
         most likely), top k)`` to the
         request's ``prompt_logprobs`` (from the log-softmax of the raw logits)."""
-        input_ids, positions, meta, logits_rows = self.prepare_inputs(out)
-        calibrate = self.kv_cache.calibrate if self.kv_cache.calibrating else None
-        hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, self.backend, logits_rows, calibrate)
-        num_sample = len(logits_rows) - sum(count for _, _, count in self.prompt_spans)
-        if not self.prompt_spans:
-            return self.model.compute_logits(hidden)
-        logits = self.model.compute_logits(hidden[:num_sample])
-        row = num_sample
-        for req, first, count in self.prompt_spans:
-            lps = torch.log_softmax(self.model.compute_logits(hidden[row : row + count]), dim=-1)
-            row += count
+        inputs = self.flatten(out)
+        if self.executor is not None:
+            self.executor.send(inputs)  # raises WorkerDiedError when a worker is gone
+        try:
+            input_ids, positions, meta, logits_rows = self.to_tensors(inputs)
+            calibrate = self.kv_cache.calibrate if self.kv_cache.calibrating else None
+            hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, self.backend, logits_rows,
+                                calibrate)
+            parts = self._logits(hidden, inputs.chunks)
+        except RuntimeError:
+            if self.executor is not None:  # a collective failed: was it a dead worker?
+                from kvpilot.engine.tp_executor import DEATH_GRACE_SECONDS
+
+                self.executor.check(DEATH_GRACE_SECONDS)
+            raise
+        logits = parts[0]
+        for (req, first, count), span_logits in zip(self.prompt_spans, parts[1:]):
+            lps = torch.log_softmax(span_logits, dim=-1)
             nxt = torch.tensor(req.prompt_token_ids[first + 1 : first + 1 + count], device=lps.device)
             chosen_t = lps.gather(1, nxt[:, None])
             ranks = ((lps > chosen_t).sum(dim=-1) + 1).tolist()

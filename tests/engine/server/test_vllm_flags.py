@@ -61,10 +61,6 @@ def test_a_kvpilot_flag_wins_over_the_table(known):
     (["--disable-frontend-multiprocessing"], "--disable-frontend-multiprocessing"),
     (["--swap-space", "4"], "--swap-space 4"),
     (["--swap-space=4"], "--swap-space=4"),
-    (["--tensor-parallel-size", "1"], "--tensor-parallel-size 1"),
-    (["--tensor-parallel-size=1"], "--tensor-parallel-size=1"),
-    (["-tp", "1"], "-tp 1"),
-    (["-tp=1.0"], "-tp=1.0"),
     (["--pipeline-parallel-size", "1"], "--pipeline-parallel-size 1"),
     (["--distributed-executor-backend", "mp"], "--distributed-executor-backend mp"),
     (["--max-logprobs", "20"], "--max-logprobs 20"),
@@ -97,8 +93,7 @@ def test_every_no_op_of_the_table_is_accepted(known):
 # ---------------------------------------------------------------- (c) refused
 
 @pytest.mark.parametrize(("argv", "written", "reason"), [
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2", "tensor parallelism is not supported"),
-    (["-tp=4"], "-tp=4", "tensor parallelism is not supported"),
+    (["-ep"], "-ep", "expert parallelism is not supported"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2", "pipeline parallelism"),
     (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray", "Ray"),
     (["--no-enforce-eager"], "--no-enforce-eager", "CUDA graphs"),
@@ -120,8 +115,8 @@ def test_flags_kvpilot_cannot_honour_are_refused_with_a_reason(argv, written, re
 
 def test_a_switch_given_a_value_and_a_flag_missing_its_value(known):
     assert refused(["--enforce-eager=true"], known) == [("--enforce-eager=true", "takes no value")]
-    assert refused(["--tensor-parallel-size"], known) == [
-        ("--tensor-parallel-size", "needs a value (1 is accepted)")]
+    assert refused(["--pipeline-parallel-size"], known) == [
+        ("--pipeline-parallel-size", "needs a value (1 is accepted)")]
     assert refused(["--swap-space", "--port", "9000"], known) == [("--swap-space", "needs a value")]
     [(arg, why)] = refused(["--quantization"], known)
     assert arg == "--quantization" and "quantized weights" in why
@@ -138,12 +133,12 @@ def test_unknown_flags_are_refused_with_a_hint_and_their_value_is_not_the_model(
 
 
 def test_every_bad_flag_is_named_in_one_message(known):
-    argv = ["Qwen/Qwen2.5-0.5B", "--tensor-parallel-size", "2", "--enforce-eager", "--foo",
+    argv = ["Qwen/Qwen2.5-0.5B", "--pipeline-parallel-size", "2", "--enforce-eager", "--foo",
             "--port", "8000", "--quantization=awq", "--no-enable-chunked-prefill"]
     with pytest.raises(VLLMFlagError) as info:
         split_vllm_flags(argv, known)
     msg = str(info.value)
-    assert msg.startswith("4 flags cannot be honoured: --tensor-parallel-size 2 (tensor parallelism")
+    assert msg.startswith("4 flags cannot be honoured: --pipeline-parallel-size 2 (pipeline parallelism")
     for part in ("--foo (not a kvpilot flag", "--quantization=awq (quantized",
                  "--no-enable-chunked-prefill (kvpilot always chunks"):
         assert part in msg
@@ -158,7 +153,7 @@ def test_every_bad_flag_is_named_in_one_message(known):
     (["Qwen/Qwen2.5-0.5B", "--port", "8000"], ["--model", "Qwen/Qwen2.5-0.5B", "--port", "8000"]),
     (["--port", "8000", "/models/m"], ["--port", "8000", "--model", "/models/m"]),
     (["--port", "8000", "--", "/models/m"], ["--port", "8000", "--model", "/models/m"]),
-    (["--enforce-eager", "m.gguf", "-tp", "1"], ["--model", "m.gguf"]),
+    (["--enforce-eager", "m.gguf", "-pp", "1"], ["--model", "m.gguf"]),
 ])
 def test_a_positional_model_becomes_model(argv, out, known):
     assert split_vllm_flags(argv, known)[0] == out
@@ -182,7 +177,7 @@ def test_positional_arguments_can_be_refused_outright(known):
 
 
 def test_help_skips_the_checks(known):
-    argv = ["--tensor-parallel-size", "2", "--help"]
+    argv = ["--pipeline-parallel-size", "2", "--help"]
     assert split_vllm_flags(argv, known) == (argv, [])
 
 
@@ -196,11 +191,11 @@ def test_serve_refuses_bad_flags_before_anything_loads(monkeypatch, capsys):
 
     monkeypatch.setattr(serve_cli, "run", run)
     with pytest.raises(SystemExit) as exc:
-        cli.main(["serve", "Qwen/Qwen2.5-0.5B", "--tensor-parallel-size", "2", "--enforce-eager",
+        cli.main(["serve", "Qwen/Qwen2.5-0.5B", "--pipeline-parallel-size", "2", "--enforce-eager",
                   "--foo", "--max-num-seqs", "8"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("kvpilot serve: 2 flags cannot be honoured: --tensor-parallel-size 2 (")
+    assert err.startswith("kvpilot serve: 2 flags cannot be honoured: --pipeline-parallel-size 2 (")
     assert "--foo (not a kvpilot flag, nor a vLLM flag kvpilot knows)" in err
 
 
@@ -210,11 +205,11 @@ def test_serve_accepts_a_vllm_command_line(monkeypatch):
     seen: list[argparse.Namespace] = []
     monkeypatch.setattr(serve_cli, "run", lambda args: seen.append(args) or 0)
     assert cli.main(["serve", "/models/qwen", "--port", "8001", "--enable-chunked-prefill",
-                     "--tensor-parallel-size=1", "--disable-log-stats", "--max-num-seqs", "8"]) == 0
+                     "--swap-space=4", "--disable-log-stats", "--max-num-seqs", "8"]) == 0
     [args] = seen
     assert (args.model, args.port, args.max_num_seqs) == ("/models/qwen", 8001, 8)
     assert [n.arg for n in args.vllm_noop_flags] == [
-        "--enable-chunked-prefill", "--tensor-parallel-size=1", "--disable-log-stats"]
+        "--enable-chunked-prefill", "--swap-space=4", "--disable-log-stats"]
 
 
 def test_serve_logs_the_no_ops_at_start_up(capsys, caplog):
@@ -232,7 +227,7 @@ def test_serve_logs_the_no_ops_at_start_up(capsys, caplog):
 
 def test_serve_help_still_works(capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["serve", "--help", "--tensor-parallel-size", "2"])
+        cli.main(["serve", "--help", "--pipeline-parallel-size", "2"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--max-num-seqs" in out and "vLLM command lines" in out

@@ -67,14 +67,14 @@ class GemmaAttention(Attention):
             ctx.calibrate(self.layer_idx, k, v)
         out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta, self.scale,
                                   sliding_window=self.sliding_window, logit_softcap=self.logit_softcap)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.project_out(out)
 
 
 class GemmaMLP(MLP):
     """GeGLU: ``down(gelu_tanh(gate(x)) * up(x))`` (Shazeer 2020), gate/up fused."""
 
     def forward(self, x: torch.Tensor, ops: TorchLayerOps = TORCH_LAYER_OPS) -> torch.Tensor:
-        return self.down_proj(ops.gelu_tanh_and_mul(self.gate_up_proj(x)))
+        return self.reduce(self.down_proj(ops.gelu_tanh_and_mul(self.gate_up_proj(x))))
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,9 @@ from kvpilot.engine.model.config import ModelConfig
 from kvpilot.engine.model.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
 from kvpilot.engine.model.moe import SparseMoeBlock
 from kvpilot.engine.model.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from kvpilot.engine.distributed import TPGroup
 
 
 @dataclass
@@ -136,6 +140,12 @@ def probe_batch_invariance(model: nn.Module, rows: int = 40, seed: int = 0) -> t
 
 
 class Attention(nn.Module):
+    """Self-attention over the paged KV cache; with tensor parallelism this rank's heads
+    (column-parallel ``qkv_proj``, row-parallel ``o_proj``) and one all-reduce of the
+    output (:mod:`kvpilot.engine.distributed`)."""
+
+    tp: TPGroup | None = None  # set by LlamaForCausalLM.enable_tensor_parallel
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -165,20 +175,35 @@ class Attention(nn.Module):
             ctx.calibrate(self.layer_idx, k, v)
         out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta, self.scale,
                                   sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.project_out(out)
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """``o_proj`` of the attention output ``[T, heads, head_dim]`` -> ``[T, hidden]``,
+        summed over the tensor-parallel ranks."""
+        y = self.o_proj(out.reshape(-1, self.q_size))
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020)."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020). With tensor parallelism
+    this rank's slice of the intermediate dimension, and one all-reduce of the output
+    unless ``reduce_output`` is False (a MoE block's shared expert: the block reduces once)."""
 
-    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
+    tp: TPGroup | None = None  # set by LlamaForCausalLM.enable_tensor_parallel
+
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None, reduce_output: bool = True) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size or config.intermediate_size
+        self.reduce_output = reduce_output
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor, ops: TorchLayerOps = TORCH_LAYER_OPS) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum the row-parallel ``down_proj`` partials over the ranks (when this MLP does)."""
+        return y if self.tp is None or not self.reduce_output else self.tp.all_reduce(y)
 
 
 class DecoderLayer(nn.Module):
@@ -238,6 +263,23 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head: nn.Module | None = None
         self.packed_bytes = 0
         self.batch_invariant = False  # set at load by probe_batch_invariance
+        self.tp: TPGroup | None = None  # set by enable_tensor_parallel
+
+    def enable_tensor_parallel(self, tp: TPGroup, vocab_size: int) -> None:
+        """Make this model one rank of ``tp``: call on a model built (on the meta device)
+        from :func:`kvpilot.engine.distributed.rank_config`, before its weights exist. The
+        embedding and LM head become vocab-parallel (``vocab_size``: the whole model's);
+        attention, MLP and MoE blocks all-reduce their outputs. Mutates the module tree."""
+        from kvpilot.engine.distributed import VocabParallelEmbedding
+
+        self.tp = tp
+        hidden = self.config.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden, tp)  # type: ignore[assignment]
+        if self.lm_head is not None:
+            self.lm_head = nn.Linear(hidden, self.embed_tokens.weight.shape[0], bias=False)
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP, SparseMoeBlock)):
+                module.tp = tp
 
     def init_rotary(self, device: torch.device) -> None:
         self.rotary = RotaryEmbedding(self.config, self.max_positions, device)
@@ -276,11 +318,16 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_forward(h[logits_indices], residual[logits_indices], ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden]`` -> ``[n, vocab]`` fp32."""
+        """``[n, hidden]`` -> ``[n, vocab]`` fp32 (with tensor parallelism the ranks' vocabulary
+        slices, all-gathered: every rank calls this with the same rows)."""
         if self.packed_head is not None:
-            return self.packed_head(hidden).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+            logits = self.packed_head(hidden).float()
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, weight).float()
+        if self.tp is not None:
+            logits = self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]
+        return logits
 
     @torch.no_grad()
     def pack_linears(self) -> int:

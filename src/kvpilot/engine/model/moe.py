@@ -20,11 +20,16 @@ CPU and the Triton kernel :mod:`kvpilot.kernels.fused_moe` on CUDA.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.engine.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kvpilot.engine.distributed import TPGroup
 from kvpilot.engine.model.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
 
 
@@ -90,6 +95,8 @@ class SparseMoeBlock(nn.Module):
     ``shared_expert_gate.weight`` ``[1, hidden]``.
     """
 
+    tp: TPGroup | None = None  # set by LlamaForCausalLM.enable_tensor_parallel: one all-reduce per block
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         from kvpilot.engine.model.llama import MLP
@@ -104,7 +111,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert: nn.Module | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if config.shared_expert_intermediate_size:
-            self.shared_expert = MLP(config, config.shared_expert_intermediate_size)
+            self.shared_expert = MLP(config, config.shared_expert_intermediate_size, reduce_output=False)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor, ops: TorchLayerOps = TORCH_LAYER_OPS) -> torch.Tensor:
@@ -120,4 +127,5 @@ class SparseMoeBlock(nn.Module):
             out = moe_experts_reference(x, self.w13, self.w2, weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ops)
-        return out
+        # Row-parallel experts (and shared expert): each rank holds a partial sum.
+        return out if self.tp is None else self.tp.all_reduce(out)

@@ -105,6 +105,9 @@ class AsyncEngine:
         self.integrity_checks = 0
         self.integrity_failures = 0
         self.integrity_error: str | None = None
+        # Set when the engine can run no more steps (a tensor-parallel worker ended): the
+        # thread fails what is in flight and stops; /health fails; serve exits 1.
+        self.fatal_error: str | None = None
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -115,13 +118,17 @@ class AsyncEngine:
         self._inbox.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()  # tensor-parallel workers, a publisher the engine started
 
     @property
     def is_alive(self) -> bool:
         """The engine thread runs (loading counts), has not failed to load, and its KV
         cache passed every integrity check (a broken block pool would serve wrong KV: a
         failed liveness probe lets Kubernetes restart the pod)."""
-        return self._thread.is_alive() and self.load_error is None and self.integrity_error is None
+        return (self._thread.is_alive() and self.load_error is None and self.integrity_error is None
+                and self.fatal_error is None)
 
     @property
     def failure(self) -> str:
@@ -130,6 +137,8 @@ class AsyncEngine:
             return f"the model failed to load: {self.load_error}"
         if self.integrity_error is not None:
             return f"the KV cache integrity check failed: {self.integrity_error}"
+        if self.fatal_error is not None:
+            return f"the engine stopped: {self.fatal_error}"
         if not self._thread.is_alive():
             return "the engine thread stopped"
         return ""
@@ -218,6 +227,10 @@ class AsyncEngine:
             self._drain_inbox(engine, block=not engine.has_unfinished_requests())
             if self._stop.is_set():
                 break
+            fatal = getattr(engine, "fatal_error", None)  # a worker ended while idle (or mid-step)
+            if fatal is not None:
+                self._die(engine, fatal)
+                return
             if engine.has_unfinished_requests():
                 self._step(engine)
                 was_busy = True
@@ -227,6 +240,23 @@ class AsyncEngine:
                     self._check_integrity(engine)
                 if self._on_step is not None:
                     self._on_step(engine)
+
+    def _die(self, engine: LLMEngine, reason: str) -> None:
+        """Fail every request in flight with ``reason`` and mark the engine dead (the thread
+        then returns: nothing is accepted any more)."""
+        logger.error("the engine cannot continue (%s): failing %d requests in flight", reason, len(self._streams))
+        self.fatal_error = reason
+        ids = list(self._streams)
+        for rid in ids:
+            self._finish_stream(rid, RequestFailedError(f"the engine stopped: {reason}"))
+        try:
+            item = self._inbox.get_nowait()
+            while True:  # requests that were being added: refuse them
+                if isinstance(item, _Add):
+                    item.ack.set_exception(EngineDeadError(f"the engine stopped: {reason}"))
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
 
     def _check_integrity(self, engine: LLMEngine) -> None:
         """Run the block pool / radix cache integrity check; count it, and on failure log
@@ -280,6 +310,10 @@ class AsyncEngine:
         try:
             outputs = engine.step()
         except Exception as e:  # an engine bug must not take every client down
+            fatal = getattr(engine, "fatal_error", None)
+            if fatal is not None:  # ... but a dead worker takes the engine down
+                self._die(engine, fatal)
+                return
             logger.exception("engine step failed; failing the requests in flight")
             ids = list(self._streams)
             engine.abort_request(ids)

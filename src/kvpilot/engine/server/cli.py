@@ -36,6 +36,10 @@ logger = logging.getLogger("kvpilot.serve")
 # After the drain deadline aborts what is left: how long the aborted responses get to reach
 # their clients before uvicorn closes the connections.
 ABORT_FLUSH_SECONDS = 2.0
+# A dead engine (a tensor-parallel worker ended): how long its error responses get to go
+# out, and how long the engine thread gets to notice before the server exits anyway.
+ERROR_FLUSH_SECONDS = 2.0
+FATAL_EXIT_SECONDS = 20.0
 # After the drain: how long uvicorn's own shutdown may take before the process exits hard.
 # With ABORT_FLUSH_SECONDS this stays under the 5 s the operator leaves between the drain
 # timeout and the pod's SIGKILL (operator/builders/engine_args.py, EXIT_MARGIN_SECONDS).
@@ -140,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
                                 timeout_graceful_shutdown=2)
         server = DrainingServer(config, state, args.drain_timeout)
         engine.start()
-        threading.Thread(target=_exit_on_load_failure, args=(engine, server), daemon=True).start()
+        threading.Thread(target=_exit_when_dead, args=(engine, server), daemon=True).start()
         server.run()
         engine.shutdown()
     finally:
@@ -149,15 +153,46 @@ def run(args: argparse.Namespace) -> int:
     if engine.load_error is not None:
         print(f"kvpilot serve: the model failed to load: {engine.load_error}", file=sys.stderr)
         return 1
+    fatal = _fatal_error(engine)
+    if fatal is not None:
+        print(f"kvpilot serve: the engine stopped: {fatal}", file=sys.stderr)
+        return 1
     return 0
 
 
-def _exit_on_load_failure(engine, server) -> None:
+def _fatal_error(engine) -> str | None:
+    """Why the engine can run no more steps (a tensor-parallel worker ended), or None."""
+    if engine.fatal_error is not None:
+        return engine.fatal_error
+    llm = engine.engine
+    return None if llm is None else llm.fatal_error
+
+
+def _exit_when_dead(engine, server) -> None:
+    """Stop the server when the model fails to load, or when the engine dies after it
+    (a tensor-parallel worker ended): once the engine thread has failed the requests in
+    flight (their error responses get a moment to go out), or at the latest
+    ``FATAL_EXIT_SECONDS`` after the death was seen. ``run`` then returns 1, so
+    Kubernetes restarts the pod."""
     while not engine.ready.is_set():
         if engine.load_error is not None:
             server.should_exit = True
             return
         time.sleep(0.1)
+    seen = None
+    while not server.should_exit:
+        if engine.fatal_error is not None:
+            time.sleep(ERROR_FLUSH_SECONDS)
+            break
+        if _fatal_error(engine) is not None:
+            seen = seen if seen is not None else time.monotonic()
+            if time.monotonic() - seen > FATAL_EXIT_SECONDS:
+                break
+        time.sleep(0.1)
+    else:
+        return
+    logger.error("the engine stopped (%s): exiting", _fatal_error(engine))
+    server.should_exit = True
 
 
 class DrainingServer(uvicorn.Server):
