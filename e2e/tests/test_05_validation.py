@@ -23,6 +23,11 @@ CASES = {
     "zero-budget": ({"engine": {"maxNumBatchedTokens": 0}}, "maxNumBatchedTokens"),
     "bad-model-uri": ({"model": {"uri": "gs://bucket/model"}},
                       "unsupported model.uri gs://bucket/model"),
+    # The CEL rule reads the GPU quantity (an int-or-string map value) with int(): no GPU
+    # node is needed, the object is refused before any pod exists.
+    "tensor-parallel-not-dividing-gpus": (
+        {"engine": {"tensorParallelSize": 3}, "resources": {"limits": {"nvidia.com/gpu": 4}}},
+        "engine.tensorParallelSize must divide the pod's GPU count"),
 }
 
 

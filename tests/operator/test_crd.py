@@ -153,7 +153,7 @@ def test_samples_are_admitted_and_parse(crd, path: Path):
     parse_spec(stored["spec"])
 
 
-def test_sample_set_covers_cpu_and_fp8_gpu():
+def test_sample_set_covers_cpu_fp8_gpu_and_tensor_parallel():
     specs = {p.stem: yaml.safe_load(p.read_text())["spec"] for p in SAMPLES}
     cpu = specs["smollm2-cpu"]
     assert cpu["model"]["uri"] == "embedded://smollm2-135m-instruct"
@@ -161,6 +161,13 @@ def test_sample_set_covers_cpu_and_fp8_gpu():
     gpu = specs["llama3-8b-fp8-gpu"]
     assert gpu["engine"]["kvCacheDtype"] == "fp8"
     assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # Tensor parallelism over the pod's four GPUs, the size left to its default.
+    tp = specs["llama3-70b-tp4-gpu"]
+    assert tp["model"]["uri"] == "hf://meta-llama/Meta-Llama-3-70B-Instruct"
+    assert "tensorParallelSize" not in tp["engine"]
+    assert tp["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert tp["engine"]["kvCacheDtype"] == "auto"
+    assert parse_spec(tp).engine.tensor_parallel_size == 4
 
 
 def test_defaults_fill_engine_and_autoscaling(crd):
@@ -230,6 +237,24 @@ REFUSED = [
      {"model": EMBEDDED, "autoscaling": {"minReplicas": 0, "maxReplicas": 2,
                                          "activationTimeoutSeconds": 0}},
      "below minimum 1"),
+    ("tensor-parallel-not-dividing-gpus",
+     {"model": EMBEDDED, "engine": {"tensorParallelSize": 3},
+      "resources": {"limits": {"nvidia.com/gpu": 4}}},
+     "engine.tensorParallelSize must divide the pod's GPU count"),
+    ("tensor-parallel-with-fp8-kv",
+     {"model": EMBEDDED, "engine": {"tensorParallelSize": 2, "kvCacheDtype": "fp8"},
+      "resources": {"limits": {"nvidia.com/gpu": 2}}},
+     "engine.kvCacheDtype must be unquantized"),
+    ("default-tensor-parallel-with-int4-kv",
+     {"model": EMBEDDED, "engine": {"kvCacheDtype": "int4"},
+      "resources": {"limits": {"nvidia.com/gpu": 4}}},
+     "engine.kvCacheDtype must be unquantized"),
+    ("tensor-parallel-in-extra-args", {"model": EMBEDDED, "engine": {"extraArgs": ["-tp", "2"]}},
+     "must not repeat a flag the operator sets"),
+    ("tensor-parallel-zero", {"model": EMBEDDED, "engine": {"tensorParallelSize": 0}},
+     "below minimum 1"),
+    ("shm-size-not-a-quantity", {"model": EMBEDDED, "engine": {"shmSize": "2 GB"}},
+     "does not match"),
 ]
 
 

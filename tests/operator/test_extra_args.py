@@ -11,7 +11,7 @@ import pytest
 
 from kvpilot import vllm_flags as vf
 from kvpilot.operator.serve_flags import SERVE_OPTIONS
-from kvpilot.operator.spec import SpecError, parse_spec
+from kvpilot.operator.spec import MANAGED_FLAGS, SpecError, parse_spec
 
 EMBEDDED = {"uri": "embedded://smollm2-135m-instruct"}
 
@@ -43,7 +43,7 @@ def test_the_operator_knows_the_engines_flags():
 @pytest.mark.parametrize("extra", [
     ["--attention-backend", "torch", "--seed=7"],
     ["--enforce-eager", "--enable-chunked-prefill", "--trust-remote-code"],
-    ["--tensor-parallel-size", "1", "-tp=1", "--swap-space", "4", "--disable-log-stats"],
+    ["--pipeline-parallel-size", "1", "-pp=1", "--swap-space", "4", "--disable-log-stats"],
     ["--no-enable-lora", "--distributed-executor-backend=uni", "--kv-cache-memory", "0.25"],
 ])
 def test_flags_the_engine_accepts_pass(extra):
@@ -51,12 +51,12 @@ def test_flags_the_engine_accepts_pass(extra):
 
 
 @pytest.mark.parametrize(("extra", "value", "reason"), [
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2", "tensor parallelism"),
-    (["--tensor-parallel-size=2"], "--tensor-parallel-size=2", "tensor parallelism"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2", "pipeline parallelism"),
+    (["--pipeline-parallel-size=2"], "--pipeline-parallel-size=2", "pipeline parallelism"),
     (["--no-enforce-eager"], "--no-enforce-eager", "CUDA graphs"),
     (["--quantization", "awq"], "--quantization awq", "quantized weights"),
     (["--foo"], "--foo", "not a kvpilot flag"),
-    (["--tensor-parallel-size 2"], "--tensor-parallel-size 2", "not a kvpilot flag"),
+    (["--pipeline-parallel-size 2"], "--pipeline-parallel-size 2", "not a kvpilot flag"),
     (["--po", "9001"], "--po", "did you mean --port?"),
     (["Qwen/Qwen2.5-0.5B"], "Qwen/Qwen2.5-0.5B", "the operator sets from model.uri"),
 ])
@@ -70,8 +70,8 @@ def test_flags_the_engine_refuses_fail_the_spec(extra, value, reason):
 
 def test_every_refused_argument_is_named_at_once():
     with pytest.raises(SpecError) as info:
-        spec_with(["--seed", "3", "--enable-lora", "--foo", "x", "-tp", "8"])
-    assert info.value.value == ["--enable-lora", "--foo", "-tp 8"]
+        spec_with(["--seed", "3", "--enable-lora", "--foo", "x", "-pp", "8"])
+    assert info.value.value == ["--enable-lora", "--foo", "-pp 8"]
     assert "3 flags cannot be honoured" in str(info.value)
 
 
@@ -85,6 +85,22 @@ def test_managed_flags_are_still_refused_first():
         spec_with(["--enforce-eager", "--port=9000"])
 
 
+@pytest.mark.parametrize("extra", [
+    ["-tp", "2"], ["-tp=2"], ["--tensor-parallel-size", "2"], ["--tensor-parallel-size=2"],
+    ["--tensor-parallel-size", "1"], ["--seed", "3", "-tp", "1"],
+])
+def test_tensor_parallelism_is_the_spec_fields_not_extra_args(extra):
+    """The operator writes --tensor-parallel-size from engine.tensorParallelSize (default:
+    the pod's GPU count); any spelling of it in extraArgs is refused, 1 included, naming
+    the field to set instead."""
+    with pytest.raises(SpecError) as info:
+        spec_with(extra)
+    err = info.value
+    assert err.field == "engine.extraArgs"
+    assert err.value == next(a for a in extra if a.startswith(("-tp", "--tensor")))
+    assert "set the matching spec field (engine.tensorParallelSize" in str(err)
+
+
 def test_the_operator_and_the_engine_agree_on_every_table_flag():
     """Each spelling of the table, with a value the entry accepts and one it refuses: the
     spec passes exactly when kvpilot serve's check passes."""
@@ -92,6 +108,8 @@ def test_the_operator_and_the_engine_agree_on_every_table_flag():
     cases: list[list[str]] = []
     for f in vf.FLAGS:
         for s in f.spellings:
+            if s in MANAGED_FLAGS:
+                continue  # the operator sets it from the spec: refused whatever the engine says
             if f.arity in (vf.Arity.SWITCH, vf.Arity.BOOL):
                 cases.append([s])
             else:

@@ -114,6 +114,10 @@ def finops_estimates(reading: MetricsReading, replicas: int, cost_per_replica_ho
     ``(cdiv(W, block_size) + 1) x block_size`` tokens, as the engine holds no more."""
     # Estimates only: an input a source could not vouch for is left out, never raised on
     # (an exception here would stop the scaling decision that follows).
+    # Tensor parallelism needs nothing here: kvpilot:kv_cache_capacity_tokens is the whole
+    # engine's KV pool in tokens (each GPU of a tensor-parallel engine holds its share of
+    # the heads for every one of those tokens), so one replica's capacity is read, never
+    # derived from per-GPU memory.
     kv = _usable(reading.kv_capacity_tokens)
     context = _usable(reading.mean_context_tokens)
     rate = _usable(reading.generated_tokens_per_second)

@@ -30,4 +30,5 @@ SERVE_OPTIONS: dict[str, bool] = {
     "--kv-cache-skip-layers": True, "--calculate-kv-scales": False,
     "--skip-tokenizer-init": False, "--kv-events-config": True,
     "--disable-sliding-window": False, "--no-disable-sliding-window": False,
+    "--tensor-parallel-size": True, "-tp": True,
 }

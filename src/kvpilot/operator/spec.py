@@ -16,6 +16,7 @@ policy share one spec.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,8 +49,23 @@ MANAGED_FLAGS = (
     "--model", "--served-model-name", "--host", "--port", "--kv-cache-dtype",
     "--max-num-batched-tokens", "--max-num-seqs", "--block-size", "--enable-prefix-caching",
     "--no-enable-prefix-caching", "--gpu-memory-utilization", "--max-model-len", "--device",
-    "--drain-timeout",
+    "--drain-timeout", "--tensor-parallel-size", "-tp",
 )
+# The managed flags engine.tensorParallelSize sets (vLLM's long and short spellings).
+TENSOR_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp")
+# KV-cache dtypes that store keys and values as they are computed; the others (fp8*, fp4,
+# int4) are quantized, which the engine refuses with tensor parallelism.
+UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+MAX_TENSOR_PARALLEL_SIZE = 64
+# The /dev/shm sizeLimit of a tensor-parallel pod when engine.shmSize is not set.
+DEFAULT_SHM_SIZE = "2Gi"
+# engine.shmSize (the CRD's pattern): a whole number of bytes with an optional suffix.
+_SHM_SIZE = re.compile(r"^[1-9][0-9]*(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+# A GPU count written as a quantity string ("4"): what the CRD's rules read with int().
+_WHOLE_NUMBER = re.compile(r"^[0-9]+$")
+# Resources that are whole GPUs (nvidia.com/gpu, amd.com/gpu) and NVIDIA MIG slices.
+GPU_RESOURCE_SUFFIX = "/gpu"
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 # Why engine.extraArgs may hold no positional argument (kvpilot serve's would be the model).
 POSITIONAL_REASON = ("a positional argument: the engine would take it for the model, which "
                      "the operator sets from model.uri")
@@ -97,7 +113,7 @@ _T = TypeVar("_T")
 
 __all__ = ["METRIC_SOURCES", "AutoscalingSpec", "EndpointPickerRef", "FieldReader",
            "InferenceSpec", "MetricsSourceSpec", "RouterSpec", "SpecError", "check_name",
-           "parse_spec"]
+           "gpu_count", "parse_spec"]
 
 
 class SpecError(ValueError):
@@ -212,6 +228,18 @@ class EngineSpec:
     gpu_memory_utilization: float | None
     max_model_len: int | None
     extra_args: tuple[str, ...]
+    # Resolved by parse_spec: engine.tensorParallelSize, else the pod's whole-GPU count
+    # (1 for CPU pods and MIG slices).
+    tensor_parallel_size: int = 1
+    shm_size: str | None = None
+
+    @property
+    def shm_size_limit(self) -> str | None:
+        """The /dev/shm volume's sizeLimit: engine.shmSize, else 2Gi with tensor
+        parallelism (its workers exchange tensors through shared memory), else none."""
+        if self.shm_size is not None:
+            return self.shm_size
+        return DEFAULT_SHM_SIZE if self.tensor_parallel_size > 1 else None
 
 
 @dataclass(frozen=True)
@@ -340,9 +368,12 @@ def _parse_engine(raw: Any) -> EngineSpec:
     for arg in extra:
         if not isinstance(arg, str):
             raise SpecError("engine.extraArgs", arg, "each entry must be a string")
-        if arg.split("=", 1)[0] in MANAGED_FLAGS:
-            raise SpecError("engine.extraArgs", arg,
-                            "set the matching spec field instead of repeating a managed flag")
+        flag = arg.split("=", 1)[0]
+        if flag in MANAGED_FLAGS:
+            field_hint = (" (engine.tensorParallelSize; default: the pod's GPU count)"
+                          if flag in TENSOR_PARALLEL_FLAGS else "")
+            raise SpecError("engine.extraArgs", arg, "set the matching spec field"
+                            f"{field_hint} instead of repeating a managed flag")
         if arg in ("-h", "--help"):
             raise SpecError("engine.extraArgs", arg, "the engine would print its help and exit")
     _check_serve_flags(extra)
@@ -357,7 +388,14 @@ def _parse_engine(raw: Any) -> EngineSpec:
         gpu_memory_utilization=r.optional_number("gpuMemoryUtilization", 0.0, 1.0, lo_open=True),
         max_model_len=r.optional_integer("maxModelLen", 1, 1 << 30),
         extra_args=extra,
+        # 0 until parse_spec resolves it (absent = the pod's GPU count): see _parallelism.
+        tensor_parallel_size=r.optional_integer("tensorParallelSize", 1,
+                                                MAX_TENSOR_PARALLEL_SIZE) or 0,
+        shm_size=r.string("shmSize"),
     )
+    if engine.shm_size is not None and not _SHM_SIZE.match(engine.shm_size):
+        raise SpecError("engine.shmSize", engine.shm_size,
+                        "a positive whole quantity of bytes such as 2Gi, 512Mi or 8G")
     if engine.max_num_batched_tokens < engine.max_num_seqs:
         raise SpecError("engine.maxNumBatchedTokens", engine.max_num_batched_tokens,
                         f"must be >= engine.maxNumSeqs ({engine.max_num_seqs})")
@@ -365,6 +403,73 @@ def _parse_engine(raw: Any) -> EngineSpec:
         raise SpecError("engine.maxModelLen", engine.max_model_len,
                         f"must be >= engine.blockSize ({engine.block_size})")
     return engine
+
+
+def _asked_resources(resources: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
+    """Each resource the pod asks for -> (``resources.limits`` or ``resources.requests``,
+    its quantity): the limit, else the request."""
+    asked: dict[str, tuple[str, Any]] = {}
+    for section in ("requests", "limits"):
+        quantities = resources.get(section) or {}
+        if not isinstance(quantities, Mapping):
+            raise SpecError(f"resources.{section}", quantities,
+                            "a map of resource names to quantities")
+        asked.update({name: (f"resources.{section}", qty) for name, qty in quantities.items()})
+    return asked
+
+
+def _whole_number(where: str, quantity: Any) -> int:
+    """A GPU quantity (4 or "4") as an int; SpecError when it is not a whole number."""
+    if isinstance(quantity, int) and not isinstance(quantity, bool) and quantity >= 0:
+        return quantity
+    if isinstance(quantity, str) and _WHOLE_NUMBER.match(quantity):
+        return int(quantity)
+    raise SpecError(where, quantity, "a whole number of GPUs, such as 4 or \"4\"")
+
+
+def gpu_count(resources: Mapping[str, Any]) -> int:
+    """Whole GPUs the pod asks for: the quantities of its ``*/gpu`` resources
+    (nvidia.com/gpu, amd.com/gpu; the limit, else the request), summed. 0 for a CPU pod
+    and for MIG slices (``nvidia.com/mig-*``), which are not whole GPUs."""
+    return sum(_whole_number(f"{where}.{name}", qty)
+               for name, (where, qty) in _asked_resources(resources).items()
+               if name.endswith(GPU_RESOURCE_SUFFIX))
+
+
+def _mig_slices(resources: Mapping[str, Any]) -> list[str]:
+    """The MIG slice resources the pod asks for at least one of."""
+    return sorted(name for name, (_, qty) in _asked_resources(resources).items()
+                  if name.startswith(MIG_RESOURCE_PREFIX) and str(qty).strip() not in ("0", "0.0", ""))
+
+
+def _parallelism(engine: EngineSpec, resources: Mapping[str, Any]) -> EngineSpec:
+    """``engine`` with its tensor-parallel size resolved and checked against the pod:
+    engine.tensorParallelSize, else the pod's whole-GPU count (1 without GPUs). It must
+    divide the GPU count (a CPU pod may use any size: the engine runs its workers with
+    gloo, for tests), be 1 on MIG slices, and be 1 with a quantized KV cache."""
+    gpus = gpu_count(resources)
+    explicit = engine.tensor_parallel_size or None
+    tp = explicit or max(gpus, 1)
+    if gpus and gpus % tp:
+        divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+        gpu_names = ", ".join(n for n in _asked_resources(resources) if n.endswith(GPU_RESOURCE_SUFFIX))
+        raise SpecError("engine.tensorParallelSize", tp,
+                        f"a divisor of the pod's {gpus} GPUs ({gpu_names}): "
+                        f"{', '.join(map(str, divisors))}; one engine runs over"
+                        " tensorParallelSize GPUs (leave it unset to use them all)")
+    mig = _mig_slices(resources)
+    if tp > 1 and mig:
+        raise SpecError("engine.tensorParallelSize", tp,
+                        f"1 on MIG slices ({', '.join(mig)}): a process sees one MIG device,"
+                        " so an engine cannot span several")
+    if tp > 1 and engine.kv_cache_dtype not in UNQUANTIZED_KV_CACHE_DTYPES:
+        which = "" if explicit else " (unset: the pod's GPU count)"
+        raise SpecError("engine.kvCacheDtype", engine.kv_cache_dtype,
+                        f"an unquantized dtype ({', '.join(UNQUANTIZED_KV_CACHE_DTYPES)}) while"
+                        f" engine.tensorParallelSize is {tp}{which}: the engine refuses a"
+                        " quantized KV cache with tensor parallelism; set"
+                        " engine.tensorParallelSize: 1 to keep a quantized cache")
+    return dataclasses.replace(engine, tensor_parallel_size=tp)
 
 
 def _parse_autoscaling(raw: Any) -> AutoscalingSpec:
@@ -604,12 +709,14 @@ def parse_spec(raw: Any) -> InferenceSpec:
                         f">= 1 while {where}: scale to zero needs the operator's router"
                         " (router.mode: router) to hold the first request while an engine"
                         " starts")
+    replicas = r.optional_integer("replicas", 0, MAX_REPLICAS)
+    pod = _parse_pod(r)
     return InferenceSpec(
         model=source,
-        engine=engine,
-        replicas=r.optional_integer("replicas", 0, MAX_REPLICAS),
+        engine=_parallelism(engine, pod.resources),
+        replicas=replicas,
         autoscaling=scaling,
-        pod=_parse_pod(r),
+        pod=pod,
         cost_per_replica_hour=finops.optional_number("costPerReplicaHour", 0.0, 1e9),
         router=router,
     )

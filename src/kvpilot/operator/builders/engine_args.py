@@ -10,7 +10,12 @@ from __future__ import annotations
 import json
 
 from kvpilot.operator import constants as c
-from kvpilot.operator.spec import KV_EVENTS_FLAG, InferenceSpec
+from kvpilot.operator.spec import (
+    GPU_RESOURCE_SUFFIX,
+    KV_EVENTS_FLAG,
+    MIG_RESOURCE_PREFIX,
+    InferenceSpec,
+)
 
 ENGINE_COMMAND = ("kvpilot", "serve")
 # On deletion the kubelet runs the preStop sleep (so the Service drops the pod first), then
@@ -34,7 +39,7 @@ def drain_timeout_seconds(spec: InferenceSpec) -> int:
 
 def is_gpu_resource(name: str) -> bool:
     """``*/gpu`` (nvidia.com/gpu, amd.com/gpu) or an NVIDIA MIG slice (nvidia.com/mig-1g.10gb)."""
-    return name.endswith("/gpu") or name.startswith("nvidia.com/mig-")
+    return name.endswith(GPU_RESOURCE_SUFFIX) or name.startswith(MIG_RESOURCE_PREFIX)
 
 
 def _nonzero(quantity: object) -> bool:
@@ -75,6 +80,8 @@ def engine_args(spec: InferenceSpec) -> list[str]:
         args += ["--served-model-name", spec.model.served_model_name]
     args += [
         "--device", "cuda" if uses_gpu(spec) else "cpu",
+        # engine.tensorParallelSize, else the pod's whole-GPU count (spec.parse_spec).
+        "--tensor-parallel-size", str(e.tensor_parallel_size),
         "--kv-cache-dtype", e.kv_cache_dtype,
         "--max-num-batched-tokens", str(e.max_num_batched_tokens),
         "--max-num-seqs", str(e.max_num_seqs),

@@ -11,7 +11,9 @@ Layout of one engine pod::
         /cache  emptyDir   (HF, Triton and torch caches)
         /models emptyDir (hf, s3, oci) | PVC read-only (pvc);
                 /models/NAME an image volume (oci with model.ociMount ImageVolume)
-        /dev/shm memory emptyDir (GPU pods: torch uses shared memory)
+        /dev/shm memory emptyDir (GPU pods and tensor-parallel pods: torch uses shared
+                 memory; its workers exchange tensors through it. sizeLimit: engine.shmSize,
+                 else 2Gi with tensorParallelSize > 1, else none)
 
 Probes: a startup probe on /health that tolerates slow model loads (at least 10 minutes,
 or 5 x autoscaling.startupSeconds), liveness on /health, readiness on /ready (the engine
@@ -110,8 +112,14 @@ def _volumes(spec: InferenceSpec) -> tuple[list[dict[str, Any]], list[dict[str, 
             "persistentVolumeClaim": {"claimName": spec.model.claim_name, "readOnly": True},
         })
         mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
-    if gpu_resource_names(spec):
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    # The container runtime's /dev/shm is 64 MiB: too small for torch, whose DataLoader
+    # and tensor-parallel workers (NCCL's shared-memory transport, gloo on CPU) exchange
+    # tensors through it. A memory emptyDir counts against the container's memory limit,
+    # so a tensor-parallel pod gets a bound (engine.shmSize, else 2Gi), as vLLM's chart does.
+    limit = spec.engine.shm_size_limit
+    if gpu_resource_names(spec) or spec.engine.tensor_parallel_size > 1 or limit is not None:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                     **({"sizeLimit": limit} if limit else {})}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     return volumes, mounts
 
