@@ -153,7 +153,8 @@ class EngineArgs:
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be a whole number >= 1; got {self.tensor_parallel_size!r}")
         if self.tensor_parallel_size > 1:
-            if self.kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+            # Quantized caches store one byte per value or less (FP8; 4-bit packed in uint8).
+            if self.kv_cache_dtype != "auto" and KV_CACHE_DTYPES[self.kv_cache_dtype].itemsize == 1:
                 raise ValueError(
                     f"--kv-cache-dtype {self.kv_cache_dtype} with --tensor-parallel-size {self.tensor_parallel_size}: "
                     "a quantized KV cache is not supported with tensor parallelism yet (its scales are fixed on "

@@ -113,7 +113,7 @@ _T = TypeVar("_T")
 
 __all__ = ["METRIC_SOURCES", "AutoscalingSpec", "EndpointPickerRef", "FieldReader",
            "InferenceSpec", "MetricsSourceSpec", "RouterSpec", "SpecError", "check_name",
-           "gpu_count", "parse_spec"]
+           "gpu_count", "nonzero_quantity", "parse_spec"]
 
 
 class SpecError(ValueError):
@@ -436,10 +436,15 @@ def gpu_count(resources: Mapping[str, Any]) -> int:
                if name.endswith(GPU_RESOURCE_SUFFIX))
 
 
+def nonzero_quantity(quantity: object) -> bool:
+    """Whether a resource quantity asks for anything (a limit of 0 asks for none)."""
+    return str(quantity).strip() not in ("0", "0.0", "")
+
+
 def _mig_slices(resources: Mapping[str, Any]) -> list[str]:
     """The MIG slice resources the pod asks for at least one of."""
     return sorted(name for name, (_, qty) in _asked_resources(resources).items()
-                  if name.startswith(MIG_RESOURCE_PREFIX) and str(qty).strip() not in ("0", "0.0", ""))
+                  if name.startswith(MIG_RESOURCE_PREFIX) and nonzero_quantity(qty))
 
 
 def _parallelism(engine: EngineSpec, resources: Mapping[str, Any]) -> EngineSpec:

@@ -15,6 +15,7 @@ from kvpilot.operator.spec import (
     KV_EVENTS_FLAG,
     MIG_RESOURCE_PREFIX,
     InferenceSpec,
+    nonzero_quantity,
 )
 
 ENGINE_COMMAND = ("kvpilot", "serve")
@@ -42,16 +43,12 @@ def is_gpu_resource(name: str) -> bool:
     return name.endswith(GPU_RESOURCE_SUFFIX) or name.startswith(MIG_RESOURCE_PREFIX)
 
 
-def _nonzero(quantity: object) -> bool:
-    return str(quantity).strip() not in ("0", "0.0", "")
-
-
 def gpu_resource_names(spec: InferenceSpec) -> list[str]:
     """The accelerator resources the pod asks for at least one of, sorted (a limit of 0
     asks for none: such a pod runs on the CPU)."""
     resources = spec.pod.resources
     asked = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
-    return sorted(name for name, qty in asked.items() if is_gpu_resource(name) and _nonzero(qty))
+    return sorted(name for name, qty in asked.items() if is_gpu_resource(name) and nonzero_quantity(qty))
 
 
 def uses_gpu(spec: InferenceSpec) -> bool:
