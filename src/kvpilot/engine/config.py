@@ -152,16 +152,6 @@ class EngineArgs:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be a whole number >= 1; got {self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size > 1:
-            # Quantized caches store one byte per value or less (FP8; 4-bit packed in uint8).
-            if self.kv_cache_dtype != "auto" and KV_CACHE_DTYPES[self.kv_cache_dtype].itemsize == 1:
-                raise ValueError(
-                    f"--kv-cache-dtype {self.kv_cache_dtype} with --tensor-parallel-size {self.tensor_parallel_size}: "
-                    "a quantized KV cache is not supported with tensor parallelism yet (its scales are fixed on "
-                    "one device); use --kv-cache-dtype auto, or --tensor-parallel-size 1")
-            if self.calculate_kv_scales:
-                raise ValueError("--calculate-kv-scales is not supported with --tensor-parallel-size > 1 "
-                                 "(it needs a quantized KV cache, which tensor parallelism does not support yet)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2; got {self.max_model_len}")
         kv = self.kv_events_config

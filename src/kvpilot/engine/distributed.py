@@ -116,6 +116,17 @@ class TPGroup:
         self.num_all_gathers += 1
         return torch.cat(parts, dim=-1)
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of ``x`` over the ranks, in place; returns ``x``. A no-op
+        for one rank. Quantized KV caches use it so that every rank fixes the scales one
+        device would fix from all the heads (:meth:`PagedKVCache._needed`)."""
+        if self.size > 1:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            self.pg.allreduce([x], opts).wait()
+            self.num_all_reduces += 1
+        return x
+
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over the ranks (the KV block count every rank can hold)."""
         if self.size == 1:

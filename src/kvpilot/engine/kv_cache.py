@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -122,6 +123,12 @@ class PagedKVCache:
         kv4: ``fp4_e2m1`` or ``int4`` for a 4-bit cache, else None.
         skip_layers: layers stored in ``act_dtype`` instead (quantized caches only).
         live: learn the scales from traffic (``--calculate-kv-scales``, see above).
+        reduce_max: with tensor parallelism, the group's elementwise MAX all-reduce
+            (:meth:`kvpilot.engine.distributed.TPGroup.all_reduce_max`): a rank holds only
+            its KV heads, so each scale is fitted to the largest magnitude over every
+            rank's heads, the scale one device holding them all would fix. Every rank
+            then calls :meth:`fit_scales` / :meth:`calibrate` for the same layers in the
+            same order (they run inside the model's forward, which is in lockstep).
     Raises:
         ValueError: a skip layer out of range, skip layers on an unquantized cache, a
             head_dim a 4-bit format cannot hold.
@@ -141,8 +148,10 @@ class PagedKVCache:
         kv4: str | None = None,
         skip_layers: tuple[int, ...] = (),
         live: bool = False,
+        reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.live = live
+        self.reduce_max = reduce_max
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
@@ -207,9 +216,13 @@ class PagedKVCache:
         cache = self.layers[layer]
         if cache.key_rotation is not None:
             k = rotate_heads(k, cache.key_rotation)
+        amax = torch.stack([k.abs().max(), v.abs().max()]).float()
+        if self.reduce_max is not None:  # tensor parallelism: the max over every rank's heads
+            amax = self.reduce_max(amax)
+        k_max, v_max = amax.tolist()
         fmax = self._range()
-        need_k = max(float(k.abs().max()) * FP8_SCALE_HEADROOM / fmax, 1e-8)
-        need_v = max(float(v.abs().max()) * FP8_SCALE_HEADROOM / fmax, 1e-8)
+        need_k = max(k_max * FP8_SCALE_HEADROOM / fmax, 1e-8)
+        need_v = max(v_max * FP8_SCALE_HEADROOM / fmax, 1e-8)
         return need_k, need_v
 
     def fit_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor, source: str) -> None:

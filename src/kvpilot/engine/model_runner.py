@@ -322,6 +322,7 @@ class ModelRunner:
             model_config.num_layers, num_blocks, args.block_size, model_config.num_kv_heads,
             model_config.head_dim, kv_dtype, device, act_dtype=dtype, rotate_keys=args.kv_cache_key_rotation,
             kv4=kv4, skip_layers=args.kv_cache_skip_layers, live=args.calculate_kv_scales,
+            reduce_max=self.tp.all_reduce_max if self.tp is not None else None,
         )
         self.kv_cache.load_checkpoint_scales(
             {i: (d["k"], d["v"]) for i, d in loaded.model.kv_cache_scales.items() if "k" in d and "v" in d}
@@ -452,9 +453,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_inputs(self, x: StepInputs) -> None:
         """A tensor-parallel worker's step: the forward pass and the logits' all-gather,
-        in step with rank 0 (the logits are dropped: rank 0 samples). Mutates the KV cache."""
+        in step with rank 0 (the logits are dropped: rank 0 samples). Mutates the KV cache,
+        and its scales while they are being learned (``--calculate-kv-scales``: the same
+        calls as on rank 0, whose all-reduces they join)."""
         input_ids, positions, meta, logits_rows = self.to_tensors(x)
-        hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, self.backend, logits_rows, None)
+        calibrate = self.kv_cache.calibrate if self.kv_cache.calibrating else None
+        hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, self.backend, logits_rows,
+                            calibrate)
         self._logits(hidden, x.chunks)
 
     @torch.inference_mode()

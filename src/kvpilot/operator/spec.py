@@ -53,9 +53,6 @@ MANAGED_FLAGS = (
 )
 # The managed flags engine.tensorParallelSize sets (vLLM's long and short spellings).
 TENSOR_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp")
-# KV-cache dtypes that store keys and values as they are computed; the others (fp8*, fp4,
-# int4) are quantized, which the engine refuses with tensor parallelism.
-UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 MAX_TENSOR_PARALLEL_SIZE = 64
 # The /dev/shm sizeLimit of a tensor-parallel pod when engine.shmSize is not set.
 DEFAULT_SHM_SIZE = "2Gi"
@@ -451,7 +448,7 @@ def _parallelism(engine: EngineSpec, resources: Mapping[str, Any]) -> EngineSpec
     """``engine`` with its tensor-parallel size resolved and checked against the pod:
     engine.tensorParallelSize, else the pod's whole-GPU count (1 without GPUs). It must
     divide the GPU count (a CPU pod may use any size: the engine runs its workers with
-    gloo, for tests), be 1 on MIG slices, and be 1 with a quantized KV cache."""
+    gloo, for tests) and be 1 on MIG slices."""
     gpus = gpu_count(resources)
     explicit = engine.tensor_parallel_size or None
     tp = explicit or max(gpus, 1)
@@ -467,13 +464,6 @@ def _parallelism(engine: EngineSpec, resources: Mapping[str, Any]) -> EngineSpec
         raise SpecError("engine.tensorParallelSize", tp,
                         f"1 on MIG slices ({', '.join(mig)}): a process sees one MIG device,"
                         " so an engine cannot span several")
-    if tp > 1 and engine.kv_cache_dtype not in UNQUANTIZED_KV_CACHE_DTYPES:
-        which = "" if explicit else " (unset: the pod's GPU count)"
-        raise SpecError("engine.kvCacheDtype", engine.kv_cache_dtype,
-                        f"an unquantized dtype ({', '.join(UNQUANTIZED_KV_CACHE_DTYPES)}) while"
-                        f" engine.tensorParallelSize is {tp}{which}: the engine refuses a"
-                        " quantized KV cache with tensor parallelism; set"
-                        " engine.tensorParallelSize: 1 to keep a quantized cache")
     return dataclasses.replace(engine, tensor_parallel_size=tp)
 
 
