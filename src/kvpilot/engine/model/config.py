@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -112,9 +114,54 @@ def check_hf_config(cfg: dict[str, Any], where: str, arch: str | None = None) ->
             if not isinstance(params, dict):
                 continue
             kind = params.get("rope_type", params.get("type", "default"))
+            prefix = f"{key}.{sub}" if sub else key
             if kind not in SUPPORTED_ROPE_TYPES:
-                name = f"{key}.{sub}.rope_type" if sub else f"{key}.rope_type"
-                raise refuse(name, kind, f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+                raise refuse(f"{prefix}.rope_type", kind, f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+            _check_rope_numbers(params, kind, prefix, refuse)
+
+
+# RoPE scaling parameters that are numbers (transformers' rope_config_validation), and
+# those that must be above zero (a factor or a temperature of 0 or below is no scaling).
+_ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast",
+                 "beta_slow", "mscale", "mscale_all_dim")
+_ROPE_POSITIVE = ("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast",
+                  "beta_slow")
+
+
+def _check_rope_numbers(params: dict[str, Any], kind: str, prefix: str,
+                        refuse: Callable[[str, Any, str], UnsupportedModelError]) -> None:
+    """Refuse RoPE scaling parameters the frequencies cannot be computed from: a number
+    given as a string or a bool, one that is not finite, a factor or temperature <= 0, a
+    ``linear``/``llama3``/``dynamic`` scaling without its factor, ``high_freq_factor`` not
+    above ``low_freq_factor`` (llama3 divides by their difference), a non-positive whole
+    ``original_max_position_embeddings``, or LongRoPE factor lists that are not lists of
+    positive numbers (their length is checked against the head in rotary.py)."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    for name in _ROPE_NUMBERS:
+        value = params.get(name)
+        if value is None:
+            continue
+        if not number(value):
+            raise refuse(f"{prefix}.{name}", value, "a finite number")
+        if name in _ROPE_POSITIVE and value <= 0:
+            raise refuse(f"{prefix}.{name}", value, "a number above 0")
+    if kind in ("linear", "llama3", "dynamic") and params.get("factor") is None:
+        raise refuse(f"{prefix}.factor", None, f"rope_type {kind!r} needs a factor (a number above 0)")
+    if kind == "llama3":
+        low, high = params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
+        if high <= low:
+            raise refuse(f"{prefix}.high_freq_factor", high,
+                         f"a number above low_freq_factor ({low}): llama3 blends between the two")
+    original = params.get("original_max_position_embeddings")
+    if original is not None and (isinstance(original, bool) or not isinstance(original, int) or original < 1):
+        raise refuse(f"{prefix}.original_max_position_embeddings", original, "a whole number of tokens >= 1")
+    for name in ("short_factor", "long_factor"):
+        factors = params.get(name)
+        if factors is not None and (not isinstance(factors, list)
+                                    or not all(number(f) and f > 0 for f in factors)):
+            raise refuse(f"{prefix}.{name}", factors, "a list of numbers above 0 (head_dim / 2 of them)")
 
 
 def normalize_rope_scaling(scaling: dict[str, Any] | None, cfg: dict[str, Any]) -> dict[str, Any] | None:
