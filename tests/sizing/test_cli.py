@@ -91,7 +91,30 @@ def test_kv_calc_tensor_parallel_replicates_kv_heads_beyond_one_per_gpu(capsys):
     assert t16["kv_capacity_tokens"] < 1.2 * t8["kv_capacity_tokens"]
     assert main(["kv-calc", "--model", "llama-3-70b", "--gpu", "H100-80GB",
                  "--tensor-parallel-size", "3"]) == 2
-    assert "must divide the model's 8 KV heads" in capsys.readouterr().err
+    assert "it does not divide its intermediate_size 28672" in capsys.readouterr().err
+    assert main(["kv-calc", "--model", "llama-3-70b", "--gpu", "H100-80GB",
+                 "--tensor-parallel-size", "12"]) == 2
+    assert "must be a multiple of them and divide the 64 attention heads" in capsys.readouterr().err
+
+
+def test_kv_calc_sizes_an_uneven_split_by_its_fullest_gpu(tmp_path, capsys):
+    """The engine splits 3 KV heads over 2 GPUs as 1 and 2 (SmolLM2 at TP=2): every GPU
+    holds every block, so the GPU with 2 heads decides: 4/3 of the bytes an even split
+    of the same memory would need per token."""
+    shape = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+             "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+             "vocab_size": 49152, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+
+    def run(tp):
+        assert main(["kv-calc", "--model", str(tmp_path), "--gpu-memory-gib", "8", "--block-size", "1",
+                     "--tensor-parallel-size", str(tp), "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+    one, two = run(1), run(2)
+    assert two["kv_heads_per_gpu"] == 2 and two["kv_head_replication"] == 1
+    stored_even = two["kv_memory_bytes"] // two["kv_bytes_per_token"]
+    assert two["kv_capacity_tokens"] == int(two["kv_memory_bytes"] // (two["kv_bytes_per_token"] * 4 / 3))
+    assert two["kv_capacity_tokens"] < stored_even and two["kv_capacity_tokens"] > one["kv_capacity_tokens"]
 
 
 def test_kv_calc_states_the_window_cap_of_an_all_sliding_model(capsys):

@@ -144,25 +144,43 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     tp = args.tensor_parallel_size
     if tp < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1; got {tp}")
-    kv_heads = model.num_kv_heads
-    if kv_heads % tp and tp % kv_heads:
+    kv_heads, heads = model.num_kv_heads, model.num_attention_heads
+    # The engine's split (kvpilot.engine.distributed.check_tensor_parallel): any size up to
+    # the KV heads (uneven when it does not divide them); beyond, a multiple of the KV
+    # heads that divides the query heads; the MLP's intermediate sizes split evenly.
+    if kv_heads < tp and (tp % kv_heads or heads % tp):
         raise ValueError(
-            f"--tensor-parallel-size {tp} must divide the model's {kv_heads} KV heads or be a"
-            f" multiple of them (as vLLM requires); got {tp}"
+            f"--tensor-parallel-size {tp} cannot split the model: with fewer KV heads"
+            f" ({kv_heads}) than GPUs it must be a multiple of them and divide the"
+            f" {heads} attention heads"
         )
+    for what, value in (("intermediate_size", model.intermediate_size),
+                        ("moe_intermediate_size", model.moe_intermediate_size),
+                        ("shared_expert_intermediate_size", model.shared_expert_intermediate_size)):
+        if value % tp:
+            raise ValueError(
+                f"--tensor-parallel-size {tp} cannot split the model: it does not divide its"
+                f" {what} {value}"
+            )
     if gpu_bytes is not None:
-        gpu_bytes *= tp
         out["tensor_parallel_size"] = tp
         # Beyond one KV head per GPU, each head is replicated on tp / kv_heads GPUs (vLLM's
-        # layout): the fleet of GPUs stores that many copies of every token's K/V.
+        # layout). Below, an uneven split gives some GPUs ceil(kv_heads / tp) heads, and
+        # every GPU holds every block: the fullest GPU decides the pool (with the GPUs'
+        # memory counted together, as if each held heads_per_gpu).
         replication = tp // kv_heads if tp > kv_heads else 1
+        heads_per_gpu = -(-kv_heads // tp) if tp <= kv_heads else 1
         out["kv_head_replication"] = replication
+        out["kv_heads_per_gpu"] = heads_per_gpu
         kv_mem = capacity.kv_memory_bytes(
-            gpu_bytes, args.gpu_memory_utilization, weight_bytes, args.reserved_gib * capacity.GIB
+            gpu_bytes * tp, args.gpu_memory_utilization, weight_bytes, args.reserved_gib * capacity.GIB
         )
-        tokens = capacity.kv_capacity_tokens(kv_mem, per_token * replication, args.block_size)
+        # The tp GPUs hold (heads_per_gpu x tp) KV heads' worth of every token: kv_heads
+        # of them for an even split, tp for replication, more for an uneven split.
+        stored = heads_per_gpu * tp / kv_heads
+        tokens = capacity.kv_capacity_tokens(kv_mem, per_token * stored, args.block_size)
         out.update(
-            gpu_memory_bytes=gpu_bytes,
+            gpu_memory_bytes=gpu_bytes * tp,
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_memory_bytes=kv_mem,
             kv_capacity_tokens=tokens,
