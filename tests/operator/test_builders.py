@@ -420,6 +420,15 @@ def test_reserved_names_and_paths_are_what_the_builders_use():
      "spec.volumeMounts", "outside kvpilot's own mounts"),
     ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "relative"}]},
      "spec.volumeMounts", "absolute mountPath"),
+    # The kubelet's path, not the string: '//models' and '/tmp/../models' are /models, and
+    # '/' or '/dev' would cover /models or /dev/shm.
+    *[({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": path}]},
+       "spec.volumeMounts", "outside kvpilot's own mounts")
+      for path in ("//models", "/tmp/../models", "/models/", "/", "/dev", "/cache//x")],
+    ({"podLabels": {"pod-template-hash": "x"}}, "spec.podLabels", "the controllers' (pod-template-hash)"),
+    ({"podLabels": {"team\n": "x"}}, "spec.podLabels", "a label key"),
+    ({"podLabels": {"team": "search\n"}}, "spec.podLabels.team", "a label value"),
+    ({"runtimeClassName": "nvidia\n"}, "spec.runtimeClassName", "DNS-1123"),
     ({"envFrom": [{"prefix": "X_"}]}, "spec.envFrom", "configMapRef"),
     ({"envFrom": [{"secretRef": {"name": "a"}, "configMapRef": {"name": "b"}}]}, "spec.envFrom", "configMapRef"),
 ])

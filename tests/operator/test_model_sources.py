@@ -108,6 +108,18 @@ def test_the_crd_and_the_operator_refuse_the_same_model_specs(crd, model, messag
         parse_spec(copy.deepcopy({"model": model}))
 
 
-def test_credentials_are_refused_with_an_image_volume():
+def test_credentials_are_refused_with_an_image_volume(crd):
+    spec = {"model": {**OCI, "ociMount": "ImageVolume", "credentialsSecret": "c"}}
     with pytest.raises(SpecError, match="imagePullSecrets"):
-        parse_spec({"model": {**OCI, "ociMount": "ImageVolume", "credentialsSecret": "c"}})
+        parse_spec(spec)
+    _, errors = admit(crd, obj(spec))  # the API server refuses it too, at apply time
+    assert len(errors) == 1 and "not used with model.ociMount ImageVolume" in errors[0], errors
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/p\n", "s3://bucket\n", "oci://ghcr.io/acme/m:v1\n",
+                                 "hf://org/name\n", "pvc://claim\n", "file:///models/x\n"])
+def test_a_trailing_newline_is_not_a_uri(crd, uri):
+    """Python's ``$`` also matches before a final newline; the API server's patterns (and
+    now the operator's) take the whole string."""
+    with pytest.raises(SpecError, match=r"model\.uri"):
+        parse_spec({"model": {"uri": uri}})

@@ -76,7 +76,7 @@ class OciReference:
 
 def parse_s3(uri: str) -> S3Location:
     """Raises ValueError naming the URI and the form."""
-    m = _S3.match(uri)
+    m = _S3.fullmatch(uri)
     if not m:
         raise ValueError(f"model URI {uri!r}: use {S3_FORM} (a bucket name of 3-63 lowercase"
                          " letters, digits, dots and hyphens)")
@@ -89,7 +89,7 @@ def parse_s3(uri: str) -> S3Location:
 
 def parse_oci(uri: str) -> OciReference:
     """Raises ValueError naming the URI and the form."""
-    m = _OCI.match(uri)
+    m = _OCI.fullmatch(uri)
     if not m:
         raise ValueError(f"model URI {uri!r}: use {OCI_FORM} (lowercase repository path)")
     if "." not in m.group(1) and ":" not in m.group(1):

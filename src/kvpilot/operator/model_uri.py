@@ -111,18 +111,18 @@ def parse_model_uri(uri: str, served_model_name: str | None = None) -> ModelSour
     """Parse a model URI; raises ValueError naming the URI and the supported forms."""
     if uri == EMBEDDED_URI:
         return ModelSource(uri, "embedded", uri, served_model_name)
-    if m := _HF.match(uri):
+    if m := _HF.fullmatch(uri):
         repo = f"{m.group(1)}/{m.group(2)}"
         # The HF convention: clients ask for the model by its repository id.
         return ModelSource(uri, "hf", f"{MODELS_DIR}/{m.group(1)}--{m.group(2)}",
                            served_model_name or repo, hf_repo=repo)
-    if m := _PVC.match(uri):
+    if m := _PVC.fullmatch(uri):
         if ".." in (m.group(3) or "").split("/"):
             raise ValueError(f"model URI {uri!r}: a pvc:// path may not contain '..' segments"
                              " (it is a path inside the claim)")
         path = MODELS_DIR + (m.group(3) or "")
         return ModelSource(uri, "pvc", path, served_model_name, claim_name=m.group(1))
-    if m := _FILE.match(uri):
+    if m := _FILE.fullmatch(uri):
         return ModelSource(uri, "file", m.group(1), served_model_name)
     if uri.startswith("s3://"):
         location = parse_s3(uri)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import posixpath
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -267,6 +268,8 @@ RESERVED_VOLUME_NAMES = ("tmp", "cache", "models", "dshm")
 RESERVED_MOUNT_PATHS = ("/tmp", CACHE_DIR, MODELS_DIR, "/dev/shm")
 # Labels kvpilot puts on the pods (selectors, ownership): podLabels may not set them.
 RESERVED_LABEL_PREFIXES = ("app.kubernetes.io/", "kvpilot.dev/")
+# Labels the Deployment controller puts on the pods it creates.
+RESERVED_LABEL_KEYS = ("pod-template-hash",)
 _LABEL_KEY_RE = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
                            r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _LABEL_VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
@@ -390,7 +393,7 @@ def _parse_engine(raw: Any) -> EngineSpec:
                                                 MAX_TENSOR_PARALLEL_SIZE) or 0,
         shm_size=r.string("shmSize"),
     )
-    if engine.shm_size is not None and not _SHM_SIZE.match(engine.shm_size):
+    if engine.shm_size is not None and not _SHM_SIZE.fullmatch(engine.shm_size):
         raise SpecError("engine.shmSize", engine.shm_size,
                         "a positive whole quantity of bytes such as 2Gi, 512Mi or 8G")
     if engine.max_num_batched_tokens < engine.max_num_seqs:
@@ -419,7 +422,7 @@ def _whole_number(where: str, quantity: Any) -> int:
     """A GPU quantity (4 or "4") as an int; SpecError when it is not a whole number."""
     if isinstance(quantity, int) and not isinstance(quantity, bool) and quantity >= 0:
         return quantity
-    if isinstance(quantity, str) and _WHOLE_NUMBER.match(quantity):
+    if isinstance(quantity, str) and _WHOLE_NUMBER.fullmatch(quantity):
         return int(quantity)
     raise SpecError(where, quantity, "a whole number of GPUs, such as 4 or \"4\"")
 
@@ -474,7 +477,7 @@ def _parse_autoscaling(raw: Any) -> AutoscalingSpec:
     r = FieldReader(raw, "autoscaling", DEFAULTS)
     m = FieldReader(r.raw.get("metrics"), "autoscaling.metrics", DEFAULTS)
     source, url = m.choice("source", METRIC_SOURCES), m.string("url")
-    if source == "prometheus" and (url is None or not re.match(r"^https?://\S+$", url)):
+    if source == "prometheus" and (url is None or not re.fullmatch(r"https?://\S+", url)):
         raise SpecError("autoscaling.metrics.url", url,
                         "an http(s) URL is required when metrics.source is prometheus")
     min_replicas = r.integer("minReplicas", 0, MAX_REPLICAS)
@@ -520,7 +523,7 @@ def _parse_pod(r: FieldReader) -> PodSettings:
             raise SpecError("imagePullSecrets", item, "each entry is {name: <secret name>}")
     pod_labels = _pod_labels(r.mapping("podLabels"))
     runtime_class = r.string("runtimeClassName")
-    if runtime_class is not None and (len(runtime_class) > 253 or not _DNS_SUBDOMAIN_RE.match(runtime_class)):
+    if runtime_class is not None and (len(runtime_class) > 253 or not _DNS_SUBDOMAIN_RE.fullmatch(runtime_class)):
         raise SpecError("runtimeClassName", runtime_class, "a RuntimeClass name (a DNS-1123 subdomain)")
     spread = _objects(r, "topologySpreadConstraints", "a list of core/v1 TopologySpreadConstraint objects")
     for item in spread:
@@ -547,7 +550,11 @@ def _parse_pod(r: FieldReader) -> PodSettings:
         path = mount.get("mountPath")
         if not isinstance(path, str) or not path.startswith("/"):
             raise SpecError("volumeMounts", dict(mount), "an absolute mountPath")
-        clash = [p for p in RESERVED_MOUNT_PATHS if path.rstrip("/") == p or path.startswith(p + "/")]
+        # The path the kubelet mounts at: '//models' and '/tmp/../models' are /models. A
+        # parent of a reserved path ('/', '/dev') would cover it.
+        norm = "/" + posixpath.normpath(path).lstrip("/")
+        clash = [p for p in RESERVED_MOUNT_PATHS
+                 if norm == p or norm.startswith(p + "/") or p.startswith(norm.rstrip("/") + "/")]
         if clash:
             raise SpecError("volumeMounts", path, f"a path outside kvpilot's own mounts ({', '.join(RESERVED_MOUNT_PATHS)})")
     env_from = _objects(r, "envFrom", "a list of core/v1 EnvFromSource objects")
@@ -588,12 +595,13 @@ def _pod_labels(labels: Mapping[str, Any]) -> dict[str, str]:
     """``podLabels``, checked: valid keys and values, none of kvpilot's own."""
     out: dict[str, str] = {}
     for key, value in labels.items():
-        if not isinstance(key, str) or not _LABEL_KEY_RE.match(key):
+        if not isinstance(key, str) or not _LABEL_KEY_RE.fullmatch(key):
             raise SpecError("podLabels", key, "a label key ([prefix/]name, name at most 63 characters)")
-        if key.startswith(RESERVED_LABEL_PREFIXES):
+        if key.startswith(RESERVED_LABEL_PREFIXES) or key in RESERVED_LABEL_KEYS:
             raise SpecError("podLabels", key, f"a key outside kvpilot's own label prefixes "
-                                              f"({', '.join(RESERVED_LABEL_PREFIXES)})")
-        if not isinstance(value, str) or not _LABEL_VALUE_RE.match(value):
+                                              f"({', '.join(RESERVED_LABEL_PREFIXES)}) and the "
+                                              f"controllers' ({', '.join(RESERVED_LABEL_KEYS)})")
+        if not isinstance(value, str) or not _LABEL_VALUE_RE.fullmatch(value):
             raise SpecError(f"podLabels.{key}", value, "a label value (at most 63 characters: "
                                                       "letters, digits, '-', '_', '.')")
         out[key] = value
@@ -642,7 +650,7 @@ def _parse_router(raw: Any) -> RouterSpec:
         ref = FieldReader(gateway.raw["endpointPickerRef"], "router.gateway.endpointPickerRef",
                           DEFAULTS)
         name = ref.required_string("name")
-        if len(name) > 63 or not _SERVICE_NAME_RE.match(name):
+        if len(name) > 63 or not _SERVICE_NAME_RE.fullmatch(name):
             raise SpecError("router.gateway.endpointPickerRef.name", name,
                             "a Service name (a DNS-1035 label of at most 63 characters)")
         picker = EndpointPickerRef(name, ref.integer("port", 1, 65535),
@@ -669,7 +677,7 @@ def parse_spec(raw: Any) -> InferenceSpec:
     model = FieldReader(r.raw.get("model"), "model", DEFAULTS)
     uri = model.required_string("uri")
     served = model.string("servedModelName")
-    if served is not None and not _SERVED_NAME.match(served):
+    if served is not None and not _SERVED_NAME.fullmatch(served):
         raise SpecError("model.servedModelName", served,
                         "1-128 characters of letters, digits and . _ / : -, starting with a"
                         " letter or digit")
@@ -678,7 +686,7 @@ def parse_spec(raw: Any) -> InferenceSpec:
     except ValueError as exc:
         raise SpecError("model.uri", uri, str(exc)) from None
     secret, mount = model.string("credentialsSecret"), model.string("ociMount")
-    if secret is not None and (len(secret) > 253 or not _DNS_SUBDOMAIN_RE.match(secret)):
+    if secret is not None and (len(secret) > 253 or not _DNS_SUBDOMAIN_RE.fullmatch(secret)):
         raise SpecError("model.credentialsSecret", secret, "a Secret name (a DNS-1123 subdomain)")
     try:
         source = with_fetch_options(source, secret, mount)
@@ -720,7 +728,7 @@ def parse_spec(raw: Any) -> InferenceSpec:
 def check_name(name: str, router: RouterSpec | None = None) -> None:
     """Refuse names that cannot name the child objects and label values (DNS-1035, <= 63;
     <= 56 while the router runs, whose Service is NAME-router). Raises SpecError."""
-    if not (isinstance(name, str) and len(name) <= 63 and _NAME_RE.match(name)):
+    if not (isinstance(name, str) and len(name) <= 63 and _NAME_RE.fullmatch(name)):
         raise SpecError("metadata.name", name,
                         "a DNS-1035 label of at most 63 characters is required")
     if router is not None and router.runs_router and len(name) > MAX_NAME_WITH_ROUTER:
