@@ -12,6 +12,7 @@ import time
 import urllib.request
 
 import pytest
+import urllib3
 
 from kvpilot.operator.leader import FollowerHealthServer, LeaderElector, LeaderOptions
 
@@ -130,6 +131,51 @@ def test_a_leader_that_cannot_renew_calls_on_lost():
     store.down = True
     assert lost.wait(10)
     assert not a.leading.is_set()
+
+
+class RaisingLeaseLock(FakeLeaseLock):
+    """As the client's LeaseLock behaves when the API server cannot be reached: it
+    catches only ApiException, so a connection error raises out of get/create/update."""
+
+    def _check(self):
+        if self.store.down:
+            raise urllib3.exceptions.MaxRetryError(None, "/apis/coordination.k8s.io/v1", "Connection refused")
+
+    def get(self, name, namespace):
+        self._check()
+        return super().get(name, namespace)
+
+    def create(self, name, namespace, election_record):
+        self._check()
+        return super().create(name, namespace, election_record)
+
+    def update(self, name, namespace, updated_record):
+        self._check()
+        return super().update(name, namespace, updated_record)
+
+
+def raising_candidate(store, identity):
+    lost = threading.Event()
+    elector = LeaderElector(LeaderOptions("kvpilot-operator", "kvpilot-system", identity, **FAST),
+                            on_lost=lost.set, lock=RaisingLeaseLock(store, identity))
+    elector.start()
+    return elector, lost
+
+
+def test_connection_errors_are_failed_attempts_not_a_dead_election():
+    """Found by a fresh-user trial: a MaxRetryError ended the election thread, so a leader
+    cut off from the API server never exited (two leaders once the other took over) and
+    a follower started during an outage never took part."""
+    store = Store()
+    store.down = True
+    b, b_lost = raising_candidate(store, "b")  # starts while the API server is away
+    time.sleep(2.5)
+    assert b._thread.is_alive() and not b.leading.is_set()
+    store.down = False
+    assert b.wait(5)  # it kept retrying
+    store.down = True  # now the leader is cut off
+    assert b_lost.wait(10), "the leader kept acting without its Lease"
+    assert not b.leading.is_set()
 
 
 def test_bad_settings_are_refused_with_the_values():

@@ -39,6 +39,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_NAME = "kvpilot-operator"
+# Each Lease read or write gives up after this long (then counts as a failed attempt).
+REQUEST_TIMEOUT_SECONDS = 5
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
@@ -118,9 +120,41 @@ class _Refused:
     reason = "released: this candidate no longer takes part"
 
 
+class _CallFailed:
+    """A lock call that raised (what the client reads from a failed ``get``)."""
+
+    body = ""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.reason = f"{type(exc).__name__}: {exc}"
+
+
+class _TimedApi:
+    """The lock's CoordinationV1Api with a request timeout on every call: without one a
+    hung connection blocks a renewal past ``renew_deadline``."""
+
+    def __init__(self, api: Any, timeout: float) -> None:
+        self._api, self._timeout = api, timeout
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._api, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            kwargs.setdefault("_request_timeout", self._timeout)
+            return attr(*args, **kwargs)
+        return call
+
+
 class _StoppableLock:
     """The resource lock, refusing every call once :meth:`stop` ran: the client's renew
-    loop has no stop, and after a release it would take the Lease straight back."""
+    loop has no stop, and after a release it would take the Lease straight back.
+
+    Every call that raises counts as a failed attempt, retried at the next period. The
+    client's ``LeaseLock`` catches only ``ApiException``; a connection error (urllib3's
+    ``MaxRetryError``, a timeout) would end the election thread, leaving a leader that
+    never exits on a lost Lease and a follower that never takes over."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -133,13 +167,28 @@ class _StoppableLock:
     def get(self, name: str, namespace: str) -> Any:
         if self.stopped:  # read by the client like an ApiException that is not a 404
             return False, _Refused()
-        return self.inner.get(name, namespace)
+        try:
+            return self.inner.get(name, namespace)
+        except Exception as exc:
+            logger.warning("leader election: reading Lease %s/%s failed (%s: %s); retrying",
+                           namespace, name, type(exc).__name__, exc)
+            return False, _CallFailed(exc)
 
     def create(self, name: str, namespace: str, election_record: Any) -> bool:
-        return False if self.stopped else bool(self.inner.create(name, namespace, election_record))
+        return False if self.stopped else self._write("creating", self.inner.create, name, namespace,
+                                                      election_record)
 
     def update(self, name: str, namespace: str, updated_record: Any) -> bool:
-        return False if self.stopped else bool(self.inner.update(name, namespace, updated_record))
+        return False if self.stopped else self._write("renewing", self.inner.update, name, namespace,
+                                                      updated_record)
+
+    def _write(self, what: str, call: Callable[..., Any], name: str, namespace: str, record: Any) -> bool:
+        try:
+            return bool(call(name, namespace, record))
+        except Exception as exc:
+            logger.warning("leader election: %s Lease %s/%s failed (%s: %s); retrying",
+                           what, namespace, name, type(exc).__name__, exc)
+            return False
 
 
 class LeaderElector:
@@ -163,8 +212,10 @@ class LeaderElector:
         self.leading = threading.Event()
         self._on_lost = on_lost
         self._on_changed = on_leading_changed
-        self.lock = lock if lock is not None else LeaseLock(options.lease_name, options.namespace,
-                                                            options.identity)
+        if lock is None:
+            lock = LeaseLock(options.lease_name, options.namespace, options.identity)
+            lock.api_instance = _TimedApi(lock.api_instance, REQUEST_TIMEOUT_SECONDS)
+        self.lock = lock
         self._guard = _StoppableLock(self.lock)
         config = electionconfig.Config(
             self._guard, options.lease_duration, options.renew_deadline, options.retry_period,
@@ -189,11 +240,21 @@ class LeaderElector:
         if was_leading:
             self._on_lost()
 
+    def _run(self) -> None:
+        """The client's election loop; if it ever raises, this candidate can no longer
+        take part: on_lost (by default, exit 1 so the kubelet restarts a fresh one)."""
+        try:
+            self._election.run()
+        except Exception:
+            logger.exception("leader election stopped on an error")
+            self.leading.clear()
+            self._on_lost()
+
     def start(self) -> None:
         """Run the election in a daemon thread (returns at once)."""
         logger.info("%s waits for the leader Lease %s/%s", self.options.identity, self.options.namespace,
                     self.options.lease_name)
-        self._thread = threading.Thread(target=self._election.run, name="leader-election", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="leader-election", daemon=True)
         self._thread.start()
 
     def wait(self, timeout: float | None = None) -> bool:
