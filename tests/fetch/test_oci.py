@@ -136,7 +136,28 @@ def test_failures_are_one_line_naming_the_reference(registry, tmp_path, uri, mes
     assert "Traceback" not in result.stderr
 
 
-class _CorruptingClient:
+class _FakeRegistry:
+    """The part of oras-py's Registry that reading a manifest uses (get_container,
+    do_request, ...), serving ``get_manifest(reference)``'s dict as JSON bytes."""
+
+    prefix = "https"
+    auth = type("Auth", (), {"load_configs": staticmethod(lambda container: None)})()
+
+    def get_container(self, name):
+        return type("Container", (), {"manifest_url": lambda _self: name, "name": name})()
+
+    def do_request(self, url, method="GET", headers=None, **kwargs):
+        body = self.manifest_bytes(url.removeprefix("https://"))
+        return type("Response", (), {"status_code": 200, "content": body})()
+
+    def manifest_bytes(self, ref):
+        return json.dumps(self.get_manifest(ref)).encode()
+
+    def _check_200_response(self, response):
+        assert response.status_code == 200
+
+
+class _CorruptingClient(_FakeRegistry):
     """Serves a manifest with one file layer whose bytes do not match its digest."""
 
     def get_manifest(self, ref):
@@ -164,22 +185,63 @@ def test_an_index_resolves_to_its_first_real_platform(tmp_path):
             if len(seen) == 1:
                 return {"mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [
                     {"digest": "sha256:" + "1" * 64, "platform": {"os": "unknown"}},
-                    {"digest": "sha256:" + "2" * 64, "platform": {"os": "linux"}}]}
-            data = json.dumps({"model_type": "x"}).encode()
-            import hashlib
+                    {"digest": CHILD, "platform": {"os": "linux"}}]}
             self.data = data
-            return {"layers": [{"mediaType": "application/octet-stream",
-                                "digest": "sha256:" + hashlib.sha256(data).hexdigest(),
-                                "size": len(data),
-                                "annotations": {"org.opencontainers.image.title": "config.json"}}]}
+            return child
 
         def download_blob(self, container, digest, outfile):
             Path(outfile).write_bytes(self.data)
             return outfile
 
+    import hashlib
+
+    data = json.dumps({"model_type": "x"}).encode()
+    child = {"layers": [{"mediaType": "application/octet-stream",
+                         "digest": "sha256:" + hashlib.sha256(data).hexdigest(), "size": len(data),
+                         "annotations": {"org.opencontainers.image.title": "config.json"}}]}
+    CHILD = "sha256:" + hashlib.sha256(json.dumps(child).encode()).hexdigest()
     fetch_oci(parse_oci("oci://r.io/m/x:v1"), tmp_path, print, client=IndexClient())
-    assert seen == ["r.io/m/x:v1", "r.io/m/x@sha256:" + "2" * 64]
+    assert seen == ["r.io/m/x:v1", f"r.io/m/x@{CHILD}"]
     assert json.loads((tmp_path / "config.json").read_text()) == {"model_type": "x"}
+
+
+def test_a_registry_that_never_answers_fails_the_fetch(tmp_path, monkeypatch):
+    """Found by a fresh-user trial: oras-py sends requests without a timeout, so a
+    registry that accepts the connection and stays silent held the init container
+    forever. Each request now times out (oras-py's retries then give up)."""
+    import socket
+    import time
+
+    import kvpilot.fetch.oci as oci
+
+    monkeypatch.setattr(oci, "REQUEST_TIMEOUT", (1, 1))
+    monkeypatch.setattr("oras.decorator.time.sleep", lambda seconds: None)  # its retry back-off
+    with socket.socket() as silent:  # the kernel completes the handshake; nobody reads
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port = silent.getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(FetchError, match=rf"oci://127.0.0.1:{port}/m/x:v1: cannot read the manifest: "
+                                             r".*(ReadTimeout|timed out)"):
+            fetch_oci(parse_oci(f"oci://127.0.0.1:{port}/m/x:v1"), tmp_path / "m", print, plain_http=True)
+        assert time.monotonic() - started < 30
+
+
+def test_a_pinned_manifest_digest_is_checked(tmp_path):
+    """Found by a fresh-user trial: with ``@sha256:`` pinned, a registry answering with
+    another manifest (v2 for v1) was trusted, and its layers, checked only against that
+    manifest, were written. The manifest's bytes must hash to the pinned digest."""
+    import hashlib
+
+    class SwappingClient(_CorruptingClient):
+        def manifest_bytes(self, ref):
+            return json.dumps({"layers": []}).encode()  # not the manifest pinned below
+
+    pinned = "sha256:" + hashlib.sha256(b'{"layers": [1]}').hexdigest()
+    dest = tmp_path / "m"
+    with pytest.raises(FetchError, match=f"the registry's manifest does not match the digest {pinned}"):
+        fetch_oci(parse_oci(f"oci://r.io/m/x@{pinned}"), dest, print, client=SwappingClient())
+    assert not dest.exists()
 
 
 def test_a_layer_digest_that_is_not_a_sha256_is_refused_before_any_write(tmp_path):

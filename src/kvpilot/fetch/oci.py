@@ -22,6 +22,7 @@ credentials, when needed, come from ``KVPILOT_OCI_USERNAME`` / ``KVPILOT_OCI_PAS
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import tarfile
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import oras.client
+import oras.defaults
 import requests
 
 from kvpilot.fetch.errors import FetchError
@@ -47,6 +49,9 @@ TAR_TYPES = ("application/vnd.oci.image.layer.v1.tar",
              "application/vnd.docker.image.rootfs.diff.tar")
 _DIGEST = re.compile(r"^sha256:[a-f0-9]{64}$")
 USERNAME_ENV, PASSWORD_ENV = "KVPILOT_OCI_USERNAME", "KVPILOT_OCI_PASSWORD"
+# (connect, read) seconds for each registry request; read is the longest silence allowed
+# while a blob streams, not the time a whole blob may take.
+REQUEST_TIMEOUT = (15, 120)
 
 
 def oci_client(ref: OciReference, plain_http: bool = False,
@@ -56,19 +61,47 @@ def oci_client(ref: OciReference, plain_http: bool = False,
     client = oras.client.OrasClient(hostname=ref.registry, insecure=plain_http)
     if env.get(USERNAME_ENV) and env.get(PASSWORD_ENV):
         client.auth.set_basic_auth(env[USERNAME_ENV], env[PASSWORD_ENV])
+    # oras-py sends its requests without a timeout: a registry that accepts the connection
+    # and never answers would hold the init container forever.
+    request = client.session.request
+
+    def timed(method: str, url: str, **kwargs: Any) -> Any:
+        kwargs.setdefault("timeout", REQUEST_TIMEOUT)
+        return request(method, url, **kwargs)
+
+    client.session.request = timed
     return client
 
 
+def _get_manifest(client: oras.client.OrasClient, reference: str, digest: str | None) -> dict[str, Any]:
+    """The manifest ``reference`` names, as oras-py's ``get_manifest`` reads it, but from
+    its bytes, which must hash to ``digest`` when one is given: a pinned digest is what the
+    user trusts, and the layers' digests come from this manifest (containerd checks the
+    same). Raises FetchError on a mismatch."""
+    container = client.get_container(reference)
+    client.auth.load_configs(container)
+    accept = ", ".join(oras.defaults.default_manifest_accepted_media_types)
+    response = client.do_request(f"{client.prefix}://{container.manifest_url()}", "GET",
+                                 headers={"Accept": accept})
+    client._check_200_response(response)
+    body: bytes = response.content
+    if digest is not None and f"sha256:{hashlib.sha256(body).hexdigest()}" != digest:
+        raise FetchError(f"oci://{reference}: the registry's manifest does not match the digest {digest}")
+    manifest: dict[str, Any] = json.loads(body)
+    return manifest
+
+
 def _manifest(client: oras.client.OrasClient, ref: OciReference) -> dict[str, Any]:
-    """The image or artifact manifest; an index resolves to its first real platform."""
-    manifest: dict[str, Any] = client.get_manifest(ref.reference)
+    """The image or artifact manifest; an index resolves to its first real platform.
+    Every manifest read by digest (the pinned one, an index's entry) is checked against it."""
+    manifest = _get_manifest(client, ref.reference, ref.digest)
     if manifest.get("mediaType") in INDEX_TYPES or "manifests" in manifest:
         entries = manifest.get("manifests") or []
         real = [m for m in entries if (m.get("platform") or {}).get("os") not in ("unknown",)]
         if not real or not _DIGEST.match(str(real[0].get("digest", ""))):
             raise FetchError(f"oci://{ref.reference}: the image index lists no usable manifest")
         child = f"{ref.registry}/{ref.repository}@{real[0]['digest']}"
-        manifest = client.get_manifest(child)
+        manifest = _get_manifest(client, child, real[0]["digest"])
     return manifest
 
 
