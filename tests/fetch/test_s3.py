@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from minio import Minio
 
+from kvpilot.fetch import FetchError
 from kvpilot.fetch.s3 import s3_client
+from kvpilot.fetch.uris import parse_s3
 from tests.fetch.servers import s3_server
 
 pytestmark = [pytest.mark.tools, pytest.mark.server]
@@ -79,3 +81,24 @@ def test_failures_are_one_line_naming_the_uri(store, tmp_path, uri, env_change, 
     assert result.returncode == 1
     assert result.stderr.startswith("kvpilot fetch-model: ") and message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_store_that_never_answers_fails_the_fetch(tmp_path, monkeypatch):
+    """MinIO's client waits 5 minutes per attempt, with retries: a store that accepts the
+    connection and stays silent would hold the init container for half an hour. Each
+    request now gives up after REQUEST_TIMEOUT (here 1 s), then the retries end."""
+    import socket
+    import time
+
+    import kvpilot.fetch.s3 as s3
+
+    monkeypatch.setattr(s3, "REQUEST_TIMEOUT", (1, 1))
+    with socket.socket() as silent:  # the kernel completes the handshake; nobody reads
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{silent.getsockname()[1]}",
+               "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1"}
+        started = time.monotonic()
+        with pytest.raises(FetchError, match="s3://models/m"):
+            s3.fetch_s3(parse_s3("s3://models/m"), tmp_path / "m", print, client=s3.s3_client(env))
+        assert time.monotonic() - started < 30

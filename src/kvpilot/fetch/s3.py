@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import certifi
+import urllib3
 from minio import Minio
 from minio.credentials import IamAwsProvider, Provider, StaticProvider
 from minio.error import MinioException, S3Error
@@ -38,6 +40,8 @@ from kvpilot.fetch.progress import Progress
 from kvpilot.fetch.uris import S3Location
 
 AWS_HOST = "s3.amazonaws.com"
+# (connect, read) seconds per request; read is the longest silence while an object streams.
+REQUEST_TIMEOUT = (15, 120)
 _CREDENTIAL_HINT = ("set model.credentialsSecret to a Secret with AWS_ACCESS_KEY_ID and"
                     " AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a store other than AWS)")
 
@@ -60,7 +64,13 @@ def s3_client(env: Mapping[str, str] = os.environ) -> Minio:
     elif env.get("AWS_WEB_IDENTITY_TOKEN_FILE") or env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI"):
         provider = IamAwsProvider()
     region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None
-    return Minio(host, credentials=provider, secure=secure, region=region)
+    # MinIO's own pool, with its retries, but 5 minutes of silence per attempt would hold
+    # the init container for half an hour against a store that never answers.
+    http = urllib3.PoolManager(
+        timeout=urllib3.Timeout(connect=REQUEST_TIMEOUT[0], read=REQUEST_TIMEOUT[1]), maxsize=10,
+        cert_reqs="CERT_REQUIRED", ca_certs=env.get("SSL_CERT_FILE") or certifi.where(),
+        retries=urllib3.Retry(total=5, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]))
+    return Minio(host, credentials=provider, secure=secure, region=region, http_client=http)
 
 
 def _describe(exc: Exception, location: S3Location) -> str:
