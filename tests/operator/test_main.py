@@ -83,12 +83,34 @@ def test_without_cluster_configuration_it_says_so(tmp_path):
 
 
 def test_leader_election_flags_and_environment(monkeypatch):
+    from kvpilot.operator.cli import wants_leader_election
+
     monkeypatch.delenv("KVPILOT_LEADER_ELECT", raising=False)
-    assert parse([]).leader_elect is False  # off unless asked (the chart asks)
-    assert parse(["--leader-elect"]).leader_elect is True
-    args = parse([], env={"KVPILOT_LEADER_ELECT": "true"}, monkeypatch=monkeypatch)
-    assert args.leader_elect is True and args.leader_election_id == "kvpilot-operator"
-    assert parse(["--no-leader-elect"]).leader_elect is False
+    assert wants_leader_election(parse([])) is False  # off unless asked (the chart asks)
+    assert wants_leader_election(parse(["--leader-elect"])) is True
+    for value, on in (("true", True), ("on", True), ("1", True), ("off", False), ("no", False)):
+        monkeypatch.setenv("KVPILOT_LEADER_ELECT", value)
+        args = parse([])
+        assert wants_leader_election(args) is on and args.leader_election_id == "kvpilot-operator"
+    monkeypatch.setenv("KVPILOT_LEADER_ELECT", "true")
+    assert wants_leader_election(parse(["--no-leader-elect"])) is False  # the flag wins
+    # Found by a fresh-user trial: "enabled" silently meant off (two operators acting).
+    monkeypatch.setenv("KVPILOT_LEADER_ELECT", "enabled")
+    with pytest.raises(SystemExit, match=r"KVPILOT_LEADER_ELECT='enabled': use one of 1, true, yes, on"):
+        wants_leader_election(parse([]))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--metrics-port", "70000"], "a TCP port 1-65535, or 0 for off; got '70000'"),
+    (["--health-port", "-1"], "a TCP port 1-65535, or 0 for off; got '-1'"),
+    (["--leader-election-id", "Bad_ID"], "a Lease name (a DNS-1123 subdomain"),
+])
+def test_bad_operator_flags_are_refused_before_anything_starts(argv, message, capsys):
+    """Found by a fresh-user trial: --metrics-port 70000 ended in an OverflowError
+    traceback, and a bad Lease name reached the API server."""
+    with pytest.raises(SystemExit):
+        parse(argv)
+    assert message in capsys.readouterr().err
 
 
 def test_leader_election_without_a_namespace_says_so(tmp_path, monkeypatch):

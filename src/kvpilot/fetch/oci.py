@@ -136,7 +136,7 @@ def fetch_oci(ref: OciReference, dest: Path, log: Callable[[str], None],
         raise FetchError(f"{uri}: the manifest has no layers (nothing to fetch)")
     dest.mkdir(parents=True, exist_ok=True)
     total = sum(int(layer.get("size") or 0) for layer in layers)
-    log(f"fetch {uri}: {len(layers)} layers, {human_bytes(total)} -> {dest}")
+    log(f"fetch {uri}: {len(layers)} layer{'' if len(layers) == 1 else 's'}, {human_bytes(total)} -> {dest}")
     progress = Progress(uri, len(layers), total, log)
     for layer in layers:
         digest, size = str(layer.get("digest", "")), int(layer.get("size") or 0)

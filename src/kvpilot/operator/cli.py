@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 from typing import TYPE_CHECKING, Any
 
 from kvpilot.operator.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
@@ -57,9 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              " a kube-prometheus-stack Prometheus that selects by it")
     parser.add_argument("--resync-seconds", type=float, default=d.resync_seconds,
                         help="period of the drift-repair reconcile")
-    parser.add_argument("--metrics-port", type=int, default=9090,
+    parser.add_argument("--metrics-port", type=_port, default=9090,
                         help="port of the operator's /metrics (0 = off)")
-    parser.add_argument("--health-port", type=int, default=8080,
+    parser.add_argument("--health-port", type=_port, default=8080,
                         help="port of the liveness endpoint /healthz (0 = off)")
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
     parser.add_argument("--log-format", choices=LOG_FORMATS,
@@ -72,10 +73,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=os.environ.get("KVPILOT_HEADROOM_PRIORITY_CLASS", d.headroom_priority_class),
                         help="PriorityClass of node-headroom placeholder pods (below the engines')")
     parser.add_argument("--leader-elect", action=argparse.BooleanOptionalAction,
-                        default=os.environ.get("KVPILOT_LEADER_ELECT", "").lower() in ("1", "true", "yes"),
-                        help="act only while holding the leader Lease (run several replicas)")
-    parser.add_argument("--leader-election-id", default="kvpilot-operator",
+                        default=None,
+                        help="act only while holding the leader Lease (run several replicas);"
+                             " default: KVPILOT_LEADER_ELECT")
+    parser.add_argument("--leader-election-id", default="kvpilot-operator", type=_lease_name,
                         help="name of the leader Lease in the operator's namespace")
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def _env_bool(name: str) -> bool:
+    """A boolean environment variable; anything but the usual spellings is refused by name
+    (``KVPILOT_LEADER_ELECT=enabled`` silently meaning off would run two leaders)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise SystemExit(f"kvpilot operator: {name}={os.environ[name]!r}: use one of "
+                         f"{', '.join(_TRUE)} (on) or {', '.join(v for v in _FALSE if v)} (off)")
+    return value in _TRUE
+
+
+def wants_leader_election(args: argparse.Namespace) -> bool:
+    """``--[no-]leader-elect``, else ``KVPILOT_LEADER_ELECT``. Raises SystemExit naming
+    an environment value that is neither on nor off."""
+    return bool(args.leader_elect) if args.leader_elect is not None else _env_bool("KVPILOT_LEADER_ELECT")
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port 1-65535, or 0 for off; got {text!r}")
+    return port
+
+
+def _lease_name(text: str) -> str:
+    if len(text) > 253 or not _DNS_SUBDOMAIN.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"a Lease name (a DNS-1123 subdomain: lowercase letters, digits,"
+                                         f" '-' and '.'); got {text!r}")
+    return text
 
 
 def _label(text: str) -> tuple[str, str]:
@@ -121,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         options = options_from_args(args)
     except ValueError as exc:
         raise SystemExit(f"kvpilot operator: {exc}") from exc
+    leader_elect = wants_leader_election(args)
     try:
         k8s_config.load_incluster_config()
     except k8s_config.ConfigException:
@@ -136,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         start_http_server(args.metrics_port, registry=metrics.registry)
     context = OperatorContext(api=KubernetesApi(k8s.ApiClient()), options=options, metrics=metrics)
     liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
-    elector = _lead(args, metrics) if args.leader_elect else None
+    elector = _lead(args, metrics) if leader_elect else None
     try:
         asyncio.run(operate(context, liveness_endpoint=liveness))
     finally:
