@@ -28,11 +28,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 from typing import TYPE_CHECKING, Any
 
 from kvpilot.operator.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
 from kvpilot.operator.options import POD_MONITOR_MODES, OperatorOptions
+from kvpilot.operator.spec import is_dns_subdomain
 
 if TYPE_CHECKING:
     from kvpilot.operator.handlers import OperatorContext
@@ -81,7 +81,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 def _env_bool(name: str) -> bool:
@@ -111,7 +110,7 @@ def _port(text: str) -> int:
 
 
 def _lease_name(text: str) -> str:
-    if len(text) > 253 or not _DNS_SUBDOMAIN.fullmatch(text):
+    if not is_dns_subdomain(text):
         raise argparse.ArgumentTypeError(f"a Lease name (a DNS-1123 subdomain: lowercase letters, digits,"
                                          f" '-' and '.'); got {text!r}")
     return text

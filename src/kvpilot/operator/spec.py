@@ -276,6 +276,12 @@ _LABEL_VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?
 _DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
+def is_dns_subdomain(name: str) -> bool:
+    """A Kubernetes object name of the DNS-1123 subdomain kind (Secrets, RuntimeClasses,
+    Leases): at most 253 lowercase letters, digits, '-' and '.'."""
+    return len(name) <= 253 and _DNS_SUBDOMAIN_RE.fullmatch(name) is not None
+
+
 @dataclass(frozen=True)
 class EndpointPickerRef:
     """``spec.router.gateway.endpointPickerRef``: the user's endpoint picker (EPP) Service
@@ -523,7 +529,7 @@ def _parse_pod(r: FieldReader) -> PodSettings:
             raise SpecError("imagePullSecrets", item, "each entry is {name: <secret name>}")
     pod_labels = _pod_labels(r.mapping("podLabels"))
     runtime_class = r.string("runtimeClassName")
-    if runtime_class is not None and (len(runtime_class) > 253 or not _DNS_SUBDOMAIN_RE.fullmatch(runtime_class)):
+    if runtime_class is not None and not is_dns_subdomain(runtime_class):
         raise SpecError("runtimeClassName", runtime_class, "a RuntimeClass name (a DNS-1123 subdomain)")
     spread = _objects(r, "topologySpreadConstraints", "a list of core/v1 TopologySpreadConstraint objects")
     for item in spread:
@@ -686,7 +692,7 @@ def parse_spec(raw: Any) -> InferenceSpec:
     except ValueError as exc:
         raise SpecError("model.uri", uri, str(exc)) from None
     secret, mount = model.string("credentialsSecret"), model.string("ociMount")
-    if secret is not None and (len(secret) > 253 or not _DNS_SUBDOMAIN_RE.fullmatch(secret)):
+    if secret is not None and not is_dns_subdomain(secret):
         raise SpecError("model.credentialsSecret", secret, "a Secret name (a DNS-1123 subdomain)")
     try:
         source = with_fetch_options(source, secret, mount)
