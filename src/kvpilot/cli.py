@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("kvpilot.operator.cli", "run the Kopf operator for InferenceDeployment resources"),
     "kv-calc": ("kvpilot.sizing.cli", "KV-cache sizing: bytes per token, per request, max concurrency per GPU"),
     "simulate": ("kvpilot.simulation.cli", "fleet autoscaling simulator: compare scaling policies on a trace"),
+    "build-kernels": ("kvpilot.engine.kernels_cli", "compile the CPU kernels for every x86-64 ISA level into a folder (what the engine image ships)"),
     "fetch-model": ("kvpilot.fetch.cli", "download a model from s3:// or oci:// into a folder (the engine pod's init container)"),
 }
 

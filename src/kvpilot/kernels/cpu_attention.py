@@ -8,22 +8,35 @@ padding to the longest context in a bucket wastes more. The kernel here
 row where it lies, decoding FP8 and 4-bit rows on the fly through lookup tables, one
 (sequence, KV head) per work item over ATen's intra-op thread pool.
 
-It is compiled once per machine with :func:`torch.utils.cpp_extension.load` (g++,
-``-O3 -march=native``) into ``$KVPILOT_CACHE_DIR/cpu_kernels`` (default
-``~/.cache/kvpilot``); the build directory is keyed by a hash of the source, the torch
-version, the compiler and the CPU's flags, so a cache copied to another CPU is never
-loaded there. Where no compiler is available :func:`available` says why and the engine
-falls back to the torch backend (see :mod:`kvpilot.engine.attention.cpu_backend`).
+Two ways to get the compiled library, tried in this order by :func:`load`:
+
+1. **Prebuilt** (what the engine image does): ``kvpilot build-kernels --out DIR`` compiles
+   the library once per x86-64 vector ISA level of :data:`ISA_LEVELS` (``-march=x86-64-v4``
+   with AVX-512, ``-march=x86-64-v3`` with AVX2/FMA) and writes ``DIR/manifest.json``.
+   With ``$KVPILOT_CPU_KERNELS_DIR=DIR`` the best level this CPU's flags allow is loaded
+   as it is: no compiler, no build, no writable cache. A manifest built from another
+   source or torch version, or a CPU that runs none of the levels, is logged and skipped.
+2. **Built here**: :func:`torch.utils.cpp_extension.load` (g++, ``-O3 -march=native``) into
+   ``$KVPILOT_CACHE_DIR/cpu_kernels`` (default ``~/.cache/kvpilot``), once per machine;
+   the build directory is keyed by a hash of the source, the torch version, the compiler
+   and the CPU's flags, so a cache copied to another CPU is never loaded there.
+
+Where neither works (no prebuilt level fits and no compiler) :func:`available` says why
+and the engine falls back to the torch backend with a warning
+(see :mod:`kvpilot.engine.attention.cpu_backend`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
 import subprocess
+import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,6 +53,32 @@ HEADERS = (CSRC / "cpu_math.h",)
 # -fno-trapping-math / -fno-math-errno: no FP exception or errno is ever read, and without
 # them GCC keeps a branch per clamp or sqrt and leaves the exp loops scalar.
 CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno"]
+EXTENSION = "kvpilot_cpu_attention"
+# Where prebuilt kernels live (``kvpilot build-kernels --out DIR``); unset: build here.
+PREBUILT_ENV = "KVPILOT_CPU_KERNELS_DIR"
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class IsaLevel:
+    """One x86-64 micro-architecture level the prebuilt kernels are compiled for.
+
+    ``march`` is g++'s ``-march`` value; ``flags`` the ``/proc/cpuinfo`` flags a CPU must
+    have to run code built for it (the psABI level definitions; LZCNT is ``abm`` there).
+    """
+
+    name: str
+    march: str
+    flags: frozenset[str]
+
+
+_V3_FLAGS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
+# Best first: load() picks the first level whose flags the CPU has.
+ISA_LEVELS = (
+    IsaLevel("x86-64-v4", "x86-64-v4",
+             _V3_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+    IsaLevel("x86-64-v3", "x86-64-v3", _V3_FLAGS),
+)
 
 # Cache value kinds; must match ``enum Kind`` in the C++ source.
 KINDS: dict[torch.dtype | str, int] = {
@@ -52,6 +91,17 @@ KINDS: dict[torch.dtype | str, int] = {
     "int4": 6,
 }
 QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Run in a child Python by build_prebuilt(): cpp_extension.load() with its final
+# torch.ops.load_library() made a no-op, so a level is compiled but never loaded (the
+# building CPU may lack AVX-512, and one process may register the operators only once).
+# argv: name, cflags, build directory, sources...
+_BUILD_ONLY = (
+    "import sys, torch; from torch.utils import cpp_extension as c; "
+    "torch.ops.load_library = lambda path: None; "
+    "c.load(name=sys.argv[1], sources=sys.argv[4:], extra_cflags=sys.argv[2].split(), "
+    "build_directory=sys.argv[3], is_python_module=False, verbose=False)"
+)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -75,6 +125,25 @@ def _compiler_version(cxx: str) -> str:
         return ""
 
 
+def cpu_flag_set() -> frozenset[str]:
+    """This CPU's ``/proc/cpuinfo`` flags (empty where there is no such file)."""
+    line = _cpu_flags()
+    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+
+
+def source_hash() -> str:
+    """sha256 over the C++ sources and headers: what a prebuilt library must match."""
+    key = hashlib.sha256()
+    for src in SOURCES + HEADERS:
+        key.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+    return key.hexdigest()
+
+
+def pick_level(flags: frozenset[str]) -> IsaLevel | None:
+    """The best of :data:`ISA_LEVELS` a CPU with ``flags`` runs (None: none of them)."""
+    return next((level for level in ISA_LEVELS if level.flags <= flags), None)
+
+
 def build_dir() -> Path:
     """Where the compiled kernels of this source, torch, compiler and CPU live."""
     cxx = os.environ.get("CXX", "c++")
@@ -86,11 +155,39 @@ def build_dir() -> Path:
     return root / "cpu_kernels" / key.hexdigest()[:16]
 
 
+def _load_prebuilt(root: Path) -> str | None:
+    """Load the best prebuilt level in ``root`` for this CPU; its name, or None (logged)
+    when the manifest is missing or stale or no level fits this CPU."""
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        log.warning("no usable prebuilt CPU kernels in %s=%s (%s)", PREBUILT_ENV, root, e)
+        return None
+    if manifest.get("source") != source_hash() or manifest.get("torch") != torch.__version__:
+        log.warning("prebuilt CPU kernels in %s were built from another source or torch "
+                    "(torch %s, this is %s); not loaded", root, manifest.get("torch"),
+                    torch.__version__)
+        return None
+    built = manifest.get("levels", {})
+    flags = cpu_flag_set()
+    for level in ISA_LEVELS:
+        if level.name in built and level.flags <= flags:
+            torch.ops.load_library(str(root / built[level.name]))  # type: ignore[no-untyped-call]
+            log.info("CPU kernels: prebuilt %s from %s", level.name, root)
+            return level.name
+    log.warning("prebuilt CPU kernels in %s: this CPU runs none of the levels %s (it lacks "
+                "%s)", root, ", ".join(built), ", ".join(sorted(ISA_LEVELS[-1].flags - flags)))
+    return None
+
+
 def load() -> None:
-    """Compile (once per machine, about a minute) and load the kernels.
+    """Load the kernels: the prebuilt library for this CPU's ISA level when
+    ``$KVPILOT_CPU_KERNELS_DIR`` names one that fits, else compile here (once per
+    machine, about a minute) and load that.
 
     Raises:
-        RuntimeError: no C++ compiler, or the build failed (the message says why).
+        RuntimeError: nothing prebuilt fits and there is no C++ compiler, or the build
+            failed (the message says why).
     """
     if _state.get("loaded"):  # every kernel call lands here: no lock once loaded
         return
@@ -99,6 +196,10 @@ def load() -> None:
             return
         if "error" in _state:
             raise RuntimeError(str(_state["error"]))
+        prebuilt = os.environ.get(PREBUILT_ENV)
+        if prebuilt and _load_prebuilt(Path(prebuilt)) is not None:
+            _state["loaded"] = True
+            return
         try:
             if shutil.which(os.environ.get("CXX", "c++")) is None:
                 raise RuntimeError("no C++ compiler (c++ / $CXX) on PATH")
@@ -109,7 +210,7 @@ def load() -> None:
             if not any(path.glob("*.so")):
                 log.info("building the CPU kernels in %s (once per machine)", path)
             cpp_extension.load(
-                name="kvpilot_cpu_attention",
+                name=EXTENSION,
                 sources=[str(src) for src in SOURCES],
                 extra_cflags=CFLAGS,
                 build_directory=str(path),
@@ -121,6 +222,45 @@ def load() -> None:
             _state["error"] = f"CPU attention kernels unavailable: {text if len(text) < 2000 else text[-2000:]}"
             raise RuntimeError(str(_state["error"])) from e
         _state["loaded"] = True
+
+
+def build_prebuilt(out: Path, levels: tuple[IsaLevel, ...] = ISA_LEVELS) -> dict[str, str]:
+    """Compile the kernels once per ISA level into ``out/<level>/`` and write
+    ``out/manifest.json`` (source hash, torch version, level -> library path); what
+    ``kvpilot build-kernels`` runs while an image is built.
+
+    Each level is built in its own Python process: one process may register the
+    ``kvpilot_cpu`` operators only once. Needs g++ and ninja; the CPU building need not
+    run the levels it builds.
+
+    Raises:
+        RuntimeError: a level's build failed (the message ends with its output).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    built: dict[str, str] = {}
+    for level in levels:
+        target = out / level.name
+        target.mkdir(parents=True, exist_ok=True)
+        cflags = " ".join(f"-march={level.march}" if f == "-march=native" else f for f in CFLAGS)
+        result = subprocess.run(
+            [sys.executable, "-c", _BUILD_ONLY, EXTENSION, cflags, str(target),
+             *(str(src) for src in SOURCES)],
+            capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"building the CPU kernels for {level.name} failed:\n"
+                               f"{(result.stdout + result.stderr)[-3000:]}")
+        for leftover in target.iterdir():  # object files and ninja's state
+            if leftover.name != f"{EXTENSION}.so":
+                shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+        built[level.name] = f"{level.name}/{EXTENSION}.so"
+        log.info("built the CPU kernels for %s in %s", level.name, target)
+    manifest = {"source": source_hash(), "torch": torch.__version__,
+                "cflags": {lv.name: [f"-march={lv.march}" if f == "-march=native" else f
+                                     for f in CFLAGS] for lv in levels},
+                "compiler": _compiler_version(os.environ.get("CXX", "c++")).splitlines()[:1],
+                "levels": built}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return built
 
 
 def available() -> tuple[bool, str]:
