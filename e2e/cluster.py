@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from e2e import images, procs
+from e2e import images, pace, procs
 from e2e.controlplane import ControlPlane, write_kubeconfig
 from e2e.netns import NODE_IP, NodeNetwork
 from e2e.prometheus import Prometheus
@@ -223,8 +223,11 @@ class Cluster:
 
     # ---- waiting
     def wait_for(self, predicate, timeout: float, what: str, interval: float = 1.0):
-        return procs.wait_until(predicate, timeout, what, interval=interval,
-                                on_timeout=self._diagnostics)
+        """Poll until ``predicate`` is truthy, for ``timeout`` seconds as set on the
+        reference machine times this machine's pace (:mod:`e2e.pace`); recorded either
+        way, with the cluster's state in the error when it times out."""
+        return procs.wait_until(predicate, pace.PACE.bound(timeout), what, interval=interval,
+                                on_timeout=self._diagnostics, on_done=pace.PACE.record)
 
     def kill_container(self, namespace: str, pod: str, container: str | None = None) -> None:
         """SIGKILL a pod's container (its first unless named) through containerd, as the

@@ -10,7 +10,8 @@ What is built, in order (each once per content hash, cached outside the reposito
    ``docker.io/library/python:3.11-slim`` in the cache's own buildah store (never the
    system's), so ``docker/operator.Dockerfile`` and ``docker/router.Dockerfile`` build
    unchanged with ``--pull=false``; the engine image takes it through its ``CUDA_IMAGE``
-   build argument (the only way a test image may differ from the released one).
+   build argument with ``TARGET_DEVICE=cpu``: the CPU image a user builds the same way
+   (no Triton, only the CUDA libraries ``import torch`` links, prebuilt CPU kernels).
 2. ``pause``: the sandbox image containerd starts first in every pod
    (``registry.k8s.io/pause``), a static C program that waits for a signal.
 3. ``engine``, ``operator``, ``router``: ``buildah bud --isolation chroot`` of the
@@ -18,11 +19,12 @@ What is built, in order (each once per content hash, cached outside the reposito
    Dockerfile, its ``.dockerignore`` and every file the build context lets in, plus the base.
 
 The cache (``~/.cache/kvpilot/images``, or ``$KVPILOT_IMAGE_CACHE``) holds the buildah store.
-:func:`import_into` copies an image into a containerd (``ctr images import`` of an OCI
-archive) unless that containerd already has it, so a containerd whose root is cached too
-keeps its images between runs. The host's CA bundle and pip configuration are mounted
-read-only into every ``RUN`` step, so builds work behind the same TLS-inspecting proxy
-and package mirror as the host.
+:func:`import_into` copies an image into a containerd (``ctr images import`` of an
+uncompressed OCI archive) unless that containerd already has it, so a containerd whose root
+is cached too keeps its images between runs. ``make e2e-images`` (:mod:`e2e.prepare`) does
+all of it before pytest starts, outside any test's timeout. The host's CA bundle and pip
+configuration are mounted read-only into every ``RUN`` step, so builds work behind the same
+TLS-inspecting proxy and package mirror as the host.
 
 Errors: :class:`ImageBuildError` names the step and carries the tail of its output.
 """
@@ -48,7 +50,6 @@ DEBIAN_MIRROR = os.environ.get("KVPILOT_DEBIAN_MIRROR", "http://deb.debian.org/d
 BASE_PACKAGES = ("python3", "python3-venv", "python3-dev", "gcc", "libc6-dev",
                  "ca-certificates")
 BASE_REF = "docker.io/library/python:3.11-slim"
-IMPORT_ATTEMPTS = 3
 SKIPPED_DIRS = {".git", ".venv", ".tools", "__pycache__", ".mypy_cache", ".ruff_cache",
                 ".pytest_cache", ".hypothesis"}
 PAUSE_REF = "registry.k8s.io/pause:3.10"
@@ -140,7 +141,8 @@ def _matches(rel: str, pattern: str) -> bool:
     return rel.startswith(pattern + "/")
 
 
-ENGINE = Image("engine", REPO / "docker" / "engine.Dockerfile", (("CUDA_IMAGE", BASE_REF),))
+ENGINE = Image("engine", REPO / "docker" / "engine.Dockerfile",
+               (("CUDA_IMAGE", BASE_REF), ("TARGET_DEVICE", "cpu")))
 OPERATOR = Image("operator", REPO / "docker" / "operator.Dockerfile")
 ROUTER = Image("router", REPO / "docker" / "router.Dockerfile")
 ALL = (ENGINE, OPERATOR, ROUTER)
@@ -178,11 +180,15 @@ class Builder:
         """Run one step, its output in logs/<step>.log (the last run's); raise ImageBuildError."""
         log_path = self.logs / f"{step}.log"
         with open(log_path, "wb") as out:
-            result = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
-                                    check=False, stdin=subprocess.DEVNULL)
-        if result.returncode != 0:
+            try:
+                result = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT,
+                                        timeout=timeout, check=False, stdin=subprocess.DEVNULL)
+                code = f"exit {result.returncode}"
+            except subprocess.TimeoutExpired:
+                result, code = None, f"still running after {timeout:.0f} s, killed"
+        if result is None or result.returncode != 0:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
-            raise ImageBuildError(f"{step} failed ({result.returncode}): {' '.join(argv[:6])} "
+            raise ImageBuildError(f"{step} failed ({code}): {' '.join(argv[:6])} "
                                   f"...; last lines of {log_path}:\n{tail}")
         return log_path.read_text(errors="replace")
 
@@ -198,7 +204,7 @@ class Builder:
         return out.stdout.strip() if out.returncode == 0 else ""
 
     # ---- base and pause
-    def ensure_base(self) -> str:
+    def ensure_base(self, timeout: float = 1800) -> str:
         """The python:3.11-slim stand-in (see the module docstring); built once per recipe."""
         if self._label(BASE_REF) == BASE_RECIPE:  # '' when the image is absent
             return BASE_REF
@@ -207,7 +213,7 @@ class Builder:
             log.info("images: debootstrap %s (minbase + %s)", SUITE, ",".join(BASE_PACKAGES))
             self.run("base-debootstrap", [
                 "debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
-                SUITE, str(rootfs), DEBIAN_MIRROR], timeout=1800)
+                SUITE, str(rootfs), DEBIAN_MIRROR], timeout=timeout)
             self.run("base-venv", ["chroot", str(rootfs), "/usr/bin/python3", "-m", "venv",
                                    "/usr/local"])
             for leftover in ("var/cache/apt/archives", "var/lib/apt/lists"):
@@ -255,8 +261,11 @@ class Builder:
                 flags += ["--volume", f"{host}:{host}:ro"]
         return flags
 
-    def ensure(self, image: Image) -> str:
-        """Build ``image`` unless its content-hash tag is already in the store; its ref."""
+    def ensure(self, image: Image, timeout: float = 3600) -> str:
+        """Build ``image`` unless its content-hash tag is already in the store; its ref.
+
+        Raises:
+            ImageBuildError: the build failed or ran past ``timeout`` seconds."""
         ref = image.ref()
         if self.has(ref):
             return ref
@@ -267,7 +276,7 @@ class Builder:
         log.info("images: building %s", ref)
         self.run(f"build-{image.name}", self._buildah(
             "bud", "--isolation", "chroot", "--pull=false", "--layers=false", *self.mounts(),
-            *args, "-f", str(image.dockerfile), "-t", ref, str(REPO)), timeout=3600)
+            *args, "-f", str(image.dockerfile), "-t", ref, str(REPO)), timeout=timeout)
         self.prune(image.repository, keep=ref)
         return ref
 
@@ -282,10 +291,13 @@ class Builder:
         subprocess.run(self._buildah("rmi", "--prune"), capture_output=True, check=False)
 
     def export(self, ref: str, archive: Path) -> Path:
-        """An OCI archive of ``ref`` whose index names it (what ``ctr images import`` reads)."""
+        """An OCI archive of ``ref`` whose index names it (what ``ctr images import`` reads).
+
+        Layers are left uncompressed: the archive lives for one import on the same disk,
+        and gzip (one core) then gunzip would be most of the time of both steps."""
         archive.unlink(missing_ok=True)
-        self.run("export", self._buildah("push", "--quiet", ref, f"oci-archive:{archive}:{ref}"),
-                 timeout=3600)
+        self.run("export", self._buildah("push", "--quiet", "--disable-compression", ref,
+                                         f"oci-archive:{archive}:{ref}"), timeout=3600)
         return archive
 
 
@@ -302,26 +314,37 @@ def prune_containerd(ctr: list[str], keep: list[str]) -> None:
             subprocess.run([*ctr, "images", "rm", ref], capture_output=True, check=False)
 
 
-def import_into(builder: Builder, ref: str, ctr: list[str]) -> None:
+def import_into(builder: Builder, ref: str, ctr: list[str], *, timeout: float = 1800) -> bool:
     """Import ``ref`` into the containerd that ``ctr`` (argv prefix with address and namespace)
-    talks to, unless it already holds that reference."""
+    talks to, unless it already holds that reference; True when it was imported.
+
+    The archive is uncompressed (:meth:`Builder.export`) and imported with ``--base-name``
+    of its repository, so exactly one image record is made, for the manifest the archive's
+    ``org.opencontainers.image.ref.name`` names, and unpacked once. (``--index-name`` with
+    the same name made a second record for the index under that name: each write replaced
+    the other's target, the replaced blob was left unreferenced for containerd's garbage
+    collector, and an unpack could find it gone or run twice.)
+
+    Raises:
+        ImageBuildError: the import failed or took longer than ``timeout`` seconds, or
+            containerd does not list ``ref`` afterwards (the output's tail).
+    """
     listed = subprocess.run([*ctr, "images", "ls", "-q"], capture_output=True, text=True,
                             check=True).stdout.split()
     if ref in listed:
-        return
+        return False
+    repository = ref.rsplit(":", 1)[0]
     with tempfile.TemporaryDirectory(dir=builder.cache) as tmp:
         archive = builder.export(ref, Path(tmp) / "image.tar")
-        # Seen once on a containerd root that held an older build of the same image: the
-        # unpack after the import found the index blob gone ("content digest ...: not
-        # found"), and the same import then succeeded. A failed import leaves nothing
-        # half-named (the reference is removed), so it is retried.
-        for attempt in range(1, IMPORT_ATTEMPTS + 1):
-            try:
-                builder.run("import", [*ctr, "images", "import", "--index-name", ref,
-                                       str(archive)], timeout=3600)
-                return
-            except ImageBuildError:
-                subprocess.run([*ctr, "images", "rm", ref], capture_output=True, check=False)
-                if attempt == IMPORT_ATTEMPTS:
-                    raise
-                log.warning("images: import of %s failed (attempt %d); retrying", ref, attempt)
+        try:
+            out = builder.run("import", [*ctr, "images", "import", "--base-name", repository,
+                                         str(archive)], timeout=timeout)
+        except ImageBuildError:
+            subprocess.run([*ctr, "images", "rm", ref], capture_output=True, check=False)
+            raise
+    listed = subprocess.run([*ctr, "images", "ls", "-q"], capture_output=True, text=True,
+                            check=True).stdout.split()
+    if ref not in listed:
+        raise ImageBuildError(f"import of {ref} named no such image (containerd lists "
+                              f"{', '.join(listed) or 'nothing'}); ctr printed:\n{out[-2000:]}")
+    return True

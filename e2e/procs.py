@@ -123,18 +123,27 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str,
-               interval: float = 0.5, on_timeout: Callable[[], str] | None = None) -> object:
-    """Poll ``predicate`` until it returns something truthy; raise TimeoutError naming ``what``."""
-    deadline = time.monotonic() + timeout
+               interval: float = 0.5, on_timeout: Callable[[], str] | None = None,
+               on_done: Callable[[str, float, float, bool], None] | None = None) -> object:
+    """Poll ``predicate`` until it returns something truthy; raise TimeoutError naming ``what``.
+
+    ``on_done(what, seconds_waited, timeout, met)`` is called either way (the suite's
+    record of waits, :mod:`e2e.pace`)."""
+    start = time.monotonic()
+    deadline = start + timeout
     last_error: Exception | None = None
     while True:
         try:
             value = predicate()
             if value:
+                if on_done:
+                    on_done(what, time.monotonic() - start, timeout, True)
                 return value
         except Exception as exc:  # a poll may fail while a server starts
             last_error = exc
         if time.monotonic() > deadline:
+            if on_done:
+                on_done(what, time.monotonic() - start, timeout, False)
             detail = f" (last error: {last_error!r})" if last_error else ""
             extra = f"\n{on_timeout()}" if on_timeout else ""
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}{detail}{extra}")

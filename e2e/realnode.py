@@ -37,6 +37,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +94,73 @@ disabled_plugins = ["io.containerd.internal.v1.tracing", "io.containerd.snapshot
     conf_dir = "{cni_conf}"
     max_conf_num = 1
 """
+
+
+def import_containerd_config(workdir: Path) -> str:
+    """A containerd on the cached root with no CRI plugin and no network: what
+    :func:`import_offline` starts to fill the root before any node runs."""
+    return f"""version = 2
+root = "{CONTAINERD_ROOT / 'root'}"
+state = "{workdir / 'state'}"
+disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.internal.v1.tracing",
+                    "io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
+                    "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper"]
+
+[grpc]
+  address = "{workdir / 'containerd.sock'}"
+
+[ttrpc]
+  address = "{workdir / 'containerd.sock.ttrpc'}"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{workdir / 'opt'}"
+"""
+
+
+def import_offline(builder: images.Builder, refs: list[str], *,
+                   progress=lambda line: None, timeout: float = 1800) -> dict[str, float]:
+    """Import the sandbox image and ``refs`` into the cached containerd root (namespace
+    ``k8s.io``, unpacked for overlayfs, as the CRI plugin finds them when a node starts on
+    that root) and remove every other image there; returns seconds per imported ref
+    (0 for those already present).
+
+    Runs a containerd of its own, without the CRI plugin, on a socket in a temporary
+    directory; stops it and unmounts what it left, also on error. The node's containerd
+    must not run on the same root at the same time.
+
+    Raises:
+        images.ImageBuildError: an import failed (its output's tail).
+        RuntimeError: containerd did not start (its log's tail).
+    """
+    if shutil.which("containerd") is None or shutil.which("ctr") is None:
+        raise FileNotFoundError("containerd is not installed: run scripts/install-tools.sh")
+    (CONTAINERD_ROOT / "root").mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvpilot-ctr-import-"))
+    config = work / "config.toml"
+    config.write_text(import_containerd_config(work))
+    proc = procs.start("containerd-import", ["containerd", "--config", str(config)],
+                       builder.logs)
+    ctr = ["ctr", "--address", str(work / "containerd.sock"), "--namespace", "k8s.io"]
+    timings: dict[str, float] = {}
+    try:
+        procs.wait_until(lambda: subprocess.run([*ctr, "version"], capture_output=True,
+                                                check=False).returncode == 0
+                         or not proc.alive(), 60, "the import containerd")
+        if not proc.alive():
+            raise RuntimeError(f"containerd exited:\n{proc.log_tail()}")
+        wanted = [builder.ensure_pause(), *refs]
+        for ref in wanted:
+            start = time.monotonic()
+            imported = images.import_into(builder, ref, ctr, timeout=timeout)
+            timings[ref] = time.monotonic() - start if imported else 0.0
+            if imported:
+                progress(f"imported {ref} into containerd in {timings[ref]:.0f} s")
+        images.prune_containerd(ctr, wanted)
+    finally:
+        proc.stop(grace_seconds=20)
+        RealNode._unmount_under([work, CONTAINERD_ROOT])
+        shutil.rmtree(work, ignore_errors=True)
+    return timings
 
 
 def cni_config(workdir: Path) -> dict:

@@ -2,6 +2,12 @@
 
 Scenario files are numbered: they run in order and share the cluster (starting it costs
 seconds, an engine pod tens of seconds on two cores), each in its own namespace.
+
+The images are built and imported by ``make e2e-images`` before pytest starts. Once the
+cluster is up, one small engine fleet is started and its pod timed from scheduled to Ready:
+that sets the session's pace (:mod:`e2e.pace`), which every wait's bound and every test's
+pytest-timeout are multiplied by. A cluster that does not start ends the session with the
+reason (one error, not one per scenario).
 """
 
 from __future__ import annotations
@@ -10,8 +16,35 @@ import logging
 
 import pytest
 
-from e2e import procs
+from e2e import pace, procs
 from e2e.cluster import Cluster
+from e2e.tests import helpers
+
+# The pace probe's own bound: what it measures is unknown until it is done.
+PACE_PROBE_BOUND_S = 600
+
+
+def measure_pace(cluster: Cluster) -> float:
+    """Start the small test fleet, return its engine pod's PodScheduled -> Ready seconds
+    (the conditions' transition times, one-second resolution), and delete it."""
+    ns = "e2e-pace"
+    cluster.kubectl("create", "namespace", ns)
+    try:
+        helpers.apply(cluster, ns, helpers.small_infd("pace"))
+
+        def ready_pod():
+            pods = helpers.ready_pods(cluster, ns, "pace")
+            return pods[0] if pods else None
+
+        pod = procs.wait_until(ready_pod, PACE_PROBE_BOUND_S,
+                               "the pace probe's engine pod to be Ready", interval=1,
+                               on_timeout=cluster._diagnostics, on_done=pace.PACE.record)
+        seconds = helpers.start_seconds(pod)
+        assert seconds is not None, pod["status"]
+        pace.PACE.pod_starts.append(("the pace probe, idle node", seconds))
+        return seconds
+    finally:
+        delete_namespace(cluster, ns)
 
 
 @pytest.fixture(scope="session")
@@ -19,13 +52,43 @@ def cluster():
     # SIGTERM/SIGHUP (a CI timeout, `kill`) unwind like Ctrl-C, so the finally below runs.
     procs.install_signal_handlers(interrupt=True)
     logging.getLogger("e2e").setLevel(logging.INFO)
+    pace.PACE = pace.from_env()
     c = Cluster.create()
     try:
-        c.start()
+        try:
+            c.start()
+            pace.PACE.engine_start_s = measure_pace(c)
+        except Exception as e:
+            pytest.exit(f"e2e: the cluster did not start: {e}\n(logs in {c.workdir})",
+                        returncode=3)
+        print(f"\n{pace.PACE.summary().splitlines()[0]}")
         yield c
     finally:
         c.stop()
+        pace.PACE.write(c.workdir / "waits.json")
         print(f"\ne2e: logs and state in {c.workdir}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    pace.PACE.current_test = item.nodeid
+
+
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Each test's pytest-timeout, multiplied by the pace (pytest-timeout reads the
+    marker in its own wrapper of this hook, which runs after this one)."""
+    if pace.PACE.factor != 1.0:
+        marker = item.get_closest_marker("timeout")
+        base = marker.args[0] if marker and marker.args else item.config.getini("timeout")
+        if base:
+            item.add_marker(pytest.mark.timeout(float(base) * pace.PACE.factor))
+    yield
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if pace.PACE.waits:
+        terminalreporter.write_line(pace.PACE.summary())
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import copy
 import json
 import re
 import urllib.request
+from datetime import datetime
 from typing import Any
 
 import yaml
@@ -86,6 +87,18 @@ def ready_pods(cluster: Cluster, namespace: str, name: str,
     return [p for p in pods(cluster, namespace, name, component) if not p["metadata"].get("deletionTimestamp") and any(
         c["type"] == "Ready" and c["status"] == "True"
         for c in p.get("status", {}).get("conditions", []))]
+
+
+def start_seconds(pod: dict[str, Any]) -> float | None:
+    """A Ready pod's PodScheduled -> Ready seconds (the conditions' transition times,
+    one-second resolution); None while it is not Ready."""
+    stamps = {c["type"]: c["lastTransitionTime"] for c in pod.get("status", {}).get("conditions", [])
+              if c.get("status") == "True"}
+    if "Ready" not in stamps or "PodScheduled" not in stamps:
+        return None
+    ready, scheduled = (datetime.fromisoformat(stamps[k].replace("Z", "+00:00"))
+                        for k in ("Ready", "PodScheduled"))
+    return (ready - scheduled).total_seconds()
 
 
 def wait_ready(cluster: Cluster, namespace: str, name: str, replicas: int,

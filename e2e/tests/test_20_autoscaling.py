@@ -18,6 +18,7 @@ import urllib.request
 import pytest
 import yaml
 
+from e2e import pace
 from e2e.load import Ramp, Step
 from e2e.tests import helpers as h
 from e2e.tests.conftest import delete_namespace
@@ -85,10 +86,17 @@ def test_scale_up_before_queue_and_operator_restart(cluster, fleet):
         assert len(h.ready_pods(cluster, NS, NAME)) < at_restart
         cluster.stop_operator()
         cluster.start_operator()
-        cluster.wait_for(lambda: len(h.ready_pods(cluster, NS, NAME)) >= 2, 240,
-                         "the new pod to serve")
+        def two_ready():
+            pods = h.ready_pods(cluster, NS, NAME)
+            return pods if len(pods) >= 2 else None
+
+        ready = cluster.wait_for(two_ready, 240, "the new pod to serve")
     finally:
         pass
+    newest = max(ready, key=lambda p: p["metadata"]["creationTimestamp"])
+    started = h.start_seconds(newest)
+    assert started is not None
+    pace.PACE.pod_starts.append(("a scale-up pod, node serving the ramp", started))
 
     rows = list(recorder.rows)
     first_up = next(i for i, r in enumerate(rows) if (r["deploymentReplicas"] or 0) >= 2)

@@ -51,6 +51,13 @@ def test_engine_runs_non_root_on_a_read_only_root_with_its_volumes(cluster, name
 
     logs = cluster.kubectl("logs", "-n", namespace, name, "-c", "engine").stdout
     assert "8000" in logs, logs[-2000:]  # the server announced its port
+    # The CPU image: the kernels built into it are loaded, nothing compiles at start-up,
+    # and it carries no compiler and no Triton (docs/operator.md, "The CPU engine image").
+    assert "CPU kernels: prebuilt x86-64-v" in logs, logs[-3000:]
+    assert "building the CPU kernels" not in logs and "falls back to the torch" not in logs
+    slim = _exec(cluster, namespace, name,
+                 "command -v c++ g++ gcc; python3 -c 'import triton' 2>&1 | tail -1")
+    assert "ModuleNotFoundError" in slim.stdout and "/bin/" not in slim.stdout, slim.stdout
     assert h.completion(pod["status"]["podIP"])["choices"][0]["text"]
 
 

@@ -1,0 +1,123 @@
+"""The e2e harness's pieces that run before or around the cluster: the pace every bound is
+multiplied by, the record of waits, the image step's bounds, and the containerd import
+(against a stand-in ``ctr`` that records its command lines)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+from e2e import images, pace, prepare, procs
+
+
+def test_the_pace_scales_bounds_only_on_a_slower_machine():
+    ref = pace.REFERENCE_ENGINE_START_S
+    assert pace.Pace().factor == 1.0  # not measured yet: the bounds as set
+    assert pace.Pace(engine_start_s=ref / 2).factor == 1.0  # faster: never shorter
+    slow = pace.Pace(engine_start_s=ref * 2.5)
+    assert slow.factor == pytest.approx(2.5)
+    assert slow.bound(240) == pytest.approx(600)
+    assert pace.Pace(engine_start_s=ref * 9, forced=1.5).bound(100) == pytest.approx(150)
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-2", "nan"])
+def test_a_forced_pace_must_be_a_usable_number(monkeypatch, raw):
+    monkeypatch.setenv(pace.PACE_ENV, raw)
+    with pytest.raises(ValueError, match=f"{pace.PACE_ENV}=.*must be a number >= 0.1"):
+        pace.from_env()
+
+
+def test_a_forced_pace_is_read(monkeypatch):
+    monkeypatch.setenv(pace.PACE_ENV, "3")
+    assert pace.from_env().factor == 3.0
+    monkeypatch.delenv(pace.PACE_ENV)
+    assert pace.from_env().forced is None
+
+
+def test_every_wait_is_recorded_met_or_not(tmp_path):
+    record = pace.Pace(engine_start_s=40.0)
+    record.current_test = "test_x"
+    calls = iter([None, None, "ok"])
+    assert procs.wait_until(lambda: next(calls), 5, "the thing", interval=0.01,
+                            on_done=record.record) == "ok"
+    with pytest.raises(TimeoutError, match="waiting for never"):
+        procs.wait_until(lambda: None, 0.05, "never", interval=0.01, on_done=record.record)
+    (met, missed) = record.waits
+    assert (met.what, met.met, met.test, met.bound) == ("the thing", True, "test_x", 5)
+    assert (missed.what, missed.met) == ("never", False)
+    assert missed.seconds >= 0.05
+    assert record.closest(1) == [missed]  # it used all of its bound
+    summary = record.summary()
+    assert "bounds x2.00" in summary and "NOT MET  never" in summary
+    record.write(tmp_path / "waits.json")
+    assert '"factor": 2.0' in (tmp_path / "waits.json").read_text()
+
+
+def test_an_image_step_past_its_bound_fails_naming_it(monkeypatch):
+    monkeypatch.setitem(prepare.BOUNDS, "router", 0.01)
+    timings: dict[str, float] = {}
+    with pytest.raises(images.ImageBuildError, match="router took 0 s, over its bound of 0 s"):
+        prepare._step("router", lambda: time.sleep(0.05), timings)
+    assert timings["router"] >= 0.05
+    monkeypatch.setenv("KVPILOT_E2E_IMAGE_BOUND_FACTOR", "100")
+    assert prepare._step("router", lambda: "ref", timings) == "ref"
+
+
+def test_a_failed_build_step_fails_with_its_log_tail(tmp_path):
+    with images.Builder(tmp_path) as builder:
+        with pytest.raises(images.ImageBuildError, match=r"(?s)slow failed \(still running after 0 s.*started"):
+            builder.run("slow", ["sh", "-c", "echo started; sleep 5"], timeout=0.5)
+        with pytest.raises(images.ImageBuildError, match=r"(?s)bad failed \(exit 3\).*boom"):
+            builder.run("bad", ["sh", "-c", "echo boom; exit 3"])
+
+
+# A stand-in for `ctr`: `images ls -q` prints the names in $STATE, `images import` appends
+# what the fake archive names (or nothing, to play a broken import); argv goes to $ARGV.
+FAKE_CTR = """#!/bin/sh
+echo "$@" >> "$ARGV"
+case "$*" in
+  *"images ls -q"*) cat "$STATE" 2>/dev/null || true ;;
+  *"images import"*) [ -n "$NAMES" ] && echo "$NAMES" >> "$STATE"; echo "unpacking $NAMES...done" ;;
+  *"images rm"*) ;;
+esac
+"""
+
+
+class FakeBuilder(images.Builder):
+    def export(self, ref: str, archive: Path) -> Path:
+        archive.write_text(ref)
+        return archive
+
+
+def _fake_ctr(tmp_path: Path, monkeypatch, names: str) -> list[str]:
+    ctr = tmp_path / "ctr"
+    ctr.write_text(FAKE_CTR)
+    ctr.chmod(ctr.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("ARGV", str(tmp_path / "argv"))
+    monkeypatch.setenv("STATE", str(tmp_path / "state"))
+    monkeypatch.setenv("NAMES", names)
+    return [str(ctr), "--address", "sock", "--namespace", "k8s.io"]
+
+
+def test_an_import_makes_one_image_record_by_its_repository(tmp_path, monkeypatch):
+    ref = "docker.io/kvpilot/engine:e2e-0123456789abcdef"
+    ctr = _fake_ctr(tmp_path, monkeypatch, ref)
+    with FakeBuilder(tmp_path / "cache") as builder:
+        assert images.import_into(builder, ref, ctr) is True
+        assert images.import_into(builder, ref, ctr) is False  # present: not again
+    imports = [line for line in (tmp_path / "argv").read_text().splitlines() if "import" in line]
+    assert len(imports) == 1
+    assert "--base-name docker.io/kvpilot/engine " in imports[0]
+    assert "--index-name" not in imports[0]
+
+
+def test_an_import_that_names_nothing_is_an_error(tmp_path, monkeypatch):
+    ref = "docker.io/kvpilot/router:e2e-0123456789abcdef"
+    ctr = _fake_ctr(tmp_path, monkeypatch, "")
+    with FakeBuilder(tmp_path / "cache") as builder, \
+            pytest.raises(images.ImageBuildError, match="named no such image"):
+        images.import_into(builder, ref, ctr)
+    assert os.path.exists(tmp_path / "argv")
