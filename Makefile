@@ -76,7 +76,8 @@ e2e-images: $(E2E_STAMP) tools
 	$(BIN)/python -m e2e.prepare
 
 # Both preparation steps at once: on a cold machine the Go build is CPU-bound while the
-# image builds wait on downloads and disk (docs/e2e.md, "Timings").
+# image builds mostly wait on downloads and disk (their one CPU-bound part is the CPU
+# kernels' compile, under a minute; docs/e2e.md, "Timings").
 e2e-prepare: $(E2E_STAMP) tools
 	$(MAKE) --no-print-directory -j2 e2e-build e2e-images
 

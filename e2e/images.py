@@ -31,11 +31,13 @@ Errors: :class:`ImageBuildError` names the step and carries the tail of its outp
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -180,13 +182,24 @@ class Builder:
         """Run one step, its output in logs/<step>.log (the last run's); raise ImageBuildError."""
         log_path = self.logs / f"{step}.log"
         with open(log_path, "wb") as out:
+            # A session of its own: at the bound the whole group goes (a RUN step's pip or
+            # g++, not only buildah).
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
             try:
-                result = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT,
-                                        timeout=timeout, check=False, stdin=subprocess.DEVNULL)
-                code = f"exit {result.returncode}"
+                returncode: int | None = proc.wait(timeout=timeout)
+                code = f"exit {returncode}"
             except subprocess.TimeoutExpired:
-                result, code = None, f"still running after {timeout:.0f} s, killed"
-        if result is None or result.returncode != 0:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                returncode, code = None, f"still running after {timeout:.0f} s, killed"
+            except BaseException:  # Ctrl-C or SIGTERM: never leave the build running
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
+        if returncode != 0:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
             raise ImageBuildError(f"{step} failed ({code}): {' '.join(argv[:6])} "
                                   f"...; last lines of {log_path}:\n{tail}")

@@ -3,7 +3,9 @@ root before pytest starts, so no test's timeout covers them.
 
 Each step prints a progress line with its time and its bound; a step that fails or runs
 past its bound stops the run with that step's log tail (exit status 1), instead of every
-scenario erroring at setup. Steps already done (an image in the buildah store, a reference
+scenario erroring at setup. Image builds and the import are killed at their bound (the
+import's bound covers all four images together); the cached base and pause steps are
+checked after they end. Steps already done (an image in the buildah store, a reference
 in containerd) take a second. The times are written to ``timings.json`` in the image cache
 (docs/e2e.md, "Timings").
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -30,7 +33,18 @@ BOUNDS = {"base": 900, "pause": 120, "engine": 1800, "operator": 600, "router": 
 
 
 def bound(step: str) -> float:
-    return BOUNDS[step] * float(os.environ.get("KVPILOT_E2E_IMAGE_BOUND_FACTOR", "1"))
+    """``step``'s bound in seconds, times ``$KVPILOT_E2E_IMAGE_BOUND_FACTOR``.
+
+    Raises:
+        ValueError: the factor is not a positive finite number (named)."""
+    raw = os.environ.get("KVPILOT_E2E_IMAGE_BOUND_FACTOR", "1")
+    try:
+        factor = float(raw)
+    except ValueError:
+        factor = -1.0
+    if not 0 < factor < float("inf"):
+        raise ValueError(f"KVPILOT_E2E_IMAGE_BOUND_FACTOR={raw!r}: must be a positive number")
+    return BOUNDS[step] * factor
 
 
 def _step(name: str, fn: Callable[[], T], timings: dict[str, float]) -> T:
@@ -74,7 +88,8 @@ def prepare() -> dict[str, float]:
 def main() -> int:
     try:
         prepare()
-    except (images.ImageBuildError, RuntimeError, OSError) as e:
+    except (images.ImageBuildError, RuntimeError, OSError, ValueError,
+            subprocess.SubprocessError) as e:
         print(f"e2e-images: FAILED: {e}", file=sys.stderr, flush=True)
         return 1
     return 0

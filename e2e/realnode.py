@@ -31,6 +31,7 @@ caches remains, also when a test failed.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -117,6 +118,24 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.internal.v1.trac
 """
 
 
+def lock_containerd_root() -> int:
+    """An exclusive lock on the cached containerd root (a file descriptor to close to
+    release it): one containerd at a time may use that root.
+
+    Raises:
+        RuntimeError: another e2e session or ``make e2e-images`` holds it.
+    """
+    CONTAINERD_ROOT.mkdir(parents=True, exist_ok=True)
+    fd = os.open(CONTAINERD_ROOT / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(f"the containerd cache {CONTAINERD_ROOT} is in use by another e2e "
+                           "session or `make e2e-images`; wait for it to end") from None
+    return fd
+
+
 def import_offline(builder: images.Builder, refs: list[str], *,
                    progress=lambda line: None, timeout: float = 1800) -> dict[str, float]:
     """Import the sandbox image and ``refs`` into the cached containerd root (namespace
@@ -129,11 +148,16 @@ def import_offline(builder: images.Builder, refs: list[str], *,
     must not run on the same root at the same time.
 
     Raises:
-        images.ImageBuildError: an import failed (its output's tail).
-        RuntimeError: containerd did not start (its log's tail).
+        images.ImageBuildError: an import failed or the imports ran past ``timeout``
+            seconds together (the output's tail).
+        RuntimeError: the root is locked by another run (:func:`lock_containerd_root`),
+            or containerd exited at start (its log's tail).
+        TimeoutError: containerd did not answer within 60 s (its log's tail).
+        FileNotFoundError: containerd or ctr is not installed.
     """
     if shutil.which("containerd") is None or shutil.which("ctr") is None:
         raise FileNotFoundError("containerd is not installed: run scripts/install-tools.sh")
+    lock = lock_containerd_root()
     (CONTAINERD_ROOT / "root").mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvpilot-ctr-import-"))
     config = work / "config.toml"
@@ -145,13 +169,18 @@ def import_offline(builder: images.Builder, refs: list[str], *,
     try:
         procs.wait_until(lambda: subprocess.run([*ctr, "version"], capture_output=True,
                                                 check=False).returncode == 0
-                         or not proc.alive(), 60, "the import containerd")
+                         or not proc.alive(), 60, "the import containerd",
+                         on_timeout=proc.log_tail)
         if not proc.alive():
             raise RuntimeError(f"containerd exited:\n{proc.log_tail()}")
         wanted = [builder.ensure_pause(), *refs]
+        deadline = time.monotonic() + timeout
         for ref in wanted:
             start = time.monotonic()
-            imported = images.import_into(builder, ref, ctr, timeout=timeout)
+            if start >= deadline:
+                raise images.ImageBuildError(f"importing the images ran past {timeout:.0f} s "
+                                             f"before {ref}")
+            imported = images.import_into(builder, ref, ctr, timeout=deadline - start)
             timings[ref] = time.monotonic() - start if imported else 0.0
             if imported:
                 progress(f"imported {ref} into containerd in {timings[ref]:.0f} s")
@@ -160,6 +189,7 @@ def import_offline(builder: images.Builder, refs: list[str], *,
         proc.stop(grace_seconds=20)
         RealNode._unmount_under([work, CONTAINERD_ROOT])
         shutil.rmtree(work, ignore_errors=True)
+        os.close(lock)
     return timings
 
 
@@ -192,6 +222,7 @@ class RealNode:
     procs: dict[str, procs.Proc] = field(default_factory=dict)
     cgroup_root: str = ""
     _netns_before: set[str] = field(default_factory=set)
+    _root_lock: int | None = None
     _dirs_before: dict[Path, bool] = field(default_factory=dict)
 
     @property
@@ -211,6 +242,7 @@ class RealNode:
         if not (CNI_BIN / "bridge").exists():
             raise FileNotFoundError(f"{CNI_BIN}/bridge is missing: install "
                                     "containernetworking-plugins (scripts/install-tools.sh)")
+        self._root_lock = lock_containerd_root()
         self._netns_before = set(os.listdir("/run/netns")) if Path("/run/netns").exists() else set()
         # Directories the kubelet and libcni create outside the work directory.
         self._dirs_before = {d: d.exists() for d in (CONTAINER_LOGS, CNI_CACHE / "results",
@@ -346,7 +378,9 @@ class RealNode:
             proc.stop(grace_seconds=20)
         self._kill_shims()
         self._remove_cgroups()
-        self._unmount_under([self.workdir, CONTAINERD_ROOT])
+        # The cached root only when this node holds it (never another run's mounts).
+        self._unmount_under([self.workdir, *([CONTAINERD_ROOT] if self._root_lock is not None
+                                             else [])])
         self._remove_pod_netns()
         self._remove_cni_state()
         self._remove_container_log_links()
@@ -354,6 +388,9 @@ class RealNode:
             if not existed:
                 with contextlib.suppress(OSError):
                     directory.rmdir()  # only when empty: never someone else's files
+        if self._root_lock is not None:
+            os.close(self._root_lock)
+            self._root_lock = None
 
     def _remove_all_containers(self) -> None:
         for task in self._ctr("tasks", "ls", "-q", check=False).stdout.split():

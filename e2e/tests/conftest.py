@@ -52,7 +52,6 @@ def cluster():
     # SIGTERM/SIGHUP (a CI timeout, `kill`) unwind like Ctrl-C, so the finally below runs.
     procs.install_signal_handlers(interrupt=True)
     logging.getLogger("e2e").setLevel(logging.INFO)
-    pace.PACE = pace.from_env()
     c = Cluster.create()
     try:
         try:
@@ -69,20 +68,42 @@ def cluster():
         print(f"\ne2e: logs and state in {c.workdir}")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """A forced pace (``KVPILOT_E2E_PACE``) is checked before anything starts."""
+    try:
+        pace.PACE = pace.from_env()
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     pace.PACE.current_test = item.nodeid
 
 
+def _base_timeout(item: pytest.Item) -> float | None:
+    """The test's timeout before the pace: its own marker, else ``--timeout``, else the
+    ini value (pytest-timeout's order; ``PYTEST_TIMEOUT`` is read by it into the option)."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+        return None if value is None else float(value)
+    option = item.config.getoption("timeout", default=None)
+    if option is not None:
+        return float(option)
+    ini = item.config.getini("timeout")
+    return float(ini) if ini else None
+
+
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """Each test's pytest-timeout, multiplied by the pace (pytest-timeout reads the
-    marker in its own wrapper of this hook, which runs after this one)."""
-    if pace.PACE.factor != 1.0:
-        marker = item.get_closest_marker("timeout")
-        base = marker.args[0] if marker and marker.args else item.config.getini("timeout")
-        if base:
-            item.add_marker(pytest.mark.timeout(float(base) * pace.PACE.factor))
+    closest marker in its own wrapper of this hook, which runs after this one). The first
+    test's starts before the pace is measured: it runs at the value as set, which covers
+    the cluster's start and the pace probe. 0 (no timeout) stays 0."""
+    base = _base_timeout(item)
+    if base and pace.PACE.factor != 1.0:
+        item.add_marker(pytest.mark.timeout(base * pace.PACE.factor), append=False)
     yield
 
 

@@ -55,8 +55,9 @@ def test_engine_runs_non_root_on_a_read_only_root_with_its_volumes(cluster, name
     # and it carries no compiler and no Triton (docs/operator.md, "The CPU engine image").
     assert "CPU kernels: prebuilt x86-64-v" in logs, logs[-3000:]
     assert "building the CPU kernels" not in logs and "falls back to the torch" not in logs
-    slim = _exec(cluster, namespace, name,
-                 "command -v c++ g++ gcc; python3 -c 'import triton' 2>&1 | tail -1")
+    # One `command -v` per name: dash's stops at the first name it does not find.
+    slim = _exec(cluster, namespace, name, "for c in c++ g++ gcc cc; do command -v $c; done; "
+                 "python3 -c 'import triton' 2>&1 | tail -1")
     assert "ModuleNotFoundError" in slim.stdout and "/bin/" not in slim.stdout, slim.stdout
     assert h.completion(pod["status"]["podIP"])["choices"][0]["text"]
 

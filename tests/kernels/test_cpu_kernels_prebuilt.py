@@ -63,8 +63,28 @@ def test_a_cpu_without_any_level_is_told_what_it_lacks(tmp_path, monkeypatch, ca
     _manifest(tmp_path)
     monkeypatch.setattr(cpu_attention, "cpu_flag_set", lambda: SSE4)
     assert cpu_attention._load_prebuilt(tmp_path) is None
-    assert "runs none of the levels x86-64-v3" in caplog.text
+    assert "none of them runs or loads here (x86-64-v3 needs " in caplog.text
     assert "avx2" in caplog.text and "fma" in caplog.text
+
+
+@pytest.mark.parametrize("manifest", ["[]", '{"levels": []}', '{"levels": {"x86-64-v3": 3}}',
+                                      "{not json"])
+def test_a_malformed_manifest_is_logged_not_raised(tmp_path, caplog, manifest):
+    caplog.set_level(logging.WARNING, logger="kvpilot.engine")
+    (tmp_path / "manifest.json").write_text(manifest)
+    assert cpu_attention._load_prebuilt(tmp_path) is None
+    assert "no usable prebuilt CPU kernels" in caplog.text and "manifest.json" in caplog.text
+
+
+def test_a_library_that_does_not_load_falls_to_the_next_level(tmp_path, monkeypatch, caplog):
+    """A missing v4 file and a v3 file that is not a library: both logged, none raised."""
+    caplog.set_level(logging.WARNING, logger="kvpilot.engine")
+    _manifest(tmp_path, levels={"x86-64-v4": "x86-64-v4/missing.so", "x86-64-v3": "v3.so"})
+    (tmp_path / "v3.so").write_text("not an ELF file")
+    monkeypatch.setattr(cpu_attention, "cpu_flag_set", lambda: AVX512)
+    assert cpu_attention._load_prebuilt(tmp_path) is None
+    assert "prebuilt CPU kernels x86-64-v4" in caplog.text and "missing.so" in caplog.text
+    assert "prebuilt CPU kernels x86-64-v3" in caplog.text and "did not load" in caplog.text
 
 
 def test_nothing_prebuilt_fits_and_no_compiler_falls_back_to_torch(tmp_path, monkeypatch, caplog):
@@ -77,7 +97,7 @@ def test_nothing_prebuilt_fits_and_no_compiler_falls_back_to_torch(tmp_path, mon
     monkeypatch.setenv(cpu_attention.PREBUILT_ENV, str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
-    assert "runs none of the levels" in caplog.text
+    assert "none of them runs or loads here" in caplog.text
     assert "no C++ compiler" in caplog.text and "falls back to the torch backend" in caplog.text
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -28,8 +29,8 @@ def run(args: argparse.Namespace) -> int:
     start = time.monotonic()
     try:
         built = build_prebuilt(args.out, levels)
-    except RuntimeError as e:
-        print(f"kvpilot build-kernels: {e}")
+    except (RuntimeError, OSError) as e:
+        print(f"kvpilot build-kernels: {e}", file=sys.stderr)
         return 1
     print(f"kvpilot build-kernels: {', '.join(built)} in {args.out} "
           f"({time.monotonic() - start:.0f} s)")

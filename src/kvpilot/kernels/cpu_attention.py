@@ -156,27 +156,45 @@ def build_dir() -> Path:
 
 
 def _load_prebuilt(root: Path) -> str | None:
-    """Load the best prebuilt level in ``root`` for this CPU; its name, or None (logged)
-    when the manifest is missing or stale or no level fits this CPU."""
+    """Load the best prebuilt level in ``root`` this CPU runs; its name, or None (each
+    reason logged as a warning) when the manifest is missing, malformed or stale, no
+    level fits this CPU, or every fitting library fails to load (the next fitting level
+    is tried after one that fails). Never raises."""
     try:
         manifest = json.loads((root / MANIFEST).read_text())
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("levels"), dict) \
+                or not all(isinstance(v, str) for v in manifest["levels"].values()):
+            raise ValueError("not an object with a 'levels' object of library paths")
+        fresh = manifest.get("source") == source_hash() and manifest.get("torch") == torch.__version__
     except (OSError, ValueError) as e:
-        log.warning("no usable prebuilt CPU kernels in %s=%s (%s)", PREBUILT_ENV, root, e)
+        log.warning("no usable prebuilt CPU kernels in %s=%s (%s: %s)", PREBUILT_ENV, root,
+                    MANIFEST, e)
         return None
-    if manifest.get("source") != source_hash() or manifest.get("torch") != torch.__version__:
+    if not fresh:
         log.warning("prebuilt CPU kernels in %s were built from another source or torch "
                     "(torch %s, this is %s); not loaded", root, manifest.get("torch"),
                     torch.__version__)
         return None
-    built = manifest.get("levels", {})
+    built: dict[str, str] = manifest["levels"]
     flags = cpu_flag_set()
+    known = {level.name: level for level in ISA_LEVELS}
     for level in ISA_LEVELS:
         if level.name in built and level.flags <= flags:
-            torch.ops.load_library(str(root / built[level.name]))  # type: ignore[no-untyped-call]
+            library = root / built[level.name]
+            try:
+                torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
+            except (OSError, RuntimeError) as e:
+                log.warning("prebuilt CPU kernels %s (%s) did not load: %s", level.name, library, e)
+                continue
             log.info("CPU kernels: prebuilt %s from %s", level.name, root)
             return level.name
-    log.warning("prebuilt CPU kernels in %s: this CPU runs none of the levels %s (it lacks "
-                "%s)", root, ", ".join(built), ", ".join(sorted(ISA_LEVELS[-1].flags - flags)))
+    if not built:
+        log.warning("prebuilt CPU kernels in %s: the manifest lists no levels", root)
+        return None
+    lacking = "; ".join(
+        f"{name} needs {', '.join(sorted(known[name].flags - flags)) or 'nothing more'}"
+        if name in known else f"{name} is not a level this version knows" for name in built)
+    log.warning("prebuilt CPU kernels in %s: none of them runs or loads here (%s)", root, lacking)
     return None
 
 
@@ -235,8 +253,13 @@ def build_prebuilt(out: Path, levels: tuple[IsaLevel, ...] = ISA_LEVELS) -> dict
 
     Raises:
         RuntimeError: a level's build failed (the message ends with its output).
+        OSError: ``out`` cannot be created or written.
     """
     out.mkdir(parents=True, exist_ok=True)
+    # Hashed before compiling (what was compiled), and no manifest while building: a
+    # failed build never leaves an old manifest vouching for new libraries.
+    source = source_hash()
+    (out / MANIFEST).unlink(missing_ok=True)
     built: dict[str, str] = {}
     for level in levels:
         target = out / level.name
@@ -254,12 +277,14 @@ def build_prebuilt(out: Path, levels: tuple[IsaLevel, ...] = ISA_LEVELS) -> dict
                 shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
         built[level.name] = f"{level.name}/{EXTENSION}.so"
         log.info("built the CPU kernels for %s in %s", level.name, target)
-    manifest = {"source": source_hash(), "torch": torch.__version__,
+    manifest = {"source": source, "torch": torch.__version__,
                 "cflags": {lv.name: [f"-march={lv.march}" if f == "-march=native" else f
                                      for f in CFLAGS] for lv in levels},
                 "compiler": _compiler_version(os.environ.get("CXX", "c++")).splitlines()[:1],
                 "levels": built}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    partial = out / f"{MANIFEST}.tmp"
+    partial.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(partial, out / MANIFEST)
     return built
 
 
