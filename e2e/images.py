@@ -189,16 +189,13 @@ class Builder:
             try:
                 returncode: int | None = proc.wait(timeout=timeout)
                 code = f"exit {returncode}"
-            except subprocess.TimeoutExpired:
+            except BaseException as e:  # the bound, Ctrl-C or SIGTERM: never leave it running
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+                if not isinstance(e, subprocess.TimeoutExpired):
+                    raise
                 returncode, code = None, f"still running after {timeout:.0f} s, killed"
-            except BaseException:  # Ctrl-C or SIGTERM: never leave the build running
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                raise
         if returncode != 0:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
             raise ImageBuildError(f"{step} failed ({code}): {' '.join(argv[:6])} "
@@ -327,6 +324,12 @@ def prune_containerd(ctr: list[str], keep: list[str]) -> None:
             subprocess.run([*ctr, "images", "rm", ref], capture_output=True, check=False)
 
 
+def _image_names(ctr: list[str]) -> list[str]:
+    """Every image name the containerd ``ctr`` talks to holds."""
+    return subprocess.run([*ctr, "images", "ls", "-q"], capture_output=True, text=True,
+                          check=True).stdout.split()
+
+
 def import_into(builder: Builder, ref: str, ctr: list[str], *, timeout: float = 1800) -> bool:
     """Import ``ref`` into the containerd that ``ctr`` (argv prefix with address and namespace)
     talks to, unless it already holds that reference; True when it was imported.
@@ -342,9 +345,7 @@ def import_into(builder: Builder, ref: str, ctr: list[str], *, timeout: float = 
         ImageBuildError: the import failed or took longer than ``timeout`` seconds, or
             containerd does not list ``ref`` afterwards (the output's tail).
     """
-    listed = subprocess.run([*ctr, "images", "ls", "-q"], capture_output=True, text=True,
-                            check=True).stdout.split()
-    if ref in listed:
+    if ref in _image_names(ctr):
         return False
     repository = ref.rsplit(":", 1)[0]
     with tempfile.TemporaryDirectory(dir=builder.cache) as tmp:
@@ -355,8 +356,7 @@ def import_into(builder: Builder, ref: str, ctr: list[str], *, timeout: float = 
         except ImageBuildError:
             subprocess.run([*ctr, "images", "rm", ref], capture_output=True, check=False)
             raise
-    listed = subprocess.run([*ctr, "images", "ls", "-q"], capture_output=True, text=True,
-                            check=True).stdout.split()
+    listed = _image_names(ctr)
     if ref not in listed:
         raise ImageBuildError(f"import of {ref} named no such image (containerd lists "
                               f"{', '.join(listed) or 'nothing'}); ctr printed:\n{out[-2000:]}")

@@ -71,6 +71,11 @@ class IsaLevel:
     march: str
     flags: frozenset[str]
 
+    @property
+    def cflags(self) -> list[str]:
+        """:data:`CFLAGS` with ``-march=native`` replaced by this level's ``-march``."""
+        return [f"-march={self.march}" if f == "-march=native" else f for f in CFLAGS]
+
 
 _V3_FLAGS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
 # Best first: load() picks the first level whose flags the CPU has.
@@ -139,16 +144,21 @@ def source_hash() -> str:
     return key.hexdigest()
 
 
+def runnable_levels(flags: frozenset[str]) -> list[IsaLevel]:
+    """The :data:`ISA_LEVELS` a CPU with ``flags`` runs, best first."""
+    return [level for level in ISA_LEVELS if level.flags <= flags]
+
+
 def pick_level(flags: frozenset[str]) -> IsaLevel | None:
     """The best of :data:`ISA_LEVELS` a CPU with ``flags`` runs (None: none of them)."""
-    return next((level for level in ISA_LEVELS if level.flags <= flags), None)
+    return next(iter(runnable_levels(flags)), None)
 
 
 def build_dir() -> Path:
     """Where the compiled kernels of this source, torch, compiler and CPU live."""
     cxx = os.environ.get("CXX", "c++")
     key = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES + HEADERS), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+    for part in (source_hash().encode(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
                  _compiler_version(cxx).encode(), _cpu_flags().encode()):
         key.update(part)
     root = Path(os.environ.get("KVPILOT_CACHE_DIR", Path.home() / ".cache" / "kvpilot"))
@@ -178,8 +188,8 @@ def _load_prebuilt(root: Path) -> str | None:
     built: dict[str, str] = manifest["levels"]
     flags = cpu_flag_set()
     known = {level.name: level for level in ISA_LEVELS}
-    for level in ISA_LEVELS:
-        if level.name in built and level.flags <= flags:
+    for level in runnable_levels(flags):
+        if level.name in built:
             library = root / built[level.name]
             try:
                 torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
@@ -264,7 +274,7 @@ def build_prebuilt(out: Path, levels: tuple[IsaLevel, ...] = ISA_LEVELS) -> dict
     for level in levels:
         target = out / level.name
         target.mkdir(parents=True, exist_ok=True)
-        cflags = " ".join(f"-march={level.march}" if f == "-march=native" else f for f in CFLAGS)
+        cflags = " ".join(level.cflags)
         result = subprocess.run(
             [sys.executable, "-c", _BUILD_ONLY, EXTENSION, cflags, str(target),
              *(str(src) for src in SOURCES)],
@@ -278,8 +288,7 @@ def build_prebuilt(out: Path, levels: tuple[IsaLevel, ...] = ISA_LEVELS) -> dict
         built[level.name] = f"{level.name}/{EXTENSION}.so"
         log.info("built the CPU kernels for %s in %s", level.name, target)
     manifest = {"source": source, "torch": torch.__version__,
-                "cflags": {lv.name: [f"-march={lv.march}" if f == "-march=native" else f
-                                     for f in CFLAGS] for lv in levels},
+                "cflags": {lv.name: lv.cflags for lv in levels},
                 "compiler": _compiler_version(os.environ.get("CXX", "c++")).splitlines()[:1],
                 "levels": built}
     partial = out / f"{MANIFEST}.tmp"
