@@ -1,7 +1,10 @@
 """Scenario: two operator replicas under the chart's leader election. Only the Lease
 holder acts; when it dies without a word (its pod force-deleted, so it releases nothing),
-the other takes the Lease and serves a resource applied after the death, within 30 s.
-The operator is scaled back to one replica afterwards."""
+another replica takes the Lease and serves a resource applied after the death, within
+30 s. That replica is the waiting follower, or the pod the ReplicaSet starts in the dead
+leader's place when it wins the race for a Lease the kubelet's SIGTERM made the leader
+release (both are a takeover; CI saw the second). The operator is scaled back to one
+replica afterwards."""
 
 from __future__ import annotations
 
@@ -61,10 +64,16 @@ def test_a_second_operator_takes_over_within_30_s(cluster, namespace):
             print(f"e2e operator HA: the kubelet stopped the leader first ({exc})")
         h.apply(cluster, namespace, h.small_infd("ha-after", replicas=0, autoscaling=None))
         cluster.wait_for(lambda: h.deployment(cluster, namespace, "ha-after"), 90,
-                         "the follower to take over and reconcile")
+                         "another replica to take over and reconcile")
         took = time.monotonic() - died
         print(f"e2e operator HA: takeover and first reconcile {took:.1f} s after the leader's death")
-        assert _holder(cluster) == follower
+        holder = _holder(cluster)
+        assert holder != leader, f"the dead leader {leader} still holds the Lease"
+        # A replacement pod may lead before its readiness probe has passed once.
+        cluster.wait_for(lambda: holder in _ready_operator_pods(cluster), 60,
+                         f"the Lease holder {holder} to be a ready operator pod")
+        print(f"e2e operator HA: {holder} took over "
+              f"({'the follower' if holder == follower else 'the replacement pod'})")
         assert took <= TAKEOVER_WITHIN_SECONDS, f"took {took:.1f} s"
         # About 15-20 s when the SIGKILL came first (the Lease had to expire); a few
         # seconds when the kubelet's SIGTERM did (the leader released it).
