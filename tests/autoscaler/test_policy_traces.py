@@ -143,6 +143,7 @@ def test_decision_to_dict_is_plain_json():
     data = json.loads(json.dumps(d.to_dict()))
     assert {c["rule"] for c in data["candidates"]} == {
         "headroom",
+        "saturation",
         "queue_drain",
         "forecast",
         "starvation",

@@ -31,6 +31,7 @@ def test_defaults_match_the_crd_defaults():
         "maxReplicas": 4,
         "targetCacheUsage": 0.75,
         "targetQueueDepth": 4.0,
+        "targetSaturation": 0.75,
         "startupSeconds": 120.0,
         "scaleUpStabilizationSeconds": 0.0,
         "scaleDownStabilizationSeconds": 300.0,

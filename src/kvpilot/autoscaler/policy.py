@@ -5,7 +5,7 @@
     signals, state, spec, now
       -> observe        load over the ready pods; history pruned to the windows
       -> (no KV usage)  hold current: MetricsAvailable=False           [missing_metrics]
-      -> assess         demand sample, trend, starvation episode, the four rule candidates,
+      -> assess         demand sample, trend, starvation episode, the five rule candidates,
                         this interval's recommendation recorded
       -> propose_up     the forecast and the alarm now, reactive rules stabilized
       -> propose_hold_or_down   the first hold check that applies, else one step down
@@ -22,11 +22,12 @@ Decision table (first row that applies wins; ``current`` = ready + pending)::
   window not a full, continuous    -> hold (scale-down stabilization)
     run of recommendations < current
   settling after the last step     -> hold (the next step waits for the load to move)
-  consolidation check fails        -> hold (current - 1 would not absorb the load under target)
+  consolidation check fails        -> hold (current - 1 would not absorb the load under target:
+                                      KV usage, batch saturation, queue, forecast, alarm)
   otherwise                        -> scale DOWN by one
   finally                          -> clamp to [min, max]; report which bound limited it
 
-``reactive`` is the higher of headroom and queue drain; with
+``reactive`` is the highest of headroom, saturation and queue drain; with
 ``scaleUpStabilizationSeconds`` > 0 it is the lowest such value over that window (HPA's
 scale-up stabilization). Missing pods count as zero load, as HPA counts pods without
 metrics on a scale-up, so partial data can justify a scale-up but never a scale-down.
@@ -92,7 +93,7 @@ class Interval:
         load: the fleet's load (:func:`~kvpilot.autoscaler.signals.aggregate`).
         trend: KV demand's least-squares trend over the settled window, or None.
         latest_demand: this interval's demand (replica-equivalents), None if incomplete.
-        candidates: headroom, queue drain, forecast, starvation (this order).
+        candidates: headroom, saturation, queue drain, forecast, starvation (this order).
         state: the history with this interval's demand and recommendation recorded.
     """
 
@@ -118,7 +119,7 @@ class Interval:
 
     @property
     def reactive(self) -> Candidate | None:
-        return _highest(self.rule("headroom"), self.rule("queue_drain"))
+        return _highest(self.rule("headroom"), self.rule("saturation"), self.rule("queue_drain"))
 
 
 def observe(
@@ -145,7 +146,7 @@ def missing_metrics(
 def assess(
     signals: FleetSignals, load: FleetLoad, state: PolicyState, spec: AutoscalingSpec, now: float
 ) -> Interval:
-    """Record the demand sample, fit the trend, track the starvation episode, ask the four
+    """Record the demand sample, fit the trend, track the starvation episode, ask the five
     rules, and record what they recommended (the windows read it next time)."""
     current, ready = signals.current_replicas, signals.ready_replicas
     latest_demand = None
@@ -165,16 +166,18 @@ def assess(
         state = replace(state, starvation_base_replicas=None)
     candidates = (
         rules.headroom(load, current, spec),
+        rules.saturation(load, current, spec),
         drain,
         rules.forecast(trend, latest_demand, current, spec, drain.replicas is not None, rising),
         rules.starvation(load, ready, current, spec, state.starvation_base_replicas),
     )
     interval = Interval(now, current, ready, load, trend, latest_demand, candidates, state)
-    # The scale-down window remembers what the sizing rules asked for (headroom, forecast).
+    # The scale-down window remembers what the sizing rules asked for (headroom, saturation,
+    # forecast): busy batches keep their replicas as a full KV cache does.
     # A queue or a full pod is pressure to answer now, not load to keep capacity for once
     # gone: while either lasts, its candidate holds the count and the consolidation check
     # refuses to step down.
-    held = _highest(interval.rule("headroom"), interval.rule("forecast"))
+    held = _highest(interval.rule("headroom"), interval.rule("saturation"), interval.rule("forecast"))
     reactive = interval.reactive
     state = _record(
         state,
@@ -278,13 +281,15 @@ def step_down(interval: Interval, spec: AutoscalingSpec) -> Proposal:
     """One replica fewer: every hold check passed."""
     fewer = interval.current - 1
     usage = _used(interval) / fewer
+    sat = interval.load.saturation(fewer)
+    batches = "" if sat is None else f" and {sat:.1%} of their batch slots"
     return Proposal(
         fewer,
         "scale_down",
         "kv_usage",
         usage,
         f"below target for a full {spec.scale_down_stabilization_seconds:.0f} s window;"
-        f" {fewer} replicas absorb the load at {usage:.1%} KV usage",
+        f" {fewer} replicas absorb the load at {usage:.1%} KV usage{batches}",
     )
 
 

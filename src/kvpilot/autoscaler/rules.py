@@ -1,4 +1,4 @@
-"""The four candidate rules. Each turns the fleet's load into a replica count (or no
+"""The five candidate rules. Each turns the fleet's load into a replica count (or no
 opinion) with the signal and value behind it; :func:`kvpilot.autoscaler.policy.decide`
 takes the highest.
 
@@ -33,7 +33,8 @@ class Candidate:
     """One rule's answer.
 
     Attributes:
-        rule: ``headroom``, ``queue_drain``, ``forecast`` or ``starvation``.
+        rule: ``headroom``, ``saturation``, ``queue_drain``, ``forecast`` or
+            ``starvation``.
         replicas: the total it asks for, or ``None`` for no opinion (not triggered or no
             data).
         signal: the metric it read.
@@ -88,6 +89,45 @@ def headroom(load: FleetLoad, current: int, spec: AutoscalingSpec) -> Candidate:
         mean_usage,
         f"mean KV usage {mean_usage:.1%} over {current} replicas vs target"
         f" {spec.target_cache_usage:.0%}: {replicas} replicas hold it at target",
+    )
+
+
+def saturation(load: FleetLoad, current: int, spec: AutoscalingSpec) -> Candidate:
+    """Keep running requests per replica at ``target_saturation`` of ``max_num_seqs``.
+
+    Sources: Knative KPA and AIBrix size on in-flight requests per pod against a target
+    concurrency; llm-d's saturation-based scaling reads the batch as well as the KV cache.
+    Ours: ``desired = ceil(running / (max_num_seqs x target_saturation))``, with HPA's
+    tolerance band around the target. The KV rules alone shrink a fleet whose batches are
+    busy but whose cache is nearly empty (short prompts, a full ``--max-num-seqs``): after
+    the step every request lands on fewer batches and queues. No opinion when
+    ``max_num_seqs`` is unknown or no pod reported its running count.
+    """
+    sat = load.saturation(current)
+    if sat is None or load.max_num_seqs is None:
+        why = ("max_num_seqs unknown" if load.max_num_seqs is None
+               else "no pod reported its running requests")
+        return Candidate("saturation", None, "num_running", None, why)
+    ratio = sat / spec.target_saturation
+    if abs(ratio - 1.0) <= spec.tolerance:
+        return Candidate(
+            "saturation",
+            current,
+            "num_running",
+            sat,
+            f"{load.num_running:.0f} running requests are {sat:.1%} of {current} x"
+            f" {load.max_num_seqs} batch slots, within {spec.tolerance:.0%} of the target"
+            f" {spec.target_saturation:.0%}: keep {current}",
+        )
+    replicas = ceil_replicas(load.num_running / (load.max_num_seqs * spec.target_saturation))
+    return Candidate(
+        "saturation",
+        replicas,
+        "num_running",
+        sat,
+        f"{load.num_running:.0f} running requests are {sat:.1%} of {current} x"
+        f" {load.max_num_seqs} batch slots vs target {spec.target_saturation:.0%}:"
+        f" {replicas} replicas run them at target",
     )
 
 
@@ -243,7 +283,7 @@ def starvation(
     replica per episode. A hot spot that one more replica does not relieve (a Service
     routes at random, so one pod can stay full while the rest idle) must not ratchet the
     fleet to ``maxReplicas`` one start-up at a time; sustained fleet-wide pressure is the
-    sizing rules' to answer (headroom, queue drain, forecast).
+    sizing rules' to answer (headroom, saturation, queue drain, forecast).
     """
     replicas = (ready if base is None else base) + 1
     if load.preempting_pods:

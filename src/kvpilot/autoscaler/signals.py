@@ -19,6 +19,8 @@ field                             engine metric
                                   ``rate(...[1m])`` or :func:`counter_rate` on two scrapes
 ``kv_capacity_tokens``            ``kvpilot:kv_cache_capacity_tokens`` (= ``num_gpu_blocks`` x
                                   ``block_size`` of ``kvpilot:cache_config_info``)
+``FleetSignals.max_num_seqs``     the engines' ``--max-num-seqs`` (the operator passes the CR's
+                                  ``spec.engine.maxNumSeqs``, the flag it sets on every pod)
 ``FleetSignals.router_queued``    requests the router pods hold that no engine counts yet:
                                   ``max(0, sum of vllm_router_running_requests - sum of
                                   engine running + waiting)`` over the ready engines (the
@@ -108,6 +110,9 @@ class FleetSignals:
         requests_finished: the ready engines' lifetime count of finished requests, summed
             (None when any ready pod did not report it). Scale to zero reads a change
             between two reads as traffic.
+        max_num_seqs: requests one engine runs at most (its ``--max-num-seqs``, >= 1), the
+            denominator of saturation; None when unknown (the saturation rule then has no
+            opinion, and the fleet is sized on KV and the queue alone).
     """
 
     pods: tuple[PodSignals, ...]
@@ -115,6 +120,7 @@ class FleetSignals:
     router_queued: float = 0.0
     requests_without_engine: float = 0.0
     requests_finished: float | None = None
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pods", tuple(self.pods))
@@ -129,6 +135,11 @@ class FleetSignals:
         if self.requests_without_engine is None:
             raise ValueError("requests_without_engine must be a number (0 when unknown); got None")
         _check_optional("requests_finished", "fleet", self.requests_finished)
+        if self.max_num_seqs is not None and (
+            isinstance(self.max_num_seqs, bool) or not isinstance(self.max_num_seqs, int)
+            or self.max_num_seqs < 1
+        ):
+            raise ValueError(f"max_num_seqs must be an int >= 1 or None; got {self.max_num_seqs!r}")
         names = [p.name for p in self.pods]
         if len(set(names)) != len(names):
             raise ValueError(f"pod names must be unique; got {names}")
@@ -162,6 +173,8 @@ class FleetLoad:
         preempting_pods: pods whose preemption rate is > 0.
         missing_pods: names of ready pods with any missing load signal.
         usage_reported: ready pods that reported kv_usage.
+        max_num_seqs: requests one engine runs at most (None = unknown).
+        running_reported: ready pods that reported num_running.
     """
 
     capacity_per_replica: float
@@ -175,6 +188,16 @@ class FleetLoad:
     missing_pods: tuple[str, ...]
     usage_reported: int
     router_queued: float = 0.0
+    max_num_seqs: int | None = None
+    running_reported: int = 0
+
+    def saturation(self, replicas: int) -> float | None:
+        """Running requests per replica over ``max_num_seqs`` if the fleet had ``replicas``
+        replicas (0..1 while every request fits a batch; None when ``max_num_seqs`` is
+        unknown, no pod reported its running count, or ``replicas`` < 1)."""
+        if self.max_num_seqs is None or self.running_reported == 0 or replicas < 1:
+            return None
+        return self.num_running / replicas / self.max_num_seqs
 
     @property
     def demand_tokens(self) -> float:
@@ -195,7 +218,7 @@ def aggregate(signals: FleetSignals) -> FleetLoad:
     used = waiting_tokens = waiting = running = max_usage = 0.0
     preempting: list[str] = []
     missing: list[str] = []
-    reported = 0
+    reported = running_reported = 0
     for pod in signals.pods:
         cap = pod.kv_capacity_tokens if pod.kv_capacity_tokens is not None else capacity
         if pod.kv_usage is not None:
@@ -205,7 +228,9 @@ def aggregate(signals: FleetSignals) -> FleetLoad:
         if pod.waiting_tokens is not None and capacity_known:
             waiting_tokens += pod.waiting_tokens
         waiting += pod.num_waiting or 0.0
-        running += pod.num_running or 0.0
+        if pod.num_running is not None:
+            running += pod.num_running
+            running_reported += 1
         if pod.preemption_rate:
             preempting.append(pod.name)
         if pod.missing:
@@ -222,6 +247,8 @@ def aggregate(signals: FleetSignals) -> FleetLoad:
         missing_pods=tuple(missing),
         usage_reported=reported,
         router_queued=float(signals.router_queued),
+        max_num_seqs=signals.max_num_seqs,
+        running_reported=running_reported,
     )
 
 

@@ -27,6 +27,7 @@ DEFAULTS: dict[str, Any] = {
     "minReplicas": 1,
     "targetCacheUsage": 0.75,
     "targetQueueDepth": 4,
+    "targetSaturation": 0.75,
     "startupSeconds": 120,
     "scaleUpStabilizationSeconds": 0,
     "scaleDownStabilizationSeconds": 300,
@@ -48,6 +49,7 @@ _CRD_NAMES = {
     "maxReplicas": "max_replicas",
     "targetCacheUsage": "target_cache_usage",
     "targetQueueDepth": "target_queue_depth",
+    "targetSaturation": "target_saturation",
     "startupSeconds": "startup_seconds",
     "scaleUpStabilizationSeconds": "scale_up_stabilization_seconds",
     "scaleDownStabilizationSeconds": "scale_down_stabilization_seconds",
@@ -101,6 +103,10 @@ class AutoscalingSpec:
         target_cache_usage: wanted mean non-evictable KV usage per replica, in (0, 1).
         target_queue_depth: waiting requests per ready replica above which the queue is
             pressure (> 0).
+        target_saturation: wanted running requests per replica as a share of the engine's
+            ``--max-num-seqs``, in (0, 1]: the batch-slot counterpart of
+            ``target_cache_usage``, so a fleet whose batches are busy is kept (and grown)
+            even while its KV cache is nearly empty (short prompts, a full batch).
         startup_seconds: how long a new pod takes from creation to serving (>= 0): the
             forecast horizon.
         scale_up_stabilization_seconds: HPA-style window for the reactive rules (headroom,
@@ -132,6 +138,7 @@ class AutoscalingSpec:
     max_replicas: int = UNSET_MAX_REPLICAS
     target_cache_usage: float = float(DEFAULTS["targetCacheUsage"])
     target_queue_depth: float = float(DEFAULTS["targetQueueDepth"])
+    target_saturation: float = float(DEFAULTS["targetSaturation"])
     startup_seconds: float = float(DEFAULTS["startupSeconds"])
     scale_up_stabilization_seconds: float = float(DEFAULTS["scaleUpStabilizationSeconds"])
     scale_down_stabilization_seconds: float = float(DEFAULTS["scaleDownStabilizationSeconds"])
@@ -173,6 +180,8 @@ class AutoscalingSpec:
             )
         if not 0.0 < self.target_cache_usage < 1.0:
             raise ValueError(f"targetCacheUsage must be in (0, 1); got {self.target_cache_usage}")
+        if not 0.0 < self.target_saturation <= 1.0:
+            raise ValueError(f"targetSaturation must be in (0, 1]; got {self.target_saturation}")
         if self.target_queue_depth <= 0:
             raise ValueError(f"targetQueueDepth must be > 0; got {self.target_queue_depth}")
         if self.interval_seconds <= 0:

@@ -27,7 +27,7 @@ class Recommendation:
         time: when it was made (seconds, the caller's clock).
         replicas: the highest candidate (what the load asked for), or ``None`` when the
             observation was incomplete (missing metrics break a scale-down window).
-        reactive: the highest reactive candidate (headroom, queue drain), for the
+        reactive: the highest reactive candidate (headroom, saturation, queue drain), for the
             scale-up window; ``None`` when missing.
     """
 

@@ -71,7 +71,8 @@ def consolidation_blocker(
     """Why ``fewer`` replicas could not absorb the load under target, or ``None``.
 
     Source: llm-d WVA simulates the worst case before removing a replica; ours checks the
-    KV usage, the queue, the forecast at the horizon and the alarm against ``fewer``.
+    KV usage, the batch saturation, the queue, the forecast at the horizon and the alarm
+    against ``fewer``.
     """
     if fewer < 1:
         return "cannot go below one replica"
@@ -81,6 +82,14 @@ def consolidation_blocker(
         return (
             f"{fewer} replicas would run at {usage:.1%} KV usage > {ceiling:.1%}"
             f" (target less the tolerance band)"
+        )
+    sat = load.saturation(fewer)
+    sat_ceiling = spec.target_saturation * (1.0 - spec.tolerance)
+    if sat is not None and sat > sat_ceiling:
+        return (
+            f"{fewer} replicas would run {load.num_running:.0f} requests at {sat:.1%} of their"
+            f" {load.max_num_seqs} batch slots > {sat_ceiling:.1%} (target less the tolerance"
+            " band)"
         )
     queue = load.num_waiting / fewer
     if queue > spec.target_queue_depth:
