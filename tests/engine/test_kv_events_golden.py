@@ -10,13 +10,8 @@ types or the batch split shows here as a byte difference.
 
 from __future__ import annotations
 
-from kvpilot.engine.kv_events import (
-    BlockStored,
-    KVEventCollector,
-    block_hash,
-    encode_batch,
-    split_salted,
-)
+from kvpilot.engine.core.kv_events import BlockStored, KVEventCollector, block_hash
+from kvpilot.engine.kv_events import encode_batch, split_salted
 
 TS = 1767225600.25  # 2026-01-01T00:00:00.25Z, a float as vLLM sends it
 
