@@ -39,8 +39,8 @@ from kvpilot.autoscaler.sim import (
     simulate,
 )
 from kvpilot.autoscaler.sim.calibration import DEFAULT_PRESET, PRESETS, load_calibration
+from kvpilot.autoscaler.sim.model import DEFAULT_ROUTING, ROUTINGS
 from kvpilot.autoscaler.sim.report import comparison_table
-from kvpilot.autoscaler.sim.routing import DEFAULT_ROUTING, ROUTINGS
 
 GOAL_STARVATION = 0.5
 GOAL_REPLICA_HOURS = 1.1

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from kvpilot.autoscaler.sim import ROUTINGS, ReplicaModel, SimConfig, make_trace, simulate
-from kvpilot.autoscaler.sim.replica import Replica, Req, Stats
-from kvpilot.autoscaler.sim.routing import LoadIndex, PrefixCache, Router
+from kvpilot.autoscaler.sim.replica import PrefixCache, Replica, Req, Stats
+from kvpilot.autoscaler.sim.routing import LoadIndex, Router
 
 MODEL = ReplicaModel()
 

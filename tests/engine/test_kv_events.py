@@ -1,7 +1,8 @@
-"""KV cache events (kvpilot.engine.kv_events): the --kv-events-config validation, the
-block hash, the events a real KVCacheManager emits on insert / evict / reset, and the ZMQ
-publisher's wire format read back through real SUB and DEALER sockets (sequence numbers,
-replay and its end marker, a restart starting at 0, clean shutdown).
+"""KV cache events (kvpilot.engine.core.kv_events, kvpilot.engine.kv_events): the
+--kv-events-config validation, the block hash, the events a real KVCacheManager emits on
+insert / evict / reset, and the ZMQ publisher's wire format read back through real SUB and
+DEALER sockets (sequence numbers, replay and its end marker, a restart starting at 0,
+clean shutdown).
 
 The format is the one vllm-router 0.1.17 accepted in the experiments recorded in
 docs/engine.md ("KV cache events"): a msgpack array batch of map-tagged events, and replay
@@ -21,16 +22,18 @@ import zmq
 
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
-from kvpilot.engine.kv_events import (
-    END_SEQ,
+from kvpilot.engine.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventCollector,
+    block_hash,
+)
+from kvpilot.engine.kv_events import (
+    END_SEQ,
     KVEventsConfig,
     KVEventsConfigError,
     ZmqEventPublisher,
-    block_hash,
     split_salted,
 )
 from tests.engine.core.helpers import make_request
@@ -99,7 +102,7 @@ def test_cli_flag_error_names_the_field(capsys):
 def test_block_hash_is_an_unsigned_64_bit_int_stable_across_processes():
     h = block_hash(None, [1, 2, 3, 4], None)
     assert 0 <= h < 2**64
-    code = "from kvpilot.engine.kv_events import block_hash; print(block_hash(None, [1, 2, 3, 4], None))"
+    code = "from kvpilot.engine.core.kv_events import block_hash; print(block_hash(None, [1, 2, 3, 4], None))"
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, check=True)
     assert int(out.stdout) == h

@@ -1,20 +1,21 @@
-"""KV cache events: which blocks the prefix cache holds, published for KV-aware routers.
+"""KV cache events on the wire: the ZMQ publisher KV-aware routers subscribe to.
 
-Every full block inserted into the radix tree is announced (``BlockStored``), every block
-evicted from it too (``BlockRemoved``), and emptying the whole tree is ``AllBlocksCleared``.
+The engine core collects the prefix cache's events as plain objects
+(:mod:`kvpilot.engine.core.kv_events`: ``BlockStored``, ``BlockRemoved``,
+``AllBlocksCleared``, the block hash and the per-step collector). This module sends them.
 A router that subscribes (the vLLM project's ``vllm-router --policy kv_aware``) keeps an
 index of each engine's cached prefixes and sends a request to the engine that already
 holds the most of its prompt.
 
-Three parts, split so the engine step stays cheap:
+Split so the engine step stays cheap:
 
-- :class:`KVEventCollector` lives in the engine thread. The radix cache calls it on each
-  insert and eviction (one ``if`` when events are off: the collector is ``None``); it
-  appends plain objects to a list, merging a chain of contiguous stores into one event.
-  The engine drains the list once per step.
-- :class:`ZmqEventPublisher` takes each step's list (a queue put, no encoding) and, in
-  its own thread, encodes it with msgpack, sends it on a ZMQ PUB socket, keeps the last
-  ``buffer_steps`` batches and answers replay requests on a ZMQ ROUTER socket.
+- the engine drains the core's :class:`~kvpilot.engine.core.kv_events.KVEventCollector`
+  once per step and hands the list to :meth:`ZmqEventPublisher.publish` (a queue put, no
+  encoding);
+- :class:`ZmqEventPublisher`, in its own thread, cuts the list into batches
+  (:func:`split_salted`), encodes each with msgpack (:func:`encode_batch`), sends it on a
+  ZMQ PUB socket, keeps the last ``buffer_steps`` batches and answers replay requests on
+  a ZMQ ROUTER socket;
 - :class:`KVEventsConfig` is vLLM's ``--kv-events-config`` JSON, validated.
 
 Wire format (what ``vllm-router`` 0.1.17 decodes; checked against the binary, see
@@ -32,8 +33,8 @@ docs/engine.md, "KV cache events"):
   buffered batch with ``seq >= start_seq`` as ``(identity, b"", topic, seq, payload)``,
   then the end marker ``(identity, b"", b"", -1 as 8 signed big-endian bytes, b"")``.
 
-Block hashes are unsigned 64-bit ints (:func:`block_hash`): blake2b over the parent's
-hash, the block's token ids and the cache salt. A salted block carries its salt in
+Block hashes are unsigned 64-bit ints
+(:func:`~kvpilot.engine.core.kv_events.block_hash`). A salted block carries its salt in
 ``extra_keys`` (one entry per block), as vLLM does for the keys it mixes into a hash;
 ``vllm-router`` 0.1.17 refuses a whole batch that holds any ``extra_keys`` (it cannot
 tell salts apart), so salted stores go out in batches of their own and the router never
@@ -47,11 +48,9 @@ replay replies that current routers expect); the code is kvpilot's own.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import queue
-import struct
 import threading
 import time
 from collections import deque
@@ -59,10 +58,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvpilot.engine.core.kv_events import BlockStored, KVEvent
+
 logger = logging.getLogger(__name__)
 
-# The medium of the engine's own KV cache, as vLLM names its device pool.
-MEDIUM_GPU = "GPU"
 # The replay stream's last message carries this sequence number.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # /kv_event_sources advertises these two: vllm-router 0.1.17 subscribes to a rank only
@@ -191,147 +190,7 @@ def _endpoint_problem(value: object) -> str:
     return ""
 
 
-# ---------------------------------------------------------------------- events
-@dataclass(slots=True)
-class BlockStored:
-    """Full blocks entered the prefix cache, a contiguous chain: block ``i``'s parent is
-    block ``i - 1``, the first one's is ``parent_block_hash`` (None at a tree's root).
-
-    ``token_ids`` holds ``len(block_hashes) * block_size`` ids; ``extra_keys`` is None
-    for unsalted blocks, else one ``(salt,)`` per block (the salt is in every hash of a
-    salted chain)."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = MEDIUM_GPU
-    lora_name: str | None = None
-    extra_keys: list[tuple[str, ...] | None] | None = None
-
-    def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "type": "BlockStored",
-            "block_hashes": self.block_hashes,
-            "parent_block_hash": self.parent_block_hash,
-            "token_ids": self.token_ids,
-            "block_size": self.block_size,
-            "lora_id": self.lora_id,
-            "medium": self.medium,
-            "lora_name": self.lora_name,
-        }
-        if self.extra_keys is not None:  # vLLM omits defaults (omit_defaults=True)
-            out["extra_keys"] = self.extra_keys
-        return out
-
-
-@dataclass(slots=True)
-class BlockRemoved:
-    """Blocks left the prefix cache (evicted)."""
-
-    block_hashes: list[int]
-    medium: str | None = MEDIUM_GPU
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"type": "BlockRemoved", "block_hashes": self.block_hashes, "medium": self.medium}
-
-
-@dataclass(slots=True)
-class AllBlocksCleared:
-    """The prefix cache was emptied (``reset_prefix_cache`` with no block in use)."""
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"type": "AllBlocksCleared"}
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-_NO_PARENT = b"\x00"
-_NO_SALT = b"\x00"
-
-
-def block_hash(parent_hash: int | None, token_ids: Sequence[int], salt: str | None) -> int:
-    """The block's identity on the wire: an unsigned 64-bit int (``0 <= h < 2**64``).
-
-    blake2b (8-byte digest) over: the parent's hash (or a marker at a tree's root), the
-    salt (length-prefixed UTF-8, or a marker without one) and the token ids as
-    little-endian uint32. Stable across processes and machines (Python's ``hash()`` is
-    not), so two engines holding the same prefix report the same hashes. The chain makes
-    a hash identify the whole prefix, and the salt makes a salted block differ from an
-    unsalted one with the same tokens.
-
-    Raises:
-        struct.error: a token id outside ``0 .. 2**32 - 1`` (the engine refuses those
-            at admission, so this never happens for a cached block).
-    """
-    h = hashlib.blake2b(digest_size=8, person=b"kvpilot-kvblock")
-    h.update(_NO_PARENT if parent_hash is None else b"\x01" + parent_hash.to_bytes(8, "big"))
-    if salt is None:
-        h.update(_NO_SALT)
-    else:
-        raw = salt.encode()
-        h.update(b"\x01" + len(raw).to_bytes(4, "big") + raw)
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
-    return int.from_bytes(h.digest(), "big")
-
-
-class KVEventCollector:
-    """The events of the current engine step, in order (engine thread only).
-
-    The radix cache calls :meth:`block_stored`, :meth:`blocks_removed` and
-    :meth:`all_cleared`; the engine calls :meth:`drain` once per step. Nothing is
-    encoded here.
-
-    Args:
-        block_size: tokens per block (the ``block_size`` field of ``BlockStored``).
-    """
-
-    __slots__ = ("block_size", "events")
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self.events: list[KVEvent] = []
-
-    def block_stored(self, parent_hash: int | None, token_ids: Sequence[int], salt: str | None) -> int:
-        """Record one block entering the tree under a parent with ``parent_hash`` (None
-        at a root) and return its hash. A block whose parent is the last block of the
-        previous event (a request publishing several blocks) extends that event, as
-        vLLM sends one ``BlockStored`` per request and step."""
-        h = block_hash(parent_hash, token_ids, salt)
-        events = self.events
-        last = events[-1] if events else None
-        if type(last) is BlockStored and parent_hash is not None and last.block_hashes[-1] == parent_hash:
-            last.block_hashes.append(h)
-            last.token_ids.extend(token_ids)
-            if last.extra_keys is not None:
-                last.extra_keys.append((salt,) if salt is not None else None)
-        else:
-            extra: list[tuple[str, ...] | None] | None = None if salt is None else [(salt,)]
-            events.append(BlockStored([h], parent_hash, list(token_ids), self.block_size, extra_keys=extra))
-        return h
-
-    def blocks_removed(self, hashes: list[int]) -> None:
-        """Record evicted blocks (merged into a preceding ``BlockRemoved``)."""
-        if not hashes:
-            return
-        events = self.events
-        last = events[-1] if events else None
-        if type(last) is BlockRemoved:
-            last.block_hashes.extend(hashes)
-        else:
-            events.append(BlockRemoved(list(hashes)))
-
-    def all_cleared(self) -> None:
-        self.events.append(AllBlocksCleared())
-
-    def drain(self) -> list[KVEvent]:
-        """The events so far, in order; the collector starts empty again."""
-        events, self.events = self.events, []
-        return events
-
-
+# ------------------------------------------------------------------- batches
 def _is_salted_store(ev: KVEvent) -> bool:
     return type(ev) is BlockStored and ev.extra_keys is not None
 

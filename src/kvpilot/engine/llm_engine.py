@@ -15,9 +15,10 @@ from typing import Any
 
 from kvpilot.engine.config import EngineArgs, ResolvedConfig
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+from kvpilot.engine.core.kv_events import KVEventCollector
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig
-from kvpilot.engine.kv_events import EventPublisher, KVEventCollector, make_publisher
+from kvpilot.engine.kv_events import EventPublisher, make_publisher
 from kvpilot.engine.model_runner import LoadedModel, ModelRunner, load_model
 from kvpilot.engine.outputs import (
     FinishedRequestStats,

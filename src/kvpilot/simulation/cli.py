@@ -28,8 +28,8 @@ from dataclasses import fields, replace
 from kvpilot.autoscaler.sim import ReplicaModel, Scenario, compare
 from kvpilot.autoscaler.sim.calibration import DEFAULT_PRESET, PRESETS, load_calibration, preset
 from kvpilot.autoscaler.sim.controllers import POLICIES
+from kvpilot.autoscaler.sim.model import DEFAULT_ROUTING, ROUTINGS
 from kvpilot.autoscaler.sim.report import SimResult, comparison_table
-from kvpilot.autoscaler.sim.routing import DEFAULT_ROUTING, ROUTINGS
 from kvpilot.autoscaler.sim.traces import TRACES
 
 _MODEL = ReplicaModel()

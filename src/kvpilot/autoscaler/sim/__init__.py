@@ -16,9 +16,8 @@ from kvpilot.autoscaler.sim.controllers import (
     make_policy,
 )
 from kvpilot.autoscaler.sim.fleet import simulate
-from kvpilot.autoscaler.sim.model import ReplicaModel, SimConfig
+from kvpilot.autoscaler.sim.model import DEFAULT_ROUTING, ROUTINGS, ReplicaModel, SimConfig
 from kvpilot.autoscaler.sim.report import SimResult
-from kvpilot.autoscaler.sim.routing import DEFAULT_ROUTING, ROUTINGS
 from kvpilot.autoscaler.sim.traces import TRACES, Request, Trace, make_trace
 
 __all__ = [

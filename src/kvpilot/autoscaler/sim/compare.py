@@ -9,9 +9,8 @@ from dataclasses import dataclass
 
 from kvpilot.autoscaler.sim.controllers import POLICIES, make_policy
 from kvpilot.autoscaler.sim.fleet import simulate
-from kvpilot.autoscaler.sim.model import ReplicaModel, SimConfig
+from kvpilot.autoscaler.sim.model import DEFAULT_ROUTING, ReplicaModel, SimConfig
 from kvpilot.autoscaler.sim.report import SimResult
-from kvpilot.autoscaler.sim.routing import DEFAULT_ROUTING
 from kvpilot.autoscaler.sim.traces import TRACES, Trace, make_trace
 from kvpilot.autoscaler.spec import DEFAULTS, AutoscalingSpec
 

@@ -24,7 +24,11 @@ import math
 from dataclasses import dataclass
 
 from kvpilot.autoscaler.sim.nodes import NodeModel
-from kvpilot.autoscaler.sim.routing import ROUTINGS
+
+# Where requests land (SimConfig.routing); the policies themselves are in
+# kvpilot.autoscaler.sim.routing, which imports this module.
+ROUTINGS = ("kv_aware", "session_affine", "random", "p2c_kv")
+DEFAULT_ROUTING = "kv_aware"
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ class SimConfig:
         warmup_seconds: the fleet fills from empty at t=0; until this time the policy is
             called (so it builds history) but not obeyed, and nothing is counted: requests
             arriving earlier, preemptions, replica-hours.
-        routing: where requests land (:data:`kvpilot.autoscaler.sim.routing.ROUTINGS`):
+        routing: where requests land (:data:`ROUTINGS`; :mod:`kvpilot.autoscaler.sim.routing`):
             ``kv_aware`` (default, the deployed router), ``session_affine`` (the ideal),
             ``random`` (a plain Service), ``p2c_kv`` (the simulator's earlier routing).
         cache_block_tokens: KV block size; prefix hits count whole blocks (vLLM: 16).
@@ -122,7 +126,7 @@ class SimConfig:
     sample_seconds: float = 15.0
     seed: int = 0
     warmup_seconds: float = 300.0
-    routing: str = "kv_aware"
+    routing: str = DEFAULT_ROUTING
     cache_block_tokens: int = 16
     load_penalty_tokens: float = 0.0
     balance_abs_threshold: int = 64

@@ -16,13 +16,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
+from collections import OrderedDict, deque
 
 from kvpilot.autoscaler.sim.model import ReplicaModel
-from kvpilot.autoscaler.sim.routing import PrefixCache
 
 _TIEBREAK = itertools.count()  # heap ties never compare requests
 _EPS = 1e-6  # tokens; far above float error at the magnitudes reached, far below one token
+SYSTEM = "system"  # the prefix cache's key of the shared system prompt's entry
+Key = int | str  # a prefix cache entry: a session id, or SYSTEM
 
 
 class Req:
@@ -315,3 +316,109 @@ class Replica:
             free = self.cap - self.kv_tokens(now)
             t = min(t, now + max(0.0, free) / (self.n_dec * self.rate))
         return t
+
+
+class PrefixCache:
+    """One replica's prefix cache: LRU entries ``key -> [tokens, requests running]``.
+
+    ``holders`` (shared by the fleet) maps a session to the replicas holding an entry for
+    it, so a router finds them without asking every replica (a dict used as an ordered
+    set: iteration follows insertion, never object addresses, so runs are reproducible).
+    """
+
+    __slots__ = ("block", "entries", "holders", "idle", "replica")
+
+    def __init__(self, replica: Replica, holders: dict[int, dict[Replica, None]],
+                 block_tokens: int) -> None:
+        self.replica = replica
+        self.holders = holders
+        self.block = block_tokens
+        self.entries: OrderedDict[Key, list[float]] = OrderedDict()
+        self.idle = 0.0  # tokens of entries no running request uses
+
+    def evict(self, free_tokens: float) -> None:
+        """Drop idle entries, least recently used first, until they fit in
+        ``free_tokens`` (the KV pool's free part)."""
+        if self.idle <= free_tokens:
+            return
+        victims: list[Key] = []
+        dropped = 0.0
+        for key, (size, active) in self.entries.items():
+            if active:
+                continue
+            victims.append(key)
+            dropped += size
+            if self.idle - dropped <= free_tokens:
+                break
+        for key in victims:
+            del self.entries[key]
+            if isinstance(key, int):
+                held = self.holders.get(key)
+                if held is not None:
+                    held.pop(self.replica, None)
+                    if not held:
+                        del self.holders[key]
+        self.idle = max(0.0, self.idle - dropped)
+
+    def hit(self, req: Req) -> int:
+        """Prompt tokens of ``req`` this cache holds (whole blocks, never the last
+        token: vLLM recomputes at least one)."""
+        tokens = 0.0
+        if req.session >= 0:
+            entry = self.entries.get(req.session)
+            if entry is not None:
+                tokens = entry[0]
+        if req.shared > tokens and SYSTEM in self.entries:
+            tokens = req.shared
+        tokens = min(tokens, req.prompt - 1)
+        return max(0, int(tokens) // self.block * self.block)
+
+    def _use(self, key: Key, size: float) -> None:
+        entry = self.entries.get(key)
+        if entry is None:
+            self.entries[key] = [size, 1]
+            if isinstance(key, int):
+                self.holders.setdefault(key, {})[self.replica] = None
+            return
+        if entry[1] == 0:
+            self.idle -= entry[0]
+        entry[0] = max(entry[0], size)
+        entry[1] += 1
+        self.entries.move_to_end(key)
+
+    def start(self, req: Req, free_tokens: float) -> int:
+        """``req``'s prefill starts here with ``free_tokens`` of the pool free: its hit;
+        then its prefix entries are in use (the prompt's blocks are computed now) and the
+        idle ones make room for the blocks it adds."""
+        self.evict(free_tokens)
+        tokens = self.hit(req)
+        if req.shared:
+            self._use(SYSTEM, req.shared)
+        if req.session >= 0:
+            self._use(req.session, req.prompt)
+        self.evict(free_tokens - (req.need - tokens))
+        return tokens
+
+    def _release(self, key: Key, size: float) -> None:
+        entry = self.entries.get(key)
+        if entry is None or entry[1] == 0:
+            return
+        entry[0] = max(entry[0], size)
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.idle += entry[0]
+
+    def finished(self, req: Req) -> None:
+        """``req`` finished here: its whole context (prompt + output) stays cached."""
+        if req.shared:
+            self._release(SYSTEM, req.shared)
+        if req.session >= 0:
+            self._release(req.session, req.prompt + req.output)
+
+    def preempted(self, req: Req) -> None:
+        """``req`` was preempted here: its blocks are freed (its prompt stays cached until
+        evicted)."""
+        if req.shared:
+            self._release(SYSTEM, req.shared)
+        if req.session >= 0:
+            self._release(req.session, req.prompt)

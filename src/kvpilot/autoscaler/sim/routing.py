@@ -41,138 +41,26 @@ Routing policies (``SimConfig.routing``):
   least-request, an inference gateway); the simulator's routing before this module, kept
   so earlier figures can be reproduced.
 
-The prefix cache (per replica) holds one entry per session (the longest prefix of that
-conversation computed there: the prompt once its prefill starts, prompt + output once it
-finishes) and one for the system prompt every session shares. Entries of running requests
-are in use (their blocks are the requests' own KV); idle ones live in the free part of the
-KV pool (capacity - KV held now) and are evicted least recently used first when it
-shrinks, as vLLM's free-block queue does. Eviction is applied lazily, whenever a replica's
-cache is looked up (by the router, or when a prefill starts and needs blocks). Not
-modelled: the router's speculative entries (vllm-router inserts a routed prompt's blocks
-for 2 s, which matters only for requests of one session arriving together).
+The prefix cache (per replica, :class:`~kvpilot.autoscaler.sim.replica.PrefixCache`)
+holds one entry per session (the longest prefix of that conversation computed there: the
+prompt once its prefill starts, prompt + output once it finishes) and one for the system
+prompt every session shares. Entries of running requests are in use (their blocks are
+the requests' own KV); idle ones live in the free part of the KV pool (capacity - KV
+held now) and are evicted least recently used first when it shrinks, as vLLM's
+free-block queue does. Eviction is applied lazily, whenever a replica's cache is looked
+up (by the router, or when a prefill starts and needs blocks). Not modelled: the
+router's speculative entries (vllm-router inserts a routed prompt's blocks for 2 s,
+which matters only for requests of one session arriving together).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the replica module imports this one at run time
-    from kvpilot.autoscaler.sim.replica import Replica, Req
-
-ROUTINGS = ("kv_aware", "session_affine", "random", "p2c_kv")
-DEFAULT_ROUTING = "kv_aware"
-SYSTEM = "system"  # the key of the shared system prompt's entry
-Key = int | str
-
-
-class PrefixCache:
-    """One replica's prefix cache: LRU entries ``key -> [tokens, requests running]``.
-
-    ``holders`` (shared by the fleet) maps a session to the replicas holding an entry for
-    it, so a router finds them without asking every replica (a dict used as an ordered
-    set: iteration follows insertion, never object addresses, so runs are reproducible).
-    """
-
-    __slots__ = ("block", "entries", "holders", "idle", "replica")
-
-    def __init__(self, replica: Replica, holders: dict[int, dict[Replica, None]],
-                 block_tokens: int) -> None:
-        self.replica = replica
-        self.holders = holders
-        self.block = block_tokens
-        self.entries: OrderedDict[Key, list[float]] = OrderedDict()
-        self.idle = 0.0  # tokens of entries no running request uses
-
-    def evict(self, free_tokens: float) -> None:
-        """Drop idle entries, least recently used first, until they fit in
-        ``free_tokens`` (the KV pool's free part)."""
-        if self.idle <= free_tokens:
-            return
-        victims: list[Key] = []
-        dropped = 0.0
-        for key, (size, active) in self.entries.items():
-            if active:
-                continue
-            victims.append(key)
-            dropped += size
-            if self.idle - dropped <= free_tokens:
-                break
-        for key in victims:
-            del self.entries[key]
-            if isinstance(key, int):
-                held = self.holders.get(key)
-                if held is not None:
-                    held.pop(self.replica, None)
-                    if not held:
-                        del self.holders[key]
-        self.idle = max(0.0, self.idle - dropped)
-
-    def hit(self, req: Req) -> int:
-        """Prompt tokens of ``req`` this cache holds (whole blocks, never the last
-        token: vLLM recomputes at least one)."""
-        tokens = 0.0
-        if req.session >= 0:
-            entry = self.entries.get(req.session)
-            if entry is not None:
-                tokens = entry[0]
-        if req.shared > tokens and SYSTEM in self.entries:
-            tokens = req.shared
-        tokens = min(tokens, req.prompt - 1)
-        return max(0, int(tokens) // self.block * self.block)
-
-    def _use(self, key: Key, size: float) -> None:
-        entry = self.entries.get(key)
-        if entry is None:
-            self.entries[key] = [size, 1]
-            if isinstance(key, int):
-                self.holders.setdefault(key, {})[self.replica] = None
-            return
-        if entry[1] == 0:
-            self.idle -= entry[0]
-        entry[0] = max(entry[0], size)
-        entry[1] += 1
-        self.entries.move_to_end(key)
-
-    def start(self, req: Req, free_tokens: float) -> int:
-        """``req``'s prefill starts here with ``free_tokens`` of the pool free: its hit;
-        then its prefix entries are in use (the prompt's blocks are computed now) and the
-        idle ones make room for the blocks it adds."""
-        self.evict(free_tokens)
-        tokens = self.hit(req)
-        if req.shared:
-            self._use(SYSTEM, req.shared)
-        if req.session >= 0:
-            self._use(req.session, req.prompt)
-        self.evict(free_tokens - (req.need - tokens))
-        return tokens
-
-    def _release(self, key: Key, size: float) -> None:
-        entry = self.entries.get(key)
-        if entry is None or entry[1] == 0:
-            return
-        entry[0] = max(entry[0], size)
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.idle += entry[0]
-
-    def finished(self, req: Req) -> None:
-        """``req`` finished here: its whole context (prompt + output) stays cached."""
-        if req.shared:
-            self._release(SYSTEM, req.shared)
-        if req.session >= 0:
-            self._release(req.session, req.prompt + req.output)
-
-    def preempted(self, req: Req) -> None:
-        """``req`` was preempted here: its blocks are freed (its prompt stays cached until
-        evicted)."""
-        if req.shared:
-            self._release(SYSTEM, req.shared)
-        if req.session >= 0:
-            self._release(req.session, req.prompt)
+from kvpilot.autoscaler.sim.model import ROUTINGS
+from kvpilot.autoscaler.sim.replica import PrefixCache, Replica, Req
 
 
 class LoadIndex:

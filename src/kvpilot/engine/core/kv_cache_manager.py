@@ -28,9 +28,9 @@ from collections import Counter
 from collections.abc import Iterable
 
 from kvpilot.engine.core.block_pool import BlockPool, CacheIntegrityError, OutOfBlocksError
+from kvpilot.engine.core.kv_events import KVEventCollector
 from kvpilot.engine.core.radix_cache import RadixCache, RadixNode
 from kvpilot.engine.core.request import Request
-from kvpilot.engine.kv_events import KVEventCollector
 
 NULL_BLOCK = 0
 """Block id written into block-table entries whose block was freed behind the sliding

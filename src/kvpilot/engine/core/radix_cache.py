@@ -20,7 +20,7 @@ Contract:
   its published prompt blocks together, see ``KVCacheManager.free_skipped``.)
 - Blocks are inserted only after their KV has been written (the scheduler publishes a
   block once ``num_computed_tokens`` covers it), so a match never returns unwritten KV.
-- With a :class:`~kvpilot.engine.kv_events.KVEventCollector` (KV cache events on), every
+- With a :class:`~kvpilot.engine.core.kv_events.KVEventCollector` (KV cache events on), every
   inserted block is reported as stored and gets its wire hash (``RadixNode.block_hash``,
   chained from its parent's and salted by its tree's salt), and every evicted block as
   removed; emptying the tree in :meth:`RadixCache.reset` is reported as all cleared.
@@ -36,7 +36,7 @@ import heapq
 from collections.abc import Sequence
 
 from kvpilot.engine.core.block_pool import BlockPool, CacheIntegrityError
-from kvpilot.engine.kv_events import KVEventCollector
+from kvpilot.engine.core.kv_events import KVEventCollector
 
 
 class RadixNode:
