@@ -29,12 +29,8 @@ from kvpilot.operator.handlers import OperatorContext, on_deployment_event, on_s
 from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.reconcile import Resource, reconcile
-from kvpilot.operator.spec import (
-    ROUTER_POLICIES,
-    SESSION_HEADERS,
-    SpecError,
-    parse_spec,
-)
+from kvpilot.operator.spec import SpecError, parse_spec
+from kvpilot.operator.spec.router import ROUTER_POLICIES, SESSION_HEADERS
 
 from .crdschema import admit, load_crd, prune, root_schema, sub_schema
 from .fakes import T0, Clock, FakeKubeApi, inference

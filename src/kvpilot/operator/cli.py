@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpilot.operator.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
 from kvpilot.operator.options import POD_MONITOR_MODES, OperatorOptions
-from kvpilot.operator.spec import is_dns_subdomain
+from kvpilot.operator.spec.fields import is_dns_subdomain
 
 if TYPE_CHECKING:
     from kvpilot.operator.handlers import OperatorContext
