@@ -29,9 +29,9 @@ from kvpilot.operator.api import (
     InvalidObjectError,
     KubeApi,
 )
+from kvpilot.operator.autoscaling.metrics_source import MetricsSource, SourceConfig, build_source
 from kvpilot.operator.logs import object_ref
 from kvpilot.operator.metrics import OperatorMetrics
-from kvpilot.operator.metrics_source import MetricsSource, SourceConfig, build_source
 from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.reconcile import ReconcileResult, Resource, reconcile
 from kvpilot.operator.repair import ChildFingerprints, RecordingApi, RepairBackoff

@@ -14,7 +14,7 @@ engine or router Service event         :func:`~kvpilot.operator.handlers.on_serv
 engine pod event (watch)               :func:`~kvpilot.operator.handlers.on_engine_pod_event`
                                        (restarts reported on the owner)
 InferenceDeployment delete             :func:`~kvpilot.operator.handlers.on_delete`
-``spec.autoscaling`` set               :func:`~kvpilot.operator.autoscale_loop.autoscaler_daemon`
+``spec.autoscaling`` set               :func:`~kvpilot.operator.autoscaling.loop.autoscaler_daemon`
                                        (one loop per resource, every ``intervalSeconds``)
 =====================================  ===============================================
 """
@@ -26,7 +26,7 @@ import logging
 import kopf
 
 from kvpilot.operator import constants as c
-from kvpilot.operator.autoscale_loop import autoscaler_daemon, has_autoscaling
+from kvpilot.operator.autoscaling.loop import autoscaler_daemon, has_autoscaling
 from kvpilot.operator.handlers import (
     on_delete,
     on_deployment_event,
