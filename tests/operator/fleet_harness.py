@@ -7,7 +7,8 @@ import copy
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.autoscaling.loop import AutoscalerLoop
-from kvpilot.operator.handlers import OperatorContext, on_spec
+from kvpilot.operator.handlers.context import OperatorContext
+from kvpilot.operator.handlers.lifecycle import on_spec
 from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.options import OperatorOptions
 

@@ -19,7 +19,7 @@ from kvpilot.operator import constants as c
 from kvpilot.operator.api import TransientApiError
 from kvpilot.operator.autoscaling.loop import RETRY_SECONDS
 from kvpilot.operator.autoscaling.metrics_source import SourceConfig
-from kvpilot.operator.handlers import on_spec
+from kvpilot.operator.handlers.lifecycle import on_spec
 
 from .fake_sources import empty, loaded, unreachable
 from .fleet_harness import AUTO, Fleet

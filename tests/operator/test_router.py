@@ -25,7 +25,9 @@ from kvpilot.operator.api import InvalidObjectError
 from kvpilot.operator.builders import Owner, build_children
 from kvpilot.operator.builders.labels import object_labels, router_object_labels
 from kvpilot.operator.builders.router import router_args
-from kvpilot.operator.handlers import OperatorContext, on_deployment_event, on_spec
+from kvpilot.operator.handlers.children import on_deployment_event
+from kvpilot.operator.handlers.context import OperatorContext
+from kvpilot.operator.handlers.lifecycle import on_spec
 from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.reconcile import Resource, reconcile

@@ -46,7 +46,8 @@ from kvpilot.operator.autoscaling.metrics_source import MetricsSource, SourceCon
 from kvpilot.operator.autoscaling.metrics_source.episodes import EpisodeLog
 from kvpilot.operator.autoscaling.plan import AutoscalePlan, plan_autoscale
 from kvpilot.operator.builders.headroom import build_headroom_deployment
-from kvpilot.operator.handlers import OperatorContext, ReconcileRefused, run_reconcile
+from kvpilot.operator.handlers.context import OperatorContext
+from kvpilot.operator.handlers.lifecycle import ReconcileRefused, run_reconcile
 from kvpilot.operator.logs import ObjectLog, object_logger
 from kvpilot.operator.reconcile import Resource
 from kvpilot.operator.spec import InferenceSpec, SpecError, parse_spec
