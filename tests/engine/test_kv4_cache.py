@@ -144,6 +144,6 @@ def test_cli_flags_parse_into_engine_args():
 
 def test_operator_crd_and_engine_accept_the_same_kv_cache_dtypes():
     from kvpilot.engine.config import KV_CACHE_DTYPES
-    from kvpilot.operator.spec import KV_CACHE_DTYPES as OPERATOR_DTYPES
+    from kvpilot.operator.spec.engine import KV_CACHE_DTYPES as OPERATOR_DTYPES
 
     assert set(OPERATOR_DTYPES) == {"auto", *KV_CACHE_DTYPES}

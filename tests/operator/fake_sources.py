@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvpilot.autoscaler import PodSignals
-from kvpilot.operator.metrics_source import EnginePod, MetricsReading, SourceConfig
+from kvpilot.operator.autoscaling.metrics_source import EnginePod, MetricsReading, SourceConfig
 
 CAPACITY = 16384.0
 

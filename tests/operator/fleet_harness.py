@@ -6,8 +6,9 @@ from __future__ import annotations
 import copy
 
 from kvpilot.operator import constants as c
-from kvpilot.operator.autoscale_loop import AutoscalerLoop
-from kvpilot.operator.handlers import OperatorContext, on_spec
+from kvpilot.operator.autoscaling.loop import AutoscalerLoop
+from kvpilot.operator.handlers.context import OperatorContext
+from kvpilot.operator.handlers.lifecycle import on_spec
 from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.options import OperatorOptions
 

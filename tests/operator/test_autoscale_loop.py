@@ -1,4 +1,4 @@
-"""The autoscaler loop (kvpilot.operator.autoscale_loop) as table tests: a fake metric
+"""The autoscaler loop (kvpilot.operator.autoscaling.loop) as table tests: a fake metric
 source, the in-memory API and a settable clock. Each test drives ticks and asserts what
 reached the Deployment, the status, the conditions and the Events.
 
@@ -17,9 +17,9 @@ import pytest
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.api import TransientApiError
-from kvpilot.operator.autoscale_loop import RETRY_SECONDS
-from kvpilot.operator.handlers import on_spec
-from kvpilot.operator.metrics_source import SourceConfig
+from kvpilot.operator.autoscaling.loop import RETRY_SECONDS
+from kvpilot.operator.autoscaling.metrics_source import SourceConfig
+from kvpilot.operator.handlers.lifecycle import on_spec
 
 from .fake_sources import empty, loaded, unreachable
 from .fleet_harness import AUTO, Fleet
@@ -77,8 +77,8 @@ def test_finops_concurrency_counts_a_request_up_to_the_kv_window():
 @pytest.mark.parametrize("window", [None, 0, -512, True, "512", 512.0])
 def test_no_window_or_a_garbage_one_estimates_whole_contexts(window):
     """An estimate never raises: a window that is no positive integer is no window."""
-    from kvpilot.operator.autoscale import finops_estimates
-    from kvpilot.operator.metrics_source import EnginePod
+    from kvpilot.operator.autoscaling.metrics_source import EnginePod
+    from kvpilot.operator.autoscaling.plan import finops_estimates
 
     reading = dataclasses.replace(loaded(0.5)([EnginePod("chat-0")], 0.0), kv_window_tokens=window)
     capacity, _ = finops_estimates(reading, 1, None, 16)

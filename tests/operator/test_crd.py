@@ -13,16 +13,14 @@ import yaml
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.spec import (
-    BLOCK_SIZES,
     DEFAULTS,
-    KV_CACHE_DTYPES,
     MANAGED_FLAGS,
     METRIC_SOURCES,
-    PULL_POLICIES,
     SpecError,
     check_name,
     parse_spec,
 )
+from kvpilot.operator.spec.engine import BLOCK_SIZES, KV_CACHE_DTYPES, PULL_POLICIES
 
 from .crdschema import (
     REPO,

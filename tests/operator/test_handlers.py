@@ -12,12 +12,12 @@ import pytest
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.api import ConflictError, InvalidObjectError, TransientApiError
-from kvpilot.operator.handlers import (
+from kvpilot.operator.handlers.children import on_deployment_event
+from kvpilot.operator.handlers.context import OperatorContext
+from kvpilot.operator.handlers.lifecycle import (
     CONFLICT_RETRY_SECONDS,
     TRANSIENT_RETRY_SECONDS,
-    OperatorContext,
     on_delete,
-    on_deployment_event,
     on_resync,
     on_spec,
     run_reconcile,

@@ -24,7 +24,7 @@ from kubernetes.config import kube_config
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.cli import operate
-from kvpilot.operator.handlers import OperatorContext
+from kvpilot.operator.handlers.context import OperatorContext
 from kvpilot.operator.kube import KubernetesApi
 from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.options import OperatorOptions

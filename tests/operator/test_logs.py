@@ -25,9 +25,9 @@ def root_logging():
 
 def emit_lines():
     # Our own modules' lines, through the adapter and through extra=.
-    object_logger(logging.getLogger("kvpilot.operator.autoscale_loop"), "llm", "chat").warning(
+    object_logger(logging.getLogger("kvpilot.operator.autoscaling.loop"), "llm", "chat").warning(
         "autoscaler: %s", "api down")
-    logging.getLogger("kvpilot.operator.handlers").info("status refresh failed", extra=object_ref("llm", "chat"))
+    logging.getLogger("kvpilot.operator.handlers.children").info("status refresh failed", extra=object_ref("llm", "chat"))
     # A Kopf per-object line carries the same k8s_ref (as kopf's ObjectLogger sets it).
     logging.getLogger("kopf.objects").info("Handler 'reconcile-create' succeeded.",
                                            extra={"k8s_ref": {"kind": "InferenceDeployment",

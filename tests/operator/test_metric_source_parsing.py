@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from kvpilot.operator.metrics_source import (
+from kvpilot.operator.autoscaling.metrics_source import (
     EngineMetricNames,
     EnginePod,
     PodScrapeSource,
@@ -17,8 +17,11 @@ from kvpilot.operator.metrics_source import (
     build_source,
     signal_queries,
 )
-from kvpilot.operator.metrics_source.exposition import ExpositionError, parse_engine_metrics
-from kvpilot.operator.metrics_source.reading import fleet_kv_window, pod_signals
+from kvpilot.operator.autoscaling.metrics_source.exposition import (
+    ExpositionError,
+    parse_engine_metrics,
+)
+from kvpilot.operator.autoscaling.metrics_source.reading import fleet_kv_window, pod_signals
 
 from .engine_pages import page
 

@@ -15,14 +15,14 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import pytest
 
-from kvpilot.operator.fleet import fleet_from
-from kvpilot.operator.metrics_source import (
+from kvpilot.operator.autoscaling.fleet import fleet_from
+from kvpilot.operator.autoscaling.metrics_source import (
     EnginePod,
     PodScrapeSource,
     PrometheusSource,
     SeriesSelector,
 )
-from kvpilot.operator.metrics_source.episodes import EpisodeLog
+from kvpilot.operator.autoscaling.metrics_source.episodes import EpisodeLog
 from tests.serverproc import free_port
 
 from .engine_pages import page
@@ -97,7 +97,7 @@ def test_pods_source_reads_the_fleets_kv_window(scraped):
 
 def test_pods_source_failures_are_missing_and_logged_once_per_episode(scraped, caplog):
     pages, source = scraped
-    caplog.set_level(logging.DEBUG, logger="kvpilot.operator.metrics_source.pods")
+    caplog.set_level(logging.DEBUG, logger="kvpilot.operator.autoscaling.metrics_source.pods")
     pages.pages = {"10.0.0.1": httpx.ConnectError("refused"), "10.0.0.2": page()}
     for t in range(4):
         reading = source.read(PODS, now=100.0 + 15 * t)
@@ -284,7 +284,7 @@ def signals(name, running, waiting):
 
 
 def test_router_queued_matches_worker_urls_to_ready_pods():
-    from kvpilot.operator.metrics_source import router_queued
+    from kvpilot.operator.autoscaling.metrics_source import router_queued
 
     pods = [EnginePod("chat-a", "10.0.0.1"), EnginePod("chat-b", "10.0.0.2")]
     sigs = [signals("chat-a", running=4, waiting=1), signals("chat-b", running=2, waiting=0)]

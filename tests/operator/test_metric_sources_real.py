@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from kvpilot.operator.metrics_source import (
+from kvpilot.operator.autoscaling.metrics_source import (
     EngineMetricNames,
     EnginePod,
     PodScrapeSource,
@@ -29,7 +29,7 @@ from kvpilot.operator.metrics_source import (
     SourceConfig,
     build_source,
 )
-from kvpilot.operator.metrics_source.exposition import parse_engine_metrics
+from kvpilot.operator.autoscaling.metrics_source.exposition import parse_engine_metrics
 from tests.serverproc import ServerProcess
 
 from .fleet_harness import Fleet

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from kvpilot.autoscaler import FleetSignals, PolicyState, decide
-from kvpilot.operator.metrics_source import (
+from kvpilot.operator.autoscaling.metrics_source import (
     EnginePod,
     PodScrapeSource,
     PrometheusSource,
@@ -37,7 +37,7 @@ from kvpilot.operator.metrics_source import (
     SeriesSelector,
     router_query,
 )
-from kvpilot.operator.metrics_source.exposition import parse_router_in_flight
+from kvpilot.operator.autoscaling.metrics_source.exposition import parse_router_in_flight
 from kvpilot.operator.spec import parse_spec
 from tests.serverproc import free_port
 

@@ -8,7 +8,8 @@ import copy
 import pytest
 
 from kvpilot.operator import constants as c
-from kvpilot.operator.handlers import OperatorContext, on_engine_pod_event
+from kvpilot.operator.handlers.context import OperatorContext
+from kvpilot.operator.handlers.pods import on_engine_pod_event
 from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.restarts import RestartTracker, restart_counts, restarts_between

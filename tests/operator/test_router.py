@@ -25,16 +25,14 @@ from kvpilot.operator.api import InvalidObjectError
 from kvpilot.operator.builders import Owner, build_children
 from kvpilot.operator.builders.labels import object_labels, router_object_labels
 from kvpilot.operator.builders.router import router_args
-from kvpilot.operator.handlers import OperatorContext, on_deployment_event, on_spec
+from kvpilot.operator.handlers.children import on_deployment_event
+from kvpilot.operator.handlers.context import OperatorContext
+from kvpilot.operator.handlers.lifecycle import on_spec
 from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.reconcile import Resource, reconcile
-from kvpilot.operator.spec import (
-    ROUTER_POLICIES,
-    SESSION_HEADERS,
-    SpecError,
-    parse_spec,
-)
+from kvpilot.operator.spec import SpecError, parse_spec
+from kvpilot.operator.spec.router import ROUTER_POLICIES, SESSION_HEADERS
 
 from .crdschema import admit, load_crd, prune, root_schema, sub_schema
 from .fakes import T0, Clock, FakeKubeApi, inference

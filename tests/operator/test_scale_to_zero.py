@@ -10,7 +10,13 @@ import httpx
 import pytest
 
 from kvpilot.operator import constants as c
-from kvpilot.operator.activation import POLL_SECONDS, ActivationProbe
+from kvpilot.operator.autoscaling.activation import POLL_SECONDS, ActivationProbe
+from kvpilot.operator.autoscaling.metrics_source import EnginePod, RouterMetricNames
+from kvpilot.operator.autoscaling.metrics_source.exposition import (
+    ExpositionError,
+    parse_router_no_engine,
+)
+from kvpilot.operator.autoscaling.metrics_source.reading import fleet_requests_finished
 from kvpilot.operator.builders.router import (
     HOLD_BACKOFF_MULTIPLIER,
     RETRY_INITIAL_BACKOFF_MS,
@@ -18,9 +24,6 @@ from kvpilot.operator.builders.router import (
     hold_attempts,
     router_args,
 )
-from kvpilot.operator.metrics_source import EnginePod, RouterMetricNames
-from kvpilot.operator.metrics_source.exposition import ExpositionError, parse_router_no_engine
-from kvpilot.operator.metrics_source.reading import fleet_requests_finished
 from kvpilot.operator.reconcile import replica_target
 from kvpilot.operator.spec import parse_spec
 from kvpilot.operator.status.workload import workload_conditions

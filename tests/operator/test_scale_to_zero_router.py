@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpilot.operator.activation import ActivationProbe
+from kvpilot.operator.autoscaling.activation import ActivationProbe
+from kvpilot.operator.autoscaling.metrics_source import EnginePod
 from kvpilot.operator.builders.router import retry_args
-from kvpilot.operator.metrics_source import EnginePod
 from kvpilot.operator.spec import parse_spec
 from tests.serverproc import free_port
 

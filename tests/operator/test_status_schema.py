@@ -20,7 +20,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpilot.operator.handlers import OperatorContext, on_deployment_event, run_reconcile
+from kvpilot.operator.handlers.children import on_deployment_event
+from kvpilot.operator.handlers.context import OperatorContext
+from kvpilot.operator.handlers.lifecycle import run_reconcile
 from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.status.autoscaler import (

@@ -9,7 +9,9 @@ import pytest
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.api import ConflictError
-from kvpilot.operator.handlers import OperatorContext, on_deployment_event, on_spec
+from kvpilot.operator.handlers.children import on_deployment_event
+from kvpilot.operator.handlers.context import OperatorContext
+from kvpilot.operator.handlers.lifecycle import on_spec
 from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.status.conditions import merge_conditions

@@ -14,13 +14,8 @@ from kvpilot.engine.config import EngineArgs
 from kvpilot.operator import constants as c
 from kvpilot.operator.builders import Owner, build_children
 from kvpilot.operator.builders.engine_args import engine_args
-from kvpilot.operator.spec import (
-    DEFAULT_SHM_SIZE,
-    KV_CACHE_DTYPES,
-    SpecError,
-    gpu_count,
-    parse_spec,
-)
+from kvpilot.operator.spec import SpecError, gpu_count, parse_spec
+from kvpilot.operator.spec.engine import DEFAULT_SHM_SIZE, KV_CACHE_DTYPES
 
 from .crdschema import admit, load_crd
 

@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvpilot.operator.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
 from kvpilot.operator.options import POD_MONITOR_MODES, OperatorOptions
-from kvpilot.operator.spec import is_dns_subdomain
+from kvpilot.operator.spec.fields import is_dns_subdomain
 
 if TYPE_CHECKING:
-    from kvpilot.operator.handlers import OperatorContext
+    from kvpilot.operator.handlers.context import OperatorContext
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvpilot operator needs the operator extra: pip install "
                          f"'kvpilot[operator]' ({exc})") from exc
 
-    from kvpilot.operator.handlers import OperatorContext
+    from kvpilot.operator.handlers.context import OperatorContext
     from kvpilot.operator.kube import KubernetesApi
     from kvpilot.operator.metrics import OperatorMetrics
 

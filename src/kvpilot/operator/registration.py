@@ -4,17 +4,17 @@ process each build their own registry).
 =====================================  ===============================================
 trigger                                handler
 =====================================  ===============================================
-InferenceDeployment create/update/     :func:`~kvpilot.operator.handlers.on_spec`
+InferenceDeployment create/update/     :func:`~kvpilot.operator.handlers.lifecycle.on_spec`
 resume
-every ``--resync-seconds``             :func:`~kvpilot.operator.handlers.on_resync`
-engine or router Deployment event      :func:`~kvpilot.operator.handlers.on_deployment_event`
+every ``--resync-seconds``             :func:`~kvpilot.operator.handlers.lifecycle.on_resync`
+engine or router Deployment event      :func:`~kvpilot.operator.handlers.children.on_deployment_event`
                                        (restored when someone deleted or edited it)
-engine or router Service event         :func:`~kvpilot.operator.handlers.on_service_event`
+engine or router Service event         :func:`~kvpilot.operator.handlers.children.on_service_event`
                                        (likewise: :mod:`kvpilot.operator.repair`)
-engine pod event (watch)               :func:`~kvpilot.operator.handlers.on_engine_pod_event`
+engine pod event (watch)               :func:`~kvpilot.operator.handlers.pods.on_engine_pod_event`
                                        (restarts reported on the owner)
-InferenceDeployment delete             :func:`~kvpilot.operator.handlers.on_delete`
-``spec.autoscaling`` set               :func:`~kvpilot.operator.autoscale_loop.autoscaler_daemon`
+InferenceDeployment delete             :func:`~kvpilot.operator.handlers.lifecycle.on_delete`
+``spec.autoscaling`` set               :func:`~kvpilot.operator.autoscaling.loop.autoscaler_daemon`
                                        (one loop per resource, every ``intervalSeconds``)
 =====================================  ===============================================
 """
@@ -26,15 +26,10 @@ import logging
 import kopf
 
 from kvpilot.operator import constants as c
-from kvpilot.operator.autoscale_loop import autoscaler_daemon, has_autoscaling
-from kvpilot.operator.handlers import (
-    on_delete,
-    on_deployment_event,
-    on_engine_pod_event,
-    on_resync,
-    on_service_event,
-    on_spec,
-)
+from kvpilot.operator.autoscaling.loop import autoscaler_daemon, has_autoscaling
+from kvpilot.operator.handlers.children import on_deployment_event, on_service_event
+from kvpilot.operator.handlers.lifecycle import on_delete, on_resync, on_spec
+from kvpilot.operator.handlers.pods import on_engine_pod_event
 from kvpilot.operator.options import OperatorOptions
 
 # How long Kopf waits for the autoscaler daemon to finish its tick when stopping it.

@@ -9,6 +9,6 @@ presets, and ``kvpilot kv-calc``. Standard library only, so every component may 
 ==============  ================================================================
 
 Users: the engine's KV cache (``kvpilot.engine.kv_cache``), the operator's FinOps status
-(``kvpilot.operator.autoscale``) and ``kvpilot kv-calc``. Layering (import-linter):
+(``kvpilot.operator.autoscaling.plan``) and ``kvpilot kv-calc``. Layering (import-linter):
 this package imports nothing else from kvpilot and nothing outside the standard library.
 """

@@ -10,13 +10,9 @@ from __future__ import annotations
 import json
 
 from kvpilot.operator import constants as c
-from kvpilot.operator.spec import (
-    GPU_RESOURCE_SUFFIX,
-    KV_EVENTS_FLAG,
-    MIG_RESOURCE_PREFIX,
-    InferenceSpec,
-    nonzero_quantity,
-)
+from kvpilot.operator.spec import InferenceSpec
+from kvpilot.operator.spec.engine import KV_EVENTS_FLAG
+from kvpilot.operator.spec.gpus import GPU_RESOURCE_SUFFIX, MIG_RESOURCE_PREFIX, nonzero_quantity
 
 ENGINE_COMMAND = ("kvpilot", "serve")
 # On deletion the kubelet runs the preStop sleep (so the Service drops the pod first), then

@@ -45,7 +45,7 @@ from datetime import datetime
 from typing import Any
 
 from kvpilot.autoscaler import Decision
-from kvpilot.operator.metrics_source import MetricsReading
+from kvpilot.operator.autoscaling.metrics_source import MetricsReading
 from kvpilot.operator.reconcile import Event
 from kvpilot.operator.status.conditions import Condition, to_rfc3339
 

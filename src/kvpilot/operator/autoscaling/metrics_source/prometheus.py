@@ -24,16 +24,15 @@ import requests
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
 from urllib3.util.retry import Retry
 
-from kvpilot.operator.logs import ObjectLog
-from kvpilot.operator.metrics_source.episodes import EpisodeLog
-from kvpilot.operator.metrics_source.names import EngineMetricNames, RouterMetricNames
-from kvpilot.operator.metrics_source.promql import (
+from kvpilot.operator.autoscaling.metrics_source.episodes import EpisodeLog
+from kvpilot.operator.autoscaling.metrics_source.names import EngineMetricNames, RouterMetricNames
+from kvpilot.operator.autoscaling.metrics_source.promql import (
     DEFAULT_RATE_WINDOW,
     SeriesSelector,
     router_query,
     signal_queries,
 )
-from kvpilot.operator.metrics_source.reading import (
+from kvpilot.operator.autoscaling.metrics_source.reading import (
     EnginePod,
     MetricsReading,
     fleet_kv_window,
@@ -43,6 +42,7 @@ from kvpilot.operator.metrics_source.reading import (
     pod_signals,
     router_queued,
 )
+from kvpilot.operator.logs import ObjectLog
 
 QUERY_BUDGET_SECONDS = 5.0
 _log = logging.getLogger(__name__)

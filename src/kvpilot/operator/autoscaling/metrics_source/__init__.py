@@ -11,12 +11,16 @@ plus the FinOps inputs and the demand held at the fleet's request router
 (``router_queued``), and neither raises for an unreachable or empty source.
 """
 
-from kvpilot.operator.metrics_source.factory import SOURCES, SourceConfig, build_source
-from kvpilot.operator.metrics_source.names import EngineMetricNames, RouterMetricNames
-from kvpilot.operator.metrics_source.pods import PodScrapeSource
-from kvpilot.operator.metrics_source.prometheus import PrometheusSource
-from kvpilot.operator.metrics_source.promql import SeriesSelector, router_query, signal_queries
-from kvpilot.operator.metrics_source.reading import (
+from kvpilot.operator.autoscaling.metrics_source.factory import SOURCES, SourceConfig, build_source
+from kvpilot.operator.autoscaling.metrics_source.names import EngineMetricNames, RouterMetricNames
+from kvpilot.operator.autoscaling.metrics_source.pods import PodScrapeSource
+from kvpilot.operator.autoscaling.metrics_source.prometheus import PrometheusSource
+from kvpilot.operator.autoscaling.metrics_source.promql import (
+    SeriesSelector,
+    router_query,
+    signal_queries,
+)
+from kvpilot.operator.autoscaling.metrics_source.reading import (
     EnginePod,
     MetricsReading,
     MetricsSource,

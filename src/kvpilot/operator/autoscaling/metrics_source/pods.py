@@ -30,16 +30,15 @@ from dataclasses import dataclass
 import httpx
 
 from kvpilot.autoscaler import PodSignals, counter_rate
-from kvpilot.operator.logs import ObjectLog
-from kvpilot.operator.metrics_source.episodes import EpisodeLog
-from kvpilot.operator.metrics_source.exposition import (
+from kvpilot.operator.autoscaling.metrics_source.episodes import EpisodeLog
+from kvpilot.operator.autoscaling.metrics_source.exposition import (
     EngineSample,
     ExpositionError,
     parse_engine_metrics,
     parse_router_in_flight,
 )
-from kvpilot.operator.metrics_source.names import EngineMetricNames, RouterMetricNames
-from kvpilot.operator.metrics_source.reading import (
+from kvpilot.operator.autoscaling.metrics_source.names import EngineMetricNames, RouterMetricNames
+from kvpilot.operator.autoscaling.metrics_source.reading import (
     EnginePod,
     MetricsReading,
     fleet_kv_window,
@@ -48,6 +47,7 @@ from kvpilot.operator.metrics_source.reading import (
     pod_signals,
     router_queued,
 )
+from kvpilot.operator.logs import ObjectLog
 
 SCRAPE_TIMEOUT_SECONDS = 3.0
 CONNECT_TIMEOUT_SECONDS = 1.0

@@ -16,10 +16,10 @@ State that must survive an operator restart lives on the object: ``status.autosc
 restarted loop waits out the interval instead of deciding twice). The loop also keeps both
 in memory, because the body Kopf hands it may lag behind its own last status write.
 A restart in the middle of a scale-up cannot scale twice: the Deployment's count is read
-back and the pods not ready yet count as pending supply (:mod:`kvpilot.operator.fleet`).
+back and the pods not ready yet count as pending supply (:mod:`kvpilot.operator.autoscaling.fleet`).
 
 Scale to zero (``minReplicas: 0``): while the last decision left the fleet at zero, every
-:data:`~kvpilot.operator.activation.POLL_SECONDS` between intervals the loop lists the
+:data:`~kvpilot.operator.autoscaling.activation.POLL_SECONDS` between intervals the loop lists the
 router pods and polls their count of attempts that found no engine; any increase runs an
 interval at once, whose policy activates the fleet (:mod:`kvpilot.autoscaler.zero`).
 """
@@ -39,15 +39,16 @@ import kopf
 from kvpilot.autoscaler import PolicyState
 from kvpilot.autoscaler.headroom import HeadroomState, headroom
 from kvpilot.operator import constants as c
-from kvpilot.operator.activation import POLL_SECONDS, ActivationProbe
 from kvpilot.operator.api import ApiError
-from kvpilot.operator.autoscale import AutoscalePlan, plan_autoscale
+from kvpilot.operator.autoscaling.activation import POLL_SECONDS, ActivationProbe
+from kvpilot.operator.autoscaling.fleet import observe_fleet, observe_routers
+from kvpilot.operator.autoscaling.metrics_source import MetricsSource, SourceConfig
+from kvpilot.operator.autoscaling.metrics_source.episodes import EpisodeLog
+from kvpilot.operator.autoscaling.plan import AutoscalePlan, plan_autoscale
 from kvpilot.operator.builders.headroom import build_headroom_deployment
-from kvpilot.operator.fleet import observe_fleet, observe_routers
-from kvpilot.operator.handlers import OperatorContext, ReconcileRefused, run_reconcile
+from kvpilot.operator.handlers.context import OperatorContext
+from kvpilot.operator.handlers.lifecycle import ReconcileRefused, run_reconcile
 from kvpilot.operator.logs import ObjectLog, object_logger
-from kvpilot.operator.metrics_source import MetricsSource, SourceConfig
-from kvpilot.operator.metrics_source.episodes import EpisodeLog
 from kvpilot.operator.reconcile import Resource
 from kvpilot.operator.spec import InferenceSpec, SpecError, parse_spec
 from kvpilot.operator.status.conditions import set_conditions

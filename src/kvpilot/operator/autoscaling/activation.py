@@ -25,10 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from kvpilot.operator.autoscaling.metrics_source import EnginePod, RouterMetricNames
+from kvpilot.operator.autoscaling.metrics_source.episodes import EpisodeLog
+from kvpilot.operator.autoscaling.metrics_source.exposition import (
+    ExpositionError,
+    parse_router_no_engine,
+)
 from kvpilot.operator.logs import ObjectLog
-from kvpilot.operator.metrics_source import EnginePod, RouterMetricNames
-from kvpilot.operator.metrics_source.episodes import EpisodeLog
-from kvpilot.operator.metrics_source.exposition import ExpositionError, parse_router_no_engine
 
 # How often the loop looks for held requests while the fleet is at zero. The router
 # retries a held request at least every 500 ms, so each poll sees a waiting request.

@@ -28,8 +28,8 @@ from typing import Any
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.api import KubeApi
+from kvpilot.operator.autoscaling.metrics_source import EnginePod
 from kvpilot.operator.builders.labels import router_selector_labels, selector_labels
-from kvpilot.operator.metrics_source import EnginePod
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.operator.metrics_source.names import EngineMetricNames, RouterMetricNames
-from kvpilot.operator.metrics_source.reading import fleet_kv_window, parse_kv_window
+from kvpilot.operator.autoscaling.metrics_source.names import EngineMetricNames, RouterMetricNames
+from kvpilot.operator.autoscaling.metrics_source.reading import fleet_kv_window, parse_kv_window
 
 
 class ExpositionError(ValueError):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from kvpilot.operator.autoscaling.metrics_source import pods, prometheus
+from kvpilot.operator.autoscaling.metrics_source.pods import PodScrapeSource
+from kvpilot.operator.autoscaling.metrics_source.prometheus import PrometheusSource
+from kvpilot.operator.autoscaling.metrics_source.promql import SeriesSelector
+from kvpilot.operator.autoscaling.metrics_source.reading import MetricsSource
 from kvpilot.operator.logs import object_logger
-from kvpilot.operator.metrics_source import pods, prometheus
-from kvpilot.operator.metrics_source.pods import PodScrapeSource
-from kvpilot.operator.metrics_source.prometheus import PrometheusSource
-from kvpilot.operator.metrics_source.promql import SeriesSelector
-from kvpilot.operator.metrics_source.reading import MetricsSource
 
 SOURCES = ("prometheus", "pods")
 

@@ -17,7 +17,7 @@
                                events           MetricsUnavailable / MetricsRestored
 
 Nothing here reads a clock, the API or the network; the loop in
-:mod:`kvpilot.operator.autoscale_loop` does that and applies the plan. The count goes to
+:mod:`kvpilot.operator.autoscaling.loop` does that and applies the plan. The count goes to
 the Deployment only when the policy moved it (``requested``); a hold never writes it, so a
 surge pod during a rollout is not mistaken for a replica to keep.
 """
@@ -31,8 +31,8 @@ from datetime import datetime
 from typing import Any
 
 from kvpilot.autoscaler import Decision, FleetSignals, PolicyState, decide
-from kvpilot.operator.fleet import FleetObservation
-from kvpilot.operator.metrics_source import MetricsReading
+from kvpilot.operator.autoscaling.fleet import FleetObservation
+from kvpilot.operator.autoscaling.metrics_source import MetricsReading
 from kvpilot.operator.reconcile import Event
 from kvpilot.operator.spec import InferenceSpec
 from kvpilot.operator.status.autoscaler import (

@@ -45,8 +45,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvpilot.operator.autoscaling.metrics_source.names import EngineMetricNames, RouterMetricNames
 from kvpilot.operator.constants import SERIES_LABEL
-from kvpilot.operator.metrics_source.names import EngineMetricNames, RouterMetricNames
 
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _DURATION = re.compile(r"^[1-9][0-9]*(ms|s|m|h)$")

@@ -72,7 +72,7 @@ class MetricsReading:
             as traffic).
         requests_without_engine: router attempts that found no engine since the previous
             read (scale to zero's activation signal; the autoscaler loop fills it from
-            :mod:`kvpilot.operator.activation`, the sources leave 0).
+            :mod:`kvpilot.operator.autoscaling.activation`, the sources leave 0).
         kv_window_tokens: the sliding window W (tokens) behind which the engines free KV
             blocks (every layer of the model slides), from the ``sliding_window`` label
             of the cache-config info series (:func:`fleet_kv_window`); a request then

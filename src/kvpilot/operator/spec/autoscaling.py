@@ -1,0 +1,59 @@
+"""``spec.autoscaling`` -> the policy's own :class:`~kvpilot.autoscaler.spec.AutoscalingSpec`
+(the operator, the simulator and the policy share one spec)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kvpilot.autoscaler.spec import (
+    METRIC_SOURCES,
+    STARVATION_USAGE,
+    AutoscalingSpec,
+    MetricsSourceSpec,
+)
+from kvpilot.operator.spec.defaults import DEFAULTS
+from kvpilot.operator.spec.fields import FieldReader, SpecError
+
+# The most engine replicas (spec.replicas, autoscaling.minReplicas and maxReplicas).
+MAX_REPLICAS = 1000
+# The autoscaler fits its KV forecast over two minutes: it needs a decision at least a minute.
+MAX_INTERVAL_SECONDS = 60
+
+
+def parse_autoscaling(raw: Any) -> AutoscalingSpec:
+    """The CRD's ranges first (each error names its ``spec.autoscaling`` path), then the
+    policy's own checks in :class:`AutoscalingSpec` (a ValueError left by them means the
+    ranges here let through what the policy refuses: reported on ``autoscaling``)."""
+    r = FieldReader(raw, "autoscaling", DEFAULTS)
+    m = FieldReader(r.raw.get("metrics"), "autoscaling.metrics", DEFAULTS)
+    source, url = m.choice("source", METRIC_SOURCES), m.string("url")
+    if source == "prometheus" and (url is None or not re.fullmatch(r"https?://\S+", url)):
+        raise SpecError("autoscaling.metrics.url", url,
+                        "an http(s) URL is required when metrics.source is prometheus")
+    min_replicas = r.integer("minReplicas", 0, MAX_REPLICAS)
+    max_replicas = r.integer("maxReplicas", 1, MAX_REPLICAS)
+    if min_replicas > max_replicas:
+        raise SpecError("autoscaling.minReplicas", min_replicas,
+                        f"must be <= autoscaling.maxReplicas ({max_replicas})")
+    try:
+        return AutoscalingSpec(
+            min_replicas=min_replicas,
+            max_replicas=max_replicas,
+            target_cache_usage=r.number("targetCacheUsage", 0.0, STARVATION_USAGE,
+                                        lo_open=True, hi_open=True),
+            target_queue_depth=r.number("targetQueueDepth", 0.0, 10000.0, lo_open=True),
+            startup_seconds=r.integer("startupSeconds", 0, 7200),
+            scale_up_stabilization_seconds=r.integer("scaleUpStabilizationSeconds", 0, 3600),
+            scale_down_stabilization_seconds=r.integer("scaleDownStabilizationSeconds", 0,
+                                                       86400),
+            interval_seconds=r.integer("intervalSeconds", 1, MAX_INTERVAL_SECONDS),
+            node_startup_seconds=r.integer("nodeStartupSeconds", 0, 3600),
+            scale_to_zero_after_seconds=r.integer("scaleToZeroAfterSeconds", 1, 86400),
+            activation_timeout_seconds=r.integer("activationTimeoutSeconds", 1, 3600),
+            metrics=MetricsSourceSpec(source, url),
+        )
+    except ValueError as exc:
+        if isinstance(exc, SpecError):
+            raise
+        raise SpecError("autoscaling", dict(r.raw), str(exc)) from None
