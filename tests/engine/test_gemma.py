@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from kvpilot.engine.model.config import ModelConfig, UnsupportedModelError
+from kvpilot.engine.model.config import UnsupportedModelError
+from kvpilot.engine.model.hf_config import read_hf_config
 from tests.engine.test_model_families import (
     LOGPROB_TOLERANCE,
     WINDOW,
@@ -32,13 +33,13 @@ GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "vocab_size": 32, "hidden_size
 def test_what_gemma_does_not_implement_is_refused_by_name(tmp_path, extra, message):
     (tmp_path / "config.json").write_text(json.dumps({**GEMMA2, **extra}))
     with pytest.raises(UnsupportedModelError) as info:
-        ModelConfig.from_hf_config(tmp_path)
+        read_hf_config(tmp_path)
     assert message in str(info.value)
 
 
 def test_gemma2_defaults_the_fields_its_config_omits(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(GEMMA2))
-    cfg = ModelConfig.from_hf_config(tmp_path)
+    cfg = read_hf_config(tmp_path)
     assert cfg.hidden_act == "gelu_pytorch_tanh" and cfg.tie_word_embeddings
     assert cfg.layer_types == ("sliding_attention", "full_attention")
     assert [cfg.sliding_window_for(i) for i in range(2)] == [4096, None]

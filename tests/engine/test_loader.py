@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvpilot.engine.model.config import ModelConfig, UnsupportedModelError
+from kvpilot.engine.model.config import UnsupportedModelError
+from kvpilot.engine.model.gguf_config import read_gguf_metadata
+from kvpilot.engine.model.hf_config import read_hf_config
 from kvpilot.engine.model.loader import (
     EMBEDDED_MODEL_URI,
     ModelNotFoundError,
@@ -74,7 +76,7 @@ def test_missing_and_unsupported_models_say_what_was_found(tmp_path):
     (folder / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
     (folder / "model.safetensors").write_bytes(b"")
     with pytest.raises(UnsupportedModelError, match=r"declares architectures \['BertModel'\]; supported: \[.*'LlamaForCausalLM'"):
-        ModelConfig.from_hf_config(resolve_model(str(folder)).path)
+        read_hf_config(resolve_model(str(folder)).path)
     with pytest.raises(ModelNotFoundError, match=r"no \*\.safetensors"):
         (folder / "model.safetensors").unlink()
         resolve_model(str(folder))
@@ -194,7 +196,7 @@ def test_config_fields_that_change_the_math_are_refused_by_name(tmp_path, extra,
     wrongly without a word (a Llama config with hidden_act gelu used to run SiLU)."""
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, **extra}))
     with pytest.raises(UnsupportedModelError, match=re.escape(message)) as info:
-        ModelConfig.from_hf_config(tmp_path)
+        read_hf_config(tmp_path)
     assert str(tmp_path / "config.json") in str(info.value)
 
 
@@ -213,7 +215,7 @@ def test_config_fields_that_change_the_math_are_refused_by_name(tmp_path, extra,
                                    {"partial_rotary_factor": 1.0}, {"quantization_config": None}])
 def test_config_fields_with_implemented_values_load(tmp_path, extra):
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, **extra}))
-    assert ModelConfig.from_hf_config(tmp_path).architecture == "llama"
+    assert read_hf_config(tmp_path).architecture == "llama"
 
 
 def test_gguf_experts_and_other_rope_scaling_are_refused():
@@ -221,10 +223,10 @@ def test_gguf_experts_and_other_rope_scaling_are_refused():
             "llama.embedding_length": 16, "llama.feed_forward_length": 32, "llama.block_count": 1,
             "llama.vocab_size": 32}
     with pytest.raises(UnsupportedModelError, match=r"llama.expert_count = 8, llama.expert_used_count = None"):
-        ModelConfig.from_gguf_metadata({**meta, "llama.expert_count": 8}, set(), "mixtral.gguf")
+        read_gguf_metadata({**meta, "llama.expert_count": 8}, set(), "mixtral.gguf")
     with pytest.raises(UnsupportedModelError, match=r"rope.scaling.type = 'su'"):
-        ModelConfig.from_gguf_metadata({**meta, "llama.rope.scaling.type": "su"}, set(), "m.gguf")
-    assert ModelConfig.from_gguf_metadata(meta, {"blk.0.attn_output.bias"}, "m.gguf").o_proj_bias
+        read_gguf_metadata({**meta, "llama.rope.scaling.type": "su"}, set(), "m.gguf")
+    assert read_gguf_metadata(meta, {"blk.0.attn_output.bias"}, "m.gguf").o_proj_bias
 
 
 def test_which_layers_slide_per_architecture(tmp_path):
@@ -236,7 +238,7 @@ def test_which_layers_slide_per_architecture(tmp_path):
                                 ("Qwen3ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True,
                                                       "max_window_layers": 0}, 4096)):
         (tmp_path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "architectures": [arch], **extra}))
-        assert ModelConfig.from_hf_config(tmp_path).sliding_window == window, (arch, extra)
+        assert read_hf_config(tmp_path).sliding_window == window, (arch, extra)
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -253,7 +255,7 @@ def test_a_window_the_model_cannot_honour_is_refused(tmp_path, extra, message):
     a Llama config's window was dropped without a word."""
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "head_dim": 8, **extra}))
     with pytest.raises(UnsupportedModelError, match=re.escape(message)):
-        ModelConfig.from_hf_config(tmp_path)
+        read_hf_config(tmp_path)
 
 
 def test_gguf_windows_and_expert_scales_are_checked():
@@ -262,16 +264,16 @@ def test_gguf_windows_and_expert_scales_are_checked():
             "gemma2.attention.key_length": 8, "gemma2.attention.value_length": 8}
     for bad in (-5, 8.5):
         with pytest.raises(UnsupportedModelError, match=re.escape(f"gemma2.attention.sliding_window = {bad!r}")):
-            ModelConfig.from_gguf_metadata({**meta, "gemma2.attention.sliding_window": bad}, set(), "g.gguf")
+            read_gguf_metadata({**meta, "gemma2.attention.sliding_window": bad}, set(), "g.gguf")
     with pytest.raises(UnsupportedModelError, match=re.escape("sliding_window_pattern = -2 is not supported")):
-        ModelConfig.from_gguf_metadata({**meta, "gemma2.attention.sliding_window": 8,
+        read_gguf_metadata({**meta, "gemma2.attention.sliding_window": 8,
                                         "gemma2.attention.sliding_window_pattern": -2}, set(), "g.gguf")
     moe = {"general.architecture": "qwen3moe", "qwen3moe.attention.head_count": 2,
            "qwen3moe.embedding_length": 16, "qwen3moe.feed_forward_length": 32, "qwen3moe.block_count": 1,
            "qwen3moe.vocab_size": 32, "qwen3moe.expert_count": 4, "qwen3moe.expert_used_count": 2,
            "qwen3moe.expert_weights_scale": 2.5}
     with pytest.raises(UnsupportedModelError, match=re.escape("qwen3moe.expert_weights_scale = 2.5")):
-        ModelConfig.from_gguf_metadata(moe, {"blk.0.ffn_gate_inp.weight"}, "m.gguf")
+        read_gguf_metadata(moe, {"blk.0.ffn_gate_inp.weight"}, "m.gguf")
 
 
 def test_gguf_keys_that_change_the_math_are_honoured_or_refused():
@@ -279,12 +281,12 @@ def test_gguf_keys_that_change_the_math_are_honoured_or_refused():
             "llama.feed_forward_length": 32, "llama.block_count": 1, "llama.vocab_size": 32}
     # llama.cpp's default scaling type is linear: a bare factor (or rope.scale_linear) scales.
     for k in ("llama.rope.scaling.factor", "llama.rope.scale_linear"):
-        assert ModelConfig.from_gguf_metadata({**meta, k: 4.0}, set(), "m.gguf").rope_scaling == \
+        assert read_gguf_metadata({**meta, k: 4.0}, set(), "m.gguf").rope_scaling == \
             {"rope_type": "linear", "factor": 4.0}
-    assert ModelConfig.from_gguf_metadata({**meta, "llama.rope.scaling.factor": 1.0}, set(), "m.gguf").rope_scaling \
+    assert read_gguf_metadata({**meta, "llama.rope.scaling.factor": 1.0}, set(), "m.gguf").rope_scaling \
         is None
     with pytest.raises(UnsupportedModelError, match=re.escape("llama.attention.sliding_window = 8 is not supported")):
-        ModelConfig.from_gguf_metadata({**meta, "llama.attention.sliding_window": 8}, set(), "m.gguf")
+        read_gguf_metadata({**meta, "llama.attention.sliding_window": 8}, set(), "m.gguf")
     with pytest.raises(UnsupportedModelError, match=re.escape("llama.attention.scale = 0.25 is not supported")):
-        ModelConfig.from_gguf_metadata({**meta, "llama.attention.scale": 0.25}, set(), "m.gguf")
-    assert ModelConfig.from_gguf_metadata({**meta, "llama.attention.scale": 8 ** -0.5}, set(), "m.gguf")
+        read_gguf_metadata({**meta, "llama.attention.scale": 0.25}, set(), "m.gguf")
+    assert read_gguf_metadata({**meta, "llama.attention.scale": 8 ** -0.5}, set(), "m.gguf")

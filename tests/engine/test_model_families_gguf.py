@@ -26,7 +26,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvpilot.engine.model.config import ModelConfig, UnsupportedModelError
+from kvpilot.engine.model.config import UnsupportedModelError
+from kvpilot.engine.model.gguf_config import read_gguf_metadata
+from kvpilot.engine.model.hf_config import read_hf_config
 from tests.engine.test_model_families import COMMON, VOCAB, WINDOW, make_engine, prompts
 
 # F32 tensors and an fp32 engine on both sides: the differences are summation order, as in
@@ -194,7 +196,7 @@ def test_gguf_config_and_weights_match_the_hf_folder(case):
 
     gfile = GGUFModelFile(folder / "m.gguf")
     ours = gfile.model_config()
-    ref = ModelConfig.from_hf_config(folder / "hf")
+    ref = read_hf_config(folder / "hf")
     for field in ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim", "rope_theta", "max_position_embeddings", "tie_word_embeddings",
                   "attention_bias", "qk_norm", "sliding_window", "layer_types", "hidden_act",
@@ -279,11 +281,11 @@ BASE = {"general.architecture": "llama", "llama.attention.head_count": 2, "llama
 ])
 def test_gguf_keys_we_do_not_implement_are_refused_by_name(extra, tensors, message):
     with pytest.raises(UnsupportedModelError, match=re.escape(message)):
-        ModelConfig.from_gguf_metadata({**BASE, **extra}, tensors, "m.gguf")
+        read_gguf_metadata({**BASE, **extra}, tensors, "m.gguf")
 
 
 def test_gguf_yarn_keys_and_gemma_layer_patterns():
-    yarn = ModelConfig.from_gguf_metadata(
+    yarn = read_gguf_metadata(
         {**BASE, "llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
          "llama.rope.scaling.yarn_attn_factor": 1.1}, set(), "m.gguf")
     # llama.cpp's default original context is the training context
@@ -291,15 +293,15 @@ def test_gguf_yarn_keys_and_gemma_layer_patterns():
                                  "attention_factor": pytest.approx(1.1)}
     gemma = {k.replace("llama.", "gemma3."): v for k, v in BASE.items()} | {
         "general.architecture": "gemma3", "gemma3.block_count": 4, "gemma3.attention.sliding_window": 8}
-    assert ModelConfig.from_gguf_metadata(gemma, set(), "m.gguf").layer_types == ("sliding_attention",) * 4
+    assert read_gguf_metadata(gemma, set(), "m.gguf").layer_types == ("sliding_attention",) * 4
     per_layer = {**gemma, "gemma3.attention.sliding_window_pattern": [True, False, True, True]}
-    assert ModelConfig.from_gguf_metadata(per_layer, set(), "m.gguf").layer_types == (
+    assert read_gguf_metadata(per_layer, set(), "m.gguf").layer_types == (
         "sliding_attention", "full_attention", "sliding_attention", "sliding_attention")
-    none = ModelConfig.from_gguf_metadata({**gemma, "gemma3.attention.sliding_window_pattern": 1}, set(), "m.gguf")
+    none = read_gguf_metadata({**gemma, "gemma3.attention.sliding_window_pattern": 1}, set(), "m.gguf")
     assert (none.sliding_window, none.layer_types) == (None, None)
     g2 = {k.replace("gemma3.", "gemma2."): v for k, v in gemma.items()} | {"general.architecture": "gemma2"}
-    cfg = ModelConfig.from_gguf_metadata(g2, set(), "m.gguf")
+    cfg = read_gguf_metadata(g2, set(), "m.gguf")
     assert cfg.layer_types == ("sliding_attention", "full_attention") * 2
     assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping, cfg.rope_local_theta) == (50.0, 30.0, None)
     with pytest.raises(UnsupportedModelError, match=re.escape("gemma3.attention.sliding_window_pattern has 3")):
-        ModelConfig.from_gguf_metadata({**gemma, "gemma3.attention.sliding_window_pattern": [True] * 3}, set(), "m")
+        read_gguf_metadata({**gemma, "gemma3.attention.sliding_window_pattern": [True] * 3}, set(), "m")

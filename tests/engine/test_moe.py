@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvpilot.engine.model.config import ModelConfig, UnsupportedModelError
+from kvpilot.engine.model.config import UnsupportedModelError
+from kvpilot.engine.model.gguf_config import read_gguf_metadata
+from kvpilot.engine.model.hf_config import read_hf_config
 from kvpilot.engine.model.moe import moe_experts_reference, route_topk
 
 VOCAB = 256
@@ -70,7 +72,7 @@ def test_moe_greedy_and_logprobs_match_transformers(tmp_path, arch, top_k):
     from kvpilot.engine.scoring import score_tokens
 
     hf = _tiny_moe_model(tmp_path, arch, top_k)
-    cfg = ModelConfig.from_hf_config(tmp_path)
+    cfg = read_hf_config(tmp_path)
     assert cfg.architecture == arch.removesuffix("-step2")
     assert (cfg.num_experts, cfg.num_experts_per_tok) == (4, top_k)
     model = LlamaForCausalLM(cfg, max_positions=256)
@@ -135,7 +137,7 @@ def test_moe_routing_we_do_not_implement_is_refused_by_name(tmp_path, extra, mes
            "num_local_experts": 8, "num_experts_per_tok": 2}
     (tmp_path / "config.json").write_text(json.dumps({**cfg, **extra}))
     with pytest.raises(UnsupportedModelError, match=re.escape(message)):
-        ModelConfig.from_hf_config(tmp_path)
+        read_hf_config(tmp_path)
 
 
 def test_missing_expert_is_named(tmp_path):
@@ -143,7 +145,7 @@ def test_missing_expert_is_named(tmp_path):
     from kvpilot.engine.model.loader import iter_safetensors
 
     _tiny_moe_model(tmp_path, "mixtral")
-    cfg = ModelConfig.from_hf_config(tmp_path)
+    cfg = read_hf_config(tmp_path)
     model = LlamaForCausalLM(cfg, max_positions=64)
     weights = [(n, t) for n, t in iter_safetensors(tmp_path) if "layers.1.block_sparse_moe.experts.3.w3" not in n]
     with pytest.raises(ValueError, match=re.escape("layers.1.mlp.experts.3.up")):
@@ -226,7 +228,7 @@ def test_moe_gguf_logits_match_transformers(tmp_path, arch):
     _write_gguf(hf, tmp_path / "hf", arch, tmp_path / "m.gguf")
     gfile = GGUFModelFile(tmp_path / "m.gguf")
     cfg = gfile.model_config()
-    hf_cfg = ModelConfig.from_hf_config(tmp_path / "hf")
+    hf_cfg = read_hf_config(tmp_path / "hf")
     for field in ("architecture", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                   "shared_expert_intermediate_size", "mlp_only_layers", "qk_norm", "attention_bias"):
         assert getattr(cfg, field) == getattr(hf_cfg, field), field
@@ -255,15 +257,15 @@ def test_gguf_moe_needs_its_counts_and_softmax_gating():
             "qwen3moe.embedding_length": 16, "qwen3moe.feed_forward_length": 32, "qwen3moe.block_count": 1,
             "qwen3moe.vocab_size": 32, "qwen3moe.expert_count": 4, "qwen3moe.expert_used_count": 2,
             "qwen3moe.expert_feed_forward_length": 8}
-    cfg = ModelConfig.from_gguf_metadata(meta, {"blk.0.ffn_gate_inp.weight"}, "m.gguf")
+    cfg = read_gguf_metadata(meta, {"blk.0.ffn_gate_inp.weight"}, "m.gguf")
     assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == ("qwen3_moe", 4, 2, True)
-    assert ModelConfig.from_gguf_metadata({**meta, "qwen3moe.expert_gating_func": 2}, set(),
+    assert read_gguf_metadata({**meta, "qwen3moe.expert_gating_func": 2}, set(),
                                           "m.gguf").moe_scoring_func == "sigmoid"
     with pytest.raises(UnsupportedModelError, match=re.escape(
             "qwen3moe.expert_gating_func = 3 is not supported; softmax (1) or sigmoid (2)")):
-        ModelConfig.from_gguf_metadata({**meta, "qwen3moe.expert_gating_func": 3}, set(), "m.gguf")
+        read_gguf_metadata({**meta, "qwen3moe.expert_gating_func": 3}, set(), "m.gguf")
     with pytest.raises(UnsupportedModelError, match=re.escape("qwen3moe.expert_used_count = 5")):
-        ModelConfig.from_gguf_metadata({**meta, "qwen3moe.expert_used_count": 5}, set(), "m.gguf")
+        read_gguf_metadata({**meta, "qwen3moe.expert_used_count": 5}, set(), "m.gguf")
 
 
 def test_sigmoid_routing_scores_each_expert_on_its_own(tmp_path):
@@ -285,7 +287,7 @@ def test_sigmoid_routing_scores_each_expert_on_its_own(tmp_path):
            "num_experts_per_tok": 2, "moe_intermediate_size": 8, "norm_topk_prob": False,
            "scoring_func": "sigmoid"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    config = ModelConfig.from_hf_config(tmp_path)
+    config = read_hf_config(tmp_path)
     assert config.moe_scoring_func == "sigmoid"
     torch.manual_seed(0)
     block = SparseMoeBlock(config)

@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from kvpilot.engine.model.config import ModelConfig, UnsupportedModelError
+from kvpilot.engine.model.config import UnsupportedModelError
+from kvpilot.engine.model.hf_config import read_hf_config
 from kvpilot.engine.model.rotary import rope_parameters
 
 BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 256,
@@ -41,7 +42,7 @@ def _configs(tmp_path, scaling):
 
     cfg = {**BASE, "rope_scaling": scaling}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return ModelConfig.from_hf_config(tmp_path), LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    return read_hf_config(tmp_path), LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

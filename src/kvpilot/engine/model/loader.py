@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvpilot.engine.model.config import GEMMA_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from kvpilot.engine.model.gguf_config import read_gguf_metadata
+from kvpilot.engine.model.hf_config import read_hf_config
 from kvpilot.engine.model.presets import PRESET_PREFIX, preset_config
 
 if TYPE_CHECKING:
@@ -187,7 +189,7 @@ class GGUFModelFile:
         self.tensors = {t.name: t for t in self.reader.tensors}
 
     def model_config(self) -> ModelConfig:
-        """The config from the metadata (:meth:`ModelConfig.from_gguf_metadata`), the
+        """The config from the metadata (:func:`~kvpilot.engine.model.gguf_config.read_gguf_metadata`), the
         vocabulary from the token list or ``token_embd``'s rows when ``<arch>.vocab_size`` is
         absent, and the frequency factors stored as tensors: ``rope_freqs`` (llama3) and
         Phi-3's LongRoPE ``rope_factors_long`` / ``rope_factors_short``."""
@@ -198,7 +200,7 @@ class GGUFModelFile:
                 meta[f"{arch}.vocab_size"] = meta["tokenizer.ggml.tokens.count"]
             elif "token_embd.weight" in self.tensors:  # ggml order: [hidden, vocab]
                 meta[f"{arch}.vocab_size"] = int(self.tensors["token_embd.weight"].shape[-1])
-        config = ModelConfig.from_gguf_metadata(meta, set(self.tensors), self.path.stem)
+        config = read_gguf_metadata(meta, set(self.tensors), self.path.stem)
 
         def factors(tensor_name: str) -> list[float]:
             return [float(f) for f in self._dequantize(self.tensors[tensor_name]).reshape(-1)]
@@ -276,7 +278,7 @@ def load_model_config(source: ModelSource) -> tuple[ModelConfig, GGUFModelFile |
         gf = GGUFModelFile(source.path)
         return gf.model_config(), gf
     if source.kind == "hf":
-        return ModelConfig.from_hf_config(source.path), None
+        return read_hf_config(source.path), None
     if source.kind == "preset":
         return preset_config(source.name), None
     raise UnsupportedModelError(f"unknown model source kind {source.kind!r}")

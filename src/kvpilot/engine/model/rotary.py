@@ -26,7 +26,7 @@ def rope_parameters(config: ModelConfig, max_positions: int | None = None, *, th
     transformers' ``ROPE_INIT_FUNCTIONS`` compute them (``modeling_rope_utils``).
 
     ``inv_freq[i] = theta ** (-2i / head_dim)`` (Su et al., RoFormer). Scaling
-    (``scaling["rope_type"]``, normalized by :func:`~kvpilot.engine.model.config.normalize_rope_scaling`):
+    (``scaling["rope_type"]``, normalized by :func:`~kvpilot.engine.model.hf_config.normalize_rope_scaling`):
     - ``linear``: divide every frequency by ``factor`` (position interpolation);
     - ``llama3``: Meta's Llama 3.1 rule: wavelengths longer than
       ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``,
