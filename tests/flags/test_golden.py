@@ -1,6 +1,6 @@
-"""Golden command lines for ``kvpilot serve`` and the operator's ``engine.extraArgs`` check
-(issue 30, item 3): today's accepted and refused command lines, pinned before the flags
-moved to one table, so the move keeps every parse and every message.
+"""Golden command lines for ``kvpilot serve`` and the operator's ``engine.extraArgs``
+check: today's accepted and refused command lines, pinned so that moving the flags to one
+table keeps every parse and every message.
 
 Each case of :data:`CASES` runs through the public entry points: ``kvpilot serve ARGV``
 (:func:`kvpilot.cli.main`, with the server's ``run`` replaced) and :func:`parse_spec`

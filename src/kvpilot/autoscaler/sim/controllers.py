@@ -62,7 +62,10 @@ class KvPilotPolicy:
                     float(r.model.kv_capacity_tokens),
                 )
             )
-        d = decide(FleetSignals(tuple(pods), pending), self.state, self.spec, now)
+        # Every replica runs the same engine model: its --max-num-seqs is the fleet's.
+        max_num_seqs = ready[0].model.max_num_seqs if ready else None
+        d = decide(FleetSignals(tuple(pods), pending, max_num_seqs=max_num_seqs), self.state,
+                   self.spec, now)
         self.state = d.state
         self.last = d
         if d.direction != "hold":

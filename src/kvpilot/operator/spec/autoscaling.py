@@ -43,6 +43,7 @@ def parse_autoscaling(raw: Any) -> AutoscalingSpec:
             target_cache_usage=r.number("targetCacheUsage", 0.0, STARVATION_USAGE,
                                         lo_open=True, hi_open=True),
             target_queue_depth=r.number("targetQueueDepth", 0.0, 10000.0, lo_open=True),
+            target_saturation=r.number("targetSaturation", 0.0, 1.0, lo_open=True),
             startup_seconds=r.integer("startupSeconds", 0, 7200),
             scale_up_stabilization_seconds=r.integer("scaleUpStabilizationSeconds", 0, 3600),
             scale_down_stabilization_seconds=r.integer("scaleDownStabilizationSeconds", 0,
