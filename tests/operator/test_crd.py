@@ -212,6 +212,12 @@ REFUSED = [
     ("queue-target-negative", {"model": EMBEDDED,
                                "autoscaling": {"maxReplicas": 2, "targetQueueDepth": -1}},
      "below minimum 0"),
+    ("saturation-zero", {"model": EMBEDDED,
+                         "autoscaling": {"maxReplicas": 2, "targetSaturation": 0}},
+     "below minimum 0"),
+    ("saturation-above-one", {"model": EMBEDDED,
+                              "autoscaling": {"maxReplicas": 2, "targetSaturation": 1.5}},
+     "above maximum 1"),
     ("prometheus-without-url", {"model": EMBEDDED, "autoscaling": {
         "maxReplicas": 2, "metrics": {"source": "prometheus"}}},
      "autoscaling.metrics.url is required"),

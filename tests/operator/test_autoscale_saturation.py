@@ -1,0 +1,57 @@
+"""The operator hands the engines' --max-num-seqs (spec.engine.maxNumSeqs) to the policy,
+so a fleet whose batches are busy keeps its replicas at low KV usage."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from kvpilot.autoscaler import PodSignals, PolicyState
+from kvpilot.operator.autoscaling.fleet import EnginePod, FleetObservation
+from kvpilot.operator.autoscaling.metrics_source import MetricsReading
+from kvpilot.operator.autoscaling.plan import plan_autoscale
+from kvpilot.operator.spec import parse_spec
+
+NOW = datetime(2026, 12, 6, 12, 0, tzinfo=timezone.utc)
+
+
+def _spec(max_num_seqs: int, target_saturation: float | None = None):
+    autoscaling = {"minReplicas": 1, "maxReplicas": 4}
+    if target_saturation is not None:
+        autoscaling["targetSaturation"] = target_saturation
+    return parse_spec({"model": {"uri": "embedded://smollm2-135m-instruct"},
+                       "engine": {"maxNumSeqs": max_num_seqs}, "autoscaling": autoscaling})
+
+
+def _plan(spec, running_per_pod: float, replicas: int = 1):
+    pods = tuple(EnginePod(f"p{i}", f"10.0.0.{i + 1}") for i in range(replicas))
+    reading = MetricsReading("pods", tuple(
+        PodSignals(p.name, kv_usage=0.1, num_waiting=0.0, waiting_tokens=0.0,
+                   num_running=running_per_pod, preemption_rate=0.0, kv_capacity_tokens=5000.0)
+        for p in pods))
+    return plan_autoscale(FleetObservation(replicas, pods, 0), reading, PolicyState(), spec, (), NOW)
+
+
+def test_a_full_batch_at_low_kv_usage_scales_up_on_saturation():
+    plan = _plan(_spec(max_num_seqs=8), running_per_pod=8.0)
+    assert plan.decision.rule == "saturation"
+    assert plan.requested == 2  # ceil(8 / (8 x 0.75))
+    candidate = next(c for c in plan.decision.candidates if c.rule == "saturation")
+    assert candidate.value == 1.0
+    written = plan.status["autoscaler"]["lastDecision"]
+    (in_status,) = [c for c in written["candidates"] if c["rule"] == "saturation"]
+    assert in_status["replicas"] == 2 and in_status["value"] == 1.0
+    assert "batch slots" in in_status["detail"]
+
+
+def test_the_spec_target_is_the_one_the_policy_reads():
+    # 8 running of 16 slots: 50%, within 10% of a 0.5 target; above nothing at 0.75.
+    assert _spec(16, 0.5).autoscaling.target_saturation == 0.5
+    at_half = _plan(_spec(16, 0.5), running_per_pod=8.0)
+    candidate = next(c for c in at_half.decision.candidates if c.rule == "saturation")
+    assert candidate.replicas == 1
+    grown = _plan(_spec(16, 0.25), running_per_pod=8.0)
+    assert grown.requested == 2 and grown.decision.rule == "saturation"
+
+
+def test_the_default_target_is_the_crds():
+    assert _spec(8).autoscaling.target_saturation == 0.75
