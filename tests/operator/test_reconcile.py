@@ -210,3 +210,36 @@ def test_removing_autoscaling_without_replicas_keeps_the_fleet():
     run(api, {"model": EMBEDDED, "replicas": 2})
     assert deployment_replicas(api) == 2
     assert run(FakeKubeApi(), {"model": EMBEDDED}).target.replicas == 1  # a new one
+
+
+def test_children_are_built_once_per_attempt_and_the_name_checked_once(monkeypatch):
+    """A reconcile used to build every child twice (once to check that no
+    child's name is someone else's, once to apply) and checked the name twice. One build
+    per attempt now: a 409 on the Deployment rebuilds against the fresh count, nothing
+    else does; the name is checked once, with the spec."""
+    import kvpilot.operator.reconcile as reconcile_module
+    import kvpilot.operator.spec.inference as inference_module
+
+    builds: list[int] = []
+    names: list[str] = []
+    build, label = reconcile_module.build_children, inference_module._check_label
+
+    def counting_build(owner, spec, replicas, *args, **kwargs):
+        builds.append(replicas)
+        return build(owner, spec, replicas, *args, **kwargs)
+
+    def counting_label(name):
+        names.append(name)
+        label(name)
+
+    monkeypatch.setattr(reconcile_module, "build_children", counting_build)
+    monkeypatch.setattr(inference_module, "_check_label", counting_label)
+    api = FakeKubeApi(apis=(PODMONITOR,))
+    run(api, AUTO)
+    assert (builds, names) == ([1], ["chat"])
+
+    builds.clear()
+    names.clear()
+    api.fail_next("apply:Deployment", ConflictError("busy", 409))
+    run(api, AUTO, requested=3)
+    assert (builds, names) == ([3, 3], ["chat"])  # one build per attempt

@@ -3,9 +3,10 @@ report.
 
 ::
 
-    body --Resource.from_body--> Resource --parse_spec--> InferenceSpec
-    GET every child but the Deployment (never write over one we do not control)
+    body --Resource.from_body--> Resource --parse_spec (and metadata.name)--> InferenceSpec
     GET Deployment --replica_target--> ReplicaTarget --build_children--> Children
+        (once per attempt); first attempt: GET every other child (never write over one
+        we do not control), then the Deployment's owner checked
     SSA Deployment (resourceVersion precondition; 409 -> re-read, up to CONFLICT_ATTEMPTS)
     SSA Service, PodDisruptionBudget[, PodMonitor], spec.router's objects (router:
         ServiceAccount, RoleBinding, Deployment, Service[, PDB][, PodMonitor], all
@@ -51,7 +52,7 @@ from kvpilot.operator.api import ConflictError, InvalidObjectError, KubeApi, Tra
 from kvpilot.operator.builders import Children, Owner, build_children
 from kvpilot.operator.builders.children import POD_MONITOR_API_VERSION, ChildRef
 from kvpilot.operator.options import OperatorOptions
-from kvpilot.operator.spec import InferenceSpec, check_name, parse_spec
+from kvpilot.operator.spec import InferenceSpec, parse_spec
 from kvpilot.operator.status.conditions import Condition, set_conditions, to_rfc3339
 from kvpilot.operator.status.router import (
     endpoint_status,
@@ -263,16 +264,32 @@ class _Applied:
     created: bool
 
 
+def _check_children_owners(api: KubeApi, resource: Resource, children: Children) -> None:
+    """Refuse before writing anything if a child other than the Deployment (checked on each
+    read of it) exists under its name and is someone else's. Raises what
+    :func:`_check_owner` raises."""
+    for obj in children.all()[1:]:
+        meta = obj["metadata"]
+        existing = api.get(obj["apiVersion"], obj["kind"], resource.namespace, meta["name"])
+        if existing is not None:
+            _check_owner(existing, resource, obj["kind"], meta["name"])
+
+
 def _apply_deployment(api: KubeApi, resource: Resource, spec: InferenceSpec,
                       options: OperatorOptions, wants: _Wants, requested: int | None,
                       requested_reason: str) -> _Applied:
-    """Read, choose the count and apply the Deployment, retrying 409s against fresh state."""
+    """Read, choose the count, build the children and apply the Deployment, retrying 409s
+    against fresh state. Each attempt builds the children once, for the count it applies;
+    the first also refuses, before any write, children whose names are someone else's (the
+    other children's names do not change between attempts)."""
     for attempt in range(1, CONFLICT_ATTEMPTS + 1):
         current = api.get("apps/v1", "Deployment", resource.namespace, resource.name)
-        if current is not None:
-            _check_owner(current, resource)
         target = replica_target(spec, _current_replicas(current), requested, requested_reason)
         children = _build(resource, spec, options, target.replicas, wants)
+        if attempt == 1:
+            _check_children_owners(api, resource, children)
+        if current is not None:
+            _check_owner(current, resource)
         config = children.deployment
         if current is not None:
             # A precondition: if anyone resized or changed it since the read, 409.
@@ -334,21 +351,12 @@ def reconcile(api: KubeApi, resource: Resource, options: OperatorOptions, now: d
         ConflictError: still conflicting after CONFLICT_ATTEMPTS tries.
         TransientApiError: the API is unreachable or overloaded.
     """
-    check_name(resource.name)
-    spec = parse_spec(resource.spec)
-    check_name(resource.name, spec.router)
+    spec = parse_spec(resource.spec, resource.name)
     wants = _Wants(
         pod_monitor=want_pod_monitor(api, options),
         # Asked in every mode: a pool left from gateway mode is deleted in the others.
         inference_pool=serves_inference_pool(api),
     )
-    # Refuse before writing anything if a child (other than the Deployment, checked inside
-    # its apply loop) exists under its name and is someone else's.
-    for obj in _build(resource, spec, options, 0, wants).all()[1:]:
-        meta = obj["metadata"]
-        existing = api.get(obj["apiVersion"], obj["kind"], resource.namespace, meta["name"])
-        if existing is not None:
-            _check_owner(existing, resource, obj["kind"], meta["name"])
     done = _apply_deployment(api, resource, spec, options, wants, requested, requested_reason)
     target = done.target
     applied = [f"Deployment/{resource.name}"]
