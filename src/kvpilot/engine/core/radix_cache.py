@@ -27,7 +27,8 @@ Contract:
   Without one (the default) the cost is one ``if`` per insert and per evicted block.
 
 Design after SGLang's ``RadixCache`` (lock counts, LRU leaf eviction) with vLLM's
-full-block granularity (``docs/design/prefix_caching.md``).
+full-block granularity (vLLM's design document on automatic prefix caching,
+https://docs.vllm.ai/en/latest/design/prefix_caching.html).
 """
 
 from __future__ import annotations
