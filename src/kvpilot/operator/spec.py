@@ -30,6 +30,8 @@ from kvpilot.autoscaler.spec import (
     AutoscalingSpec,
     MetricsSourceSpec,
 )
+from kvpilot.flags.check import VLLMFlagError, split_vllm_flags
+from kvpilot.flags.serve import MANAGED_FLAGS
 from kvpilot.operator.constants import CACHE_DIR
 from kvpilot.operator.model_uri import (
     MODELS_DIR,
@@ -37,21 +39,12 @@ from kvpilot.operator.model_uri import (
     parse_model_uri,
     with_fetch_options,
 )
-from kvpilot.operator.serve_flags import SERVE_OPTIONS
-from kvpilot.vllm_flags import VLLMFlagError, split_vllm_flags
 
 KV_CACHE_DTYPES = (
     "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int4",
 )
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-# Flags the operator derives from spec fields; engine.extraArgs may not repeat them.
-MANAGED_FLAGS = (
-    "--model", "--served-model-name", "--host", "--port", "--kv-cache-dtype",
-    "--max-num-batched-tokens", "--max-num-seqs", "--block-size", "--enable-prefix-caching",
-    "--no-enable-prefix-caching", "--gpu-memory-utilization", "--max-model-len", "--device",
-    "--drain-timeout", "--tensor-parallel-size", "-tp",
-)
 # The managed flags engine.tensorParallelSize sets (vLLM's long and short spellings).
 TENSOR_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp")
 MAX_TENSOR_PARALLEL_SIZE = 64
@@ -356,12 +349,12 @@ class InferenceSpec:
 
 
 def _check_serve_flags(extra: tuple[str, ...]) -> None:
-    """Refuse ``engine.extraArgs`` the engine would refuse (:mod:`kvpilot.vllm_flags`): vLLM
+    """Refuse ``engine.extraArgs`` the engine would refuse (:mod:`kvpilot.flags.check`): vLLM
     flags kvpilot cannot honour, unknown flags and positional arguments (the operator sets
     ``--model``); vLLM's no-op flags pass, as the engine accepts them. One SpecError names
     every such argument with its reason."""
     try:
-        split_vllm_flags(extra, SERVE_OPTIONS, positional_reason=POSITIONAL_REASON)
+        split_vllm_flags(extra, positional_reason=POSITIONAL_REASON)
     except VLLMFlagError as exc:
         bad = [p.arg for p in exc.problems]
         raise SpecError("engine.extraArgs", bad[0] if len(bad) == 1 else bad,
