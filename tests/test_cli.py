@@ -15,7 +15,7 @@ def test_abbreviated_flags_are_unknown_not_the_managed_ones(argv, capsys):
     """Found in review: argparse took ``--por=9001`` for ``--port``, so an
     InferenceDeployment's ``engine.extraArgs`` could override the port, host or model the
     operator manages (and fail the probes). Abbreviations are now refused outright, by the
-    vLLM flag check (kvpilot.vllm_flags) before argparse, which names the full flag."""
+    vLLM flag check (kvpilot.flags.check) before argparse, which names the full flag."""
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
     assert exc.value.code == 2

@@ -36,16 +36,16 @@ EPILOGS: dict[str, str] = {
 
 
 def parse_serve_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """``kvpilot serve``'s arguments, vLLM's command line included (:mod:`kvpilot.vllm_flags`):
+    """``kvpilot serve``'s arguments, vLLM's command line included (:mod:`kvpilot.flags.check`):
     a positional model becomes ``--model``; the vLLM no-op flags are removed and kept in
-    ``args.vllm_noop_flags`` (a list of :class:`kvpilot.vllm_flags.NoOp`) for start-up to
+    ``args.vllm_noop_flags`` (a list of :class:`kvpilot.flags.check.NoOp`) for start-up to
     log. Exits with status 2 like argparse (SystemExit), the message on stderr, when any
     flag cannot be honoured or is unknown, naming all of them; argparse's own errors
     (a bad value of a kvpilot flag) follow as before."""
-    from kvpilot.vllm_flags import VLLMFlagError, known_options, split_vllm_flags
+    from kvpilot.flags.check import VLLMFlagError, split_vllm_flags
 
     try:
-        rest, noops = split_vllm_flags(argv, known_options(parser))
+        rest, noops = split_vllm_flags(argv)
     except VLLMFlagError as e:
         parser.exit(2, f"{parser.prog}: {e}\n")
     args = parser.parse_args(rest)

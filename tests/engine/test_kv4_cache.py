@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpilot.engine.config import EngineArgs, parse_layer_list
+from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.kv_cache import FP8_SCALE_HEADROOM, PagedKVCache, bytes_per_block
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.metrics import EngineMetrics
+from kvpilot.flags.serve import parse_layer_list
 from kvpilot.kernels import reference as ref
 from kvpilot.kernels.kv4 import GROUP_SCALE_MAX, KV4_FORMATS
 

@@ -169,7 +169,7 @@ def test_help_texts(command: str, monkeypatch: pytest.MonkeyPatch,
 
 
 def test_docs_table() -> None:
-    from kvpilot.vllm_flags import markdown
+    from kvpilot.flags.docs import markdown
 
     assert markdown() == (GOLDEN / "vllm_flags.md").read_text()
 

@@ -1,7 +1,7 @@
 """``engine.extraArgs`` is checked as ``kvpilot serve`` checks its command line
-(:mod:`kvpilot.vllm_flags`): a flag the engine accepts passes, one it refuses fails the
-spec, with the engine's reasons; the operator's copy of the engine's option strings
-(:mod:`kvpilot.operator.serve_flags`) matches the engine's parser."""
+(:mod:`kvpilot.flags.check`): a flag the engine accepts passes, one it refuses fails the
+spec, with the engine's reasons; the flag table the operator checks against
+(:mod:`kvpilot.flags.serve`) is the one the engine's parser is made from."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import argparse
 
 import pytest
 
-from kvpilot import vllm_flags as vf
-from kvpilot.operator.serve_flags import SERVE_OPTIONS
+from kvpilot.flags import check
+from kvpilot.flags import serve as serve_flags
+from kvpilot.flags import vllm as vf
 from kvpilot.operator.spec import MANAGED_FLAGS, SpecError, parse_spec
 
 EMBEDDED = {"uri": "embedded://smollm2-135m-instruct"}
@@ -21,22 +22,25 @@ def spec_with(extra: list[str]):
 
 
 def engine_known() -> dict[str, bool]:
+    """The engine parser's option strings -> whether each takes a value."""
     pytest.importorskip("torch")
     from kvpilot.engine.server import cli as serve_cli
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     serve_cli.add_arguments(parser)
-    return vf.known_options(parser)
+    return {s: a.nargs != 0 for a in parser._actions for s in a.option_strings}
 
 
 def test_the_operator_knows_the_engines_flags():
-    """A flag added to ``kvpilot serve`` must be added to SERVE_OPTIONS (else the operator
-    refuses it as unknown), with whether it takes a value."""
+    """The option strings the operator checks ``engine.extraArgs`` against (the table in
+    kvpilot.flags.serve) are the engine parser's, with whether each takes a value: a
+    flag put on the parser outside the table would be refused by the operator."""
     known = engine_known()
-    missing = {k: v for k, v in known.items() if SERVE_OPTIONS.get(k) != v}
-    extra = sorted(set(SERVE_OPTIONS) - set(known))
+    table = dict(serve_flags.option_strings())
+    missing = {k: v for k, v in known.items() if table.get(k) != v}
+    extra = sorted(set(table) - set(known))
     assert not missing and not extra, (
-        f"src/kvpilot/operator/serve_flags.py: add or fix {missing} (True: takes a value); "
+        f"src/kvpilot/flags/serve.py: add or fix {missing} (True: takes a value); "
         f"remove {extra}")
 
 
@@ -104,7 +108,6 @@ def test_tensor_parallelism_is_the_spec_fields_not_extra_args(extra):
 def test_the_operator_and_the_engine_agree_on_every_table_flag():
     """Each spelling of the table, with a value the entry accepts and one it refuses: the
     spec passes exactly when kvpilot serve's check passes."""
-    known = engine_known()
     cases: list[list[str]] = []
     for f in vf.FLAGS:
         for s in f.spellings:
@@ -116,9 +119,9 @@ def test_the_operator_and_the_engine_agree_on_every_table_flag():
                 cases += [[s, (f.accepted.split(" or ")[0] if f.accepted else "7")], [s, "zzz"]]
     for extra in cases:
         try:
-            vf.split_vllm_flags(extra, known)
+            check.split_vllm_flags(extra)
             engine_ok = True
-        except vf.VLLMFlagError:
+        except check.VLLMFlagError:
             engine_ok = False
         try:
             spec_with(extra)

@@ -13,7 +13,10 @@ from dataclasses import dataclass, fields
 import torch
 
 from kvpilot.engine.kv_events import KVEventsConfig, KVEventsConfigError
+from kvpilot.flags import serve as flags
+from kvpilot.flags.serve import DEFAULT_MAX_NUM_SEQS, DEVICES, LOAD_FORMATS
 
+# The flag names (kvpilot.flags.serve) -> torch dtypes.
 DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -33,22 +36,11 @@ KV_CACHE_DTYPES = {
     "fp4_e2m1": torch.uint8,
     "int4": torch.uint8,
 }
+if tuple(DTYPES) != flags.DTYPES or tuple(KV_CACHE_DTYPES) != flags.KV_CACHE_DTYPES:  # pragma: no cover
+    raise RuntimeError("kvpilot.engine.config: DTYPES / KV_CACHE_DTYPES differ from kvpilot.flags.serve's names")
 KV4_CACHE_DTYPES = ("fp4_e2m1", "int4")
-DEVICES = ("auto", "cpu", "cuda")
-# --max-num-seqs when not given, lowered to --max-num-batched-tokens when that is smaller.
-DEFAULT_MAX_NUM_SEQS = 256
-LOAD_FORMATS = ("auto", "dummy")
-
-
-def parse_layer_list(text: str) -> tuple[int, ...]:
-    """``"0,29"`` -> ``(0, 29)``; an empty string is no layers. Raises
-    ``argparse.ArgumentTypeError`` naming the bad item."""
-    out = []
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        if not item.isdigit():
-            raise argparse.ArgumentTypeError(f"layer indices must be integers >= 0 separated by commas; got {item!r}")
-        out.append(int(item))
-    return tuple(out)
+# The defaults of the engine flags, by field (one table: kvpilot.flags.serve).
+_DEFAULT = flags.engine_defaults()
 
 
 def parse_kv_events_config(text: str) -> KVEventsConfig:
@@ -99,30 +91,30 @@ class EngineArgs:
             (within the window both are the same computation).
     """
 
-    model: str | None = None
-    served_model_name: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    kv_cache_dtype: str = "auto"
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = None  # type: ignore[assignment]  # resolved in __post_init__
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory: float = 1.0
-    attention_backend: str = "auto"
-    load_format: str = "auto"
-    seed: int = 0
-    kv_cache_key_rotation: bool = True
-    kv_cache_skip_layers: tuple[int, ...] = ()
-    calculate_kv_scales: bool = False
-    skip_tokenizer_init: bool = False
-    kv_events_config: KVEventsConfig | None = None
-    disable_sliding_window: bool = False
-    tensor_parallel_size: int = 1
+    model: str | None = _DEFAULT["model"]
+    served_model_name: str | None = _DEFAULT["served_model_name"]
+    tokenizer: str | None = _DEFAULT["tokenizer"]
+    dtype: str = _DEFAULT["dtype"]
+    device: str = _DEFAULT["device"]
+    kv_cache_dtype: str = _DEFAULT["kv_cache_dtype"]
+    block_size: int = _DEFAULT["block_size"]
+    max_num_batched_tokens: int = _DEFAULT["max_num_batched_tokens"]
+    max_num_seqs: int = _DEFAULT["max_num_seqs"]  # None: resolved in __post_init__
+    max_model_len: int | None = _DEFAULT["max_model_len"]
+    enable_prefix_caching: bool = _DEFAULT["enable_prefix_caching"]
+    gpu_memory_utilization: float = _DEFAULT["gpu_memory_utilization"]
+    num_gpu_blocks_override: int | None = _DEFAULT["num_gpu_blocks_override"]
+    kv_cache_memory: float = _DEFAULT["kv_cache_memory"]
+    attention_backend: str = _DEFAULT["attention_backend"]
+    load_format: str = _DEFAULT["load_format"]
+    seed: int = _DEFAULT["seed"]
+    kv_cache_key_rotation: bool = _DEFAULT["kv_cache_key_rotation"]
+    kv_cache_skip_layers: tuple[int, ...] = _DEFAULT["kv_cache_skip_layers"]
+    calculate_kv_scales: bool = _DEFAULT["calculate_kv_scales"]
+    skip_tokenizer_init: bool = _DEFAULT["skip_tokenizer_init"]
+    kv_events_config: KVEventsConfig | None = _DEFAULT["kv_events_config"]
+    disable_sliding_window: bool = _DEFAULT["disable_sliding_window"]
+    tensor_parallel_size: int = _DEFAULT["tensor_parallel_size"]
 
     def __post_init__(self) -> None:
         _choice("--dtype", self.dtype, ["auto", *DTYPES])
@@ -175,86 +167,9 @@ class EngineArgs:
     # ------------------------------------------------------------------ CLI
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        d = EngineArgs()
-        g = parser.add_argument_group("engine")
-        g.add_argument(
-            "--model",
-            default=None,
-            help="GGUF file, HF folder, embedded://smollm2-135m-instruct (default), or "
-            "preset:<name> (architecture only, with --load-format dummy)",
-        )
-        g.add_argument("--served-model-name", default=None, help="model id reported by the API (default: the model's name)")
-        g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's own)")
-        g.add_argument("--dtype", default=d.dtype, choices=["auto", *DTYPES])
-        g.add_argument("--device", default=d.device, choices=DEVICES)
-        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", *KV_CACHE_DTYPES])
-        g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
-        g.add_argument("--max-num-seqs", type=int, default=None,
-                       help=f"running requests at most (default {DEFAULT_MAX_NUM_SEQS}, or "
-                       "--max-num-batched-tokens when that is lower)")
-        g.add_argument("--max-model-len", type=int, default=None, help="context length limit (prompt + output)")
-        g.add_argument(
-            "--enable-prefix-caching",
-            action=argparse.BooleanOptionalAction,
-            default=d.enable_prefix_caching,
-            help="reuse KV of shared prefixes (radix cache)",
-        )
-        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-        g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact KV block count")
-        g.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory, help="KV cache GiB on CPU")
-        g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "cpu", "torch", "triton"])
-        g.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS)
-        g.add_argument("--seed", type=int, default=d.seed, help="seed for unseeded sampling")
-        g.add_argument(
-            "--kv-cache-key-rotation",
-            action=argparse.BooleanOptionalAction,
-            default=d.kv_cache_key_rotation,
-            help="FP8 KV cache: rotate K/Q heads by a Hadamard matrix before quantizing",
-        )
-        g.add_argument(
-            "--kv-cache-skip-layers",
-            type=parse_layer_list,
-            default=d.kv_cache_skip_layers,
-            metavar="I,J,...",
-            help="quantized KV cache: layers kept in the model dtype (comma-separated indices)",
-        )
-        g.add_argument(
-            "--calculate-kv-scales",
-            action="store_true",
-            default=d.calculate_kv_scales,
-            help="quantized KV cache: learn the scales from the first requests instead of a "
-            "fixed start-up calibration (not deterministic: answers depend on earlier traffic)",
-        )
-        g.add_argument(
-            "--skip-tokenizer-init",
-            action="store_true",
-            default=d.skip_tokenizer_init,
-            help="no tokenizer: token ids in and out (dummy benchmarks, preset:<name> models)",
-        )
-        g.add_argument(
-            "--kv-events-config",
-            type=parse_kv_events_config,
-            default=None,
-            metavar="JSON",
-            help="publish KV cache events for KV-aware routers (vLLM's flag), e.g. "
-            '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
-            '"replay_endpoint": "tcp://*:5558"}\'',
-        )
-        g.add_argument(
-            "--tensor-parallel-size", "-tp",
-            type=int,
-            default=d.tensor_parallel_size,
-            metavar="N",
-            help="split the model over N devices (GPUs: NCCL; CPU: gloo), one process each; N must "
-            "divide the attention heads",
-        )
-        g.add_argument(
-            "--disable-sliding-window",
-            action=argparse.BooleanOptionalAction,
-            default=d.disable_sliding_window,
-            help="sliding-window models: full attention, context capped to the window",
-        )
+        """Put the engine flags (:data:`kvpilot.flags.serve.ENGINE`) on ``parser``, with the
+        engine's parser for ``--kv-events-config``. Mutates ``parser``."""
+        flags.add_arguments(parser, flags.ENGINE, types={"kv_events_config": parse_kv_events_config})
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:

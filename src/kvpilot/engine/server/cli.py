@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from kvpilot.engine.config import EngineArgs
+from kvpilot.flags import serve as flags
 
 if TYPE_CHECKING:
     from kvpilot.engine.server.api_server import ServerState
@@ -47,24 +48,9 @@ EXIT_GRACE_SECONDS = 2.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("KVPILOT_API_KEY") or None,
-                   help="require 'Authorization: Bearer <key>' on the API (default: $KVPILOT_API_KEY, "
-                   "so a Kubernetes Secret can supply it without showing in the pod's args)")
-    g.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to let requests finish on SIGTERM")
-    g.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024)
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    c = parser.add_argument_group("chat (vLLM's flags)")
-    c.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="allow tool_choice \"auto\": the model decides, its calls are parsed by --tool-call-parser")
-    c.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                   help="how tool calls are found in the model's text: hermes, llama3_json or mistral")
-    c.add_argument("--reasoning-parser", default=None, metavar="NAME",
-                   help="split <think>...</think> reasoning into reasoning_content: deepseek_r1 or qwen3")
-    c.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
-                   help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's")
+    """Put ``kvpilot serve``'s flags (:mod:`kvpilot.flags.serve`: server, chat, engine) on
+    ``parser``. Mutates ``parser``."""
+    flags.add_arguments(parser, flags.SERVER + flags.CHAT)
     EngineArgs.add_cli_args(parser)
 
 
@@ -93,7 +79,7 @@ def chat_options(args: argparse.Namespace) -> ChatOptions:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # vLLM flags that are no-ops here, accepted by kvpilot.cli (kvpilot.vllm_flags).
+    # vLLM flags that are no-ops here, accepted by kvpilot.cli (kvpilot.flags.check).
     for noop in getattr(args, "vllm_noop_flags", ()):
         logger.info("vLLM flag %s accepted as a no-op: %s", noop.arg, noop.reason)
     try:

@@ -35,8 +35,8 @@ may not repeat); the constants of one section are imported from its module.
 from __future__ import annotations
 
 from kvpilot.autoscaler.spec import METRIC_SOURCES, AutoscalingSpec, MetricsSourceSpec
+from kvpilot.flags.serve import MANAGED_FLAGS
 from kvpilot.operator.spec.defaults import DEFAULTS
-from kvpilot.operator.spec.engine import MANAGED_FLAGS
 from kvpilot.operator.spec.fields import FieldReader, SpecError
 from kvpilot.operator.spec.gpus import gpu_count, nonzero_quantity
 from kvpilot.operator.spec.inference import InferenceSpec, check_name, parse_spec

@@ -3,7 +3,7 @@ block size, batch limits, prefix caching, tensor parallelism, ``extraArgs``).
 
 ``engine.extraArgs`` is refused when it repeats a flag the operator sets from a spec field
 (:data:`MANAGED_FLAGS`) or holds anything ``kvpilot serve`` would refuse
-(:mod:`kvpilot.vllm_flags`). The tensor-parallel size is resolved against the pod's GPUs
+(:mod:`kvpilot.flags.check`). The tensor-parallel size is resolved against the pod's GPUs
 afterwards, by :func:`kvpilot.operator.spec.gpus.resolve_tensor_parallel`.
 """
 
@@ -13,23 +13,16 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.operator.serve_flags import SERVE_OPTIONS
+from kvpilot.flags.check import VLLMFlagError, split_vllm_flags
+from kvpilot.flags.serve import MANAGED_FLAGS
 from kvpilot.operator.spec.defaults import DEFAULTS
 from kvpilot.operator.spec.fields import FieldReader, SpecError
-from kvpilot.vllm_flags import VLLMFlagError, split_vllm_flags
 
 KV_CACHE_DTYPES = (
     "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int4",
 )
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-# Flags the operator derives from spec fields; engine.extraArgs may not repeat them.
-MANAGED_FLAGS = (
-    "--model", "--served-model-name", "--host", "--port", "--kv-cache-dtype",
-    "--max-num-batched-tokens", "--max-num-seqs", "--block-size", "--enable-prefix-caching",
-    "--no-enable-prefix-caching", "--gpu-memory-utilization", "--max-model-len", "--device",
-    "--drain-timeout", "--tensor-parallel-size", "-tp",
-)
 # The managed flags engine.tensorParallelSize sets (vLLM's long and short spellings).
 TENSOR_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp")
 MAX_TENSOR_PARALLEL_SIZE = 64
@@ -73,12 +66,12 @@ class EngineSpec:
 
 
 def _check_serve_flags(extra: tuple[str, ...]) -> None:
-    """Refuse ``engine.extraArgs`` the engine would refuse (:mod:`kvpilot.vllm_flags`): vLLM
+    """Refuse ``engine.extraArgs`` the engine would refuse (:mod:`kvpilot.flags.check`): vLLM
     flags kvpilot cannot honour, unknown flags and positional arguments (the operator sets
     ``--model``); vLLM's no-op flags pass, as the engine accepts them. One SpecError names
     every such argument with its reason."""
     try:
-        split_vllm_flags(extra, SERVE_OPTIONS, positional_reason=POSITIONAL_REASON)
+        split_vllm_flags(extra, positional_reason=POSITIONAL_REASON)
     except VLLMFlagError as exc:
         bad = [p.arg for p in exc.problems]
         raise SpecError("engine.extraArgs", bad[0] if len(bad) == 1 else bad,

@@ -1,43 +1,34 @@
-"""vLLM command lines for ``kvpilot serve``: which ``vllm serve`` flags are no-ops here and
-which cannot be honoured, and :func:`split_vllm_flags`, which checks a command line
-against them before argparse sees it.
+"""The ``vllm serve`` flags that ``kvpilot serve`` does not have: which are no-ops here and
+which cannot be honoured, and why.
 
 A ``vllm serve`` flag is one of three kinds for kvpilot:
 
-(a) a kvpilot flag too (``--model``, ``--max-num-seqs``, ...): it is on the ``kvpilot
-    serve`` parser and this table does not list it;
+(a) a kvpilot flag too (``--model``, ``--max-num-seqs``, ...): it is in
+    :mod:`kvpilot.flags.serve` and this table does not list it;
 (b) a meaningful no-op: what a vLLM user asks for with it is what kvpilot does anyway
     (``--enable-chunked-prefill``: prefill is always chunked). It is accepted, removed
     from the command line and logged at start-up with the reason;
-(c) a flag kvpilot cannot honour (``--tensor-parallel-size 2``, ``--quantization awq``):
+(c) a flag kvpilot cannot honour (``--pipeline-parallel-size 2``, ``--quantization awq``):
     the command line is refused, naming every such flag with its reason.
 
 Some flags are no-ops for some values and cannot be honoured for others
-(``--tensor-parallel-size 1`` is fine, ``2`` is not; ``--enforce-eager`` is a no-op,
+(``--pipeline-parallel-size 1`` is fine, ``2`` is not; ``--enforce-eager`` is a no-op,
 ``--no-enforce-eager`` is not): :attr:`VLLMFlag.accepts` decides per value.
 
-Standard library only: the engine's command line (:mod:`kvpilot.cli`) and the operator's
-check of ``engine.extraArgs`` (:mod:`kvpilot.operator.spec`, which must not import the
-engine) share this table, so a flag one accepts the other accepts too. The table was
-sorted from vLLM's ``vllm/engine/arg_utils.py`` (``EngineArgs.add_cli_args``) and
-``vllm/entrypoints/openai/cli_args.py`` (``make_arg_parser``, ``FrontendArgs``), current
-flags and a few removed ones still common in scripts (``--swap-space``,
-``--disable-log-requests``). ``python -m kvpilot.vllm_flags`` prints the Markdown of
-docs/server.md's "vLLM command lines" section from it.
+The table was sorted from vLLM's ``vllm/engine/arg_utils.py`` (``EngineArgs.add_cli_args``)
+and ``vllm/entrypoints/openai/cli_args.py`` (``make_arg_parser``, ``FrontendArgs``),
+current flags and a few removed ones still common in scripts (``--swap-space``,
+``--disable-log-requests``). :mod:`kvpilot.flags.check` puts it on argparse parsers;
+:mod:`kvpilot.flags.docs` renders it as docs/server.md's "vLLM command lines" tables.
 """
 
 from __future__ import annotations
 
-import argparse
 import enum
-import re
-import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-__all__ = ["FLAGS", "TABLE", "Arity", "NoOp", "Problem", "VLLMFlag", "VLLMFlagError",
-           "known_options", "markdown", "split_vllm_flags", "update_docs"]
+__all__ = ["FLAGS", "TABLE", "Arity", "VLLMFlag"]
 
 
 class Arity(enum.Enum):
@@ -363,242 +354,4 @@ FLAGS: tuple[VLLMFlag, ...] = (
 # Every option string of the table -> its entry.
 TABLE: dict[str, VLLMFlag] = {s: f for f in FLAGS for s in f.spellings}
 if len(TABLE) != sum(len(f.spellings) for f in FLAGS):  # pragma: no cover - a table typo
-    raise RuntimeError("kvpilot.vllm_flags: an option string is listed twice")
-
-
-@dataclass(frozen=True)
-class NoOp:
-    """A vLLM flag accepted and removed from the command line: ``arg`` as written
-    (``--tensor-parallel-size 1``), ``reason`` why it changes nothing here."""
-
-    arg: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.arg} ({self.reason})"
-
-
-@dataclass(frozen=True)
-class Problem:
-    """An argument that cannot be honoured: ``arg`` as written, ``reason`` why."""
-
-    arg: str
-    reason: str
-    is_flag: bool = True
-
-    def __str__(self) -> str:
-        return f"{self.arg} ({self.reason})"
-
-
-class VLLMFlagError(ValueError):
-    """A command line with arguments kvpilot cannot honour; ``problems`` names each one
-    with its reason (all of them, not the first only)."""
-
-    def __init__(self, problems: Sequence[Problem]) -> None:
-        self.problems = tuple(problems)
-        n = len(self.problems)
-        what = "flag" if all(p.is_flag for p in self.problems) else "argument"
-        head = f"{n} {what}{'' if n == 1 else 's'} cannot be honoured"
-        super().__init__(f"{head}: {', '.join(map(str, self.problems))}")
-
-
-def known_options(parser: argparse.ArgumentParser) -> dict[str, bool]:
-    """The parser's option strings -> whether each takes a value (``-h`` included)."""
-    return {s: a.nargs != 0 for a in parser._actions for s in a.option_strings}
-
-
-_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-MODEL_OPTION = "--model"
-UNKNOWN = "not a kvpilot flag, nor a vLLM flag kvpilot knows"
-
-
-def _is_flag(token: str) -> bool:
-    return token.startswith("-") and token != "-" and not _NUMBER.match(token)
-
-
-def split_vllm_flags(argv: Sequence[str], known: Mapping[str, bool], *,
-                     positional_reason: str | None = None) -> tuple[list[str], list[NoOp]]:
-    """Check a ``vllm serve``-style command line against kvpilot's flags and :data:`TABLE`.
-
-    Args:
-        argv: the arguments after ``serve``.
-        known: kvpilot's own option strings -> whether each takes a value
-            (:func:`known_options`). They win over the table and pass through unchanged
-            (with their value: the token after a value-taking flag is never a flag or the
-            model), for argparse to parse.
-        positional_reason: None: the first positional argument is the model, as in
-            ``vllm serve MODEL`` (it becomes ``--model MODEL``). Otherwise every positional
-            argument is refused with this reason (the operator sets ``--model`` itself).
-
-    Returns:
-        ``(argv for argparse, the accepted no-op flags)``: no-op flags are removed with
-        their values (``--flag value``, ``--flag=value``, ``--no-flag`` forms).
-
-    Raises:
-        VLLMFlagError: naming every argument that cannot be honoured, each with its
-            reason: a flag refused for its value, a flag neither kvpilot nor the table
-            knows (the token after it, unless flag-like, is taken for its value and not
-            reported), a value given to a flag that takes none, a missing value, a second
-            positional argument, or a model given both positionally and with ``--model``.
-            With ``-h``/``--help`` nothing is checked (argparse prints the help and exits).
-    """
-    args = list(argv)
-    head = args[: args.index("--")] if "--" in args else args
-    if "-h" in head or "--help" in head:
-        return args, []
-    out: list[str] = []
-    noops: list[NoOp] = []
-    problems: list[Problem] = []
-    positionals: list[str] = []
-    model_at = 0  # where the positional model goes in ``out``
-    model_flags: list[str] = []  # the values given with --model
-    i = 0
-
-    def next_value() -> str | None:
-        """The next token when it is a value (not a flag, not ``--``), consumed."""
-        nonlocal i
-        if i < len(args) and not _is_flag(args[i]) and args[i] != "--":
-            i += 1
-            return args[i - 1]
-        return None
-
-    while i < len(args):
-        token = args[i]
-        i += 1
-        if token == "--" or not _is_flag(token):
-            rest = args[i:] if token == "--" else [token]
-            if rest and not positionals:
-                model_at = len(out)
-            positionals += rest
-            if token == "--":
-                break
-            continue
-        name, eq, inline = token.partition("=")
-        if name in known:
-            out.append(token)
-            value = inline if eq else next_value() if known[name] else None
-            if known[name] and not eq and value is not None:
-                out.append(value)
-            if name == MODEL_OPTION and value is not None:
-                model_flags.append(value)
-            continue
-        entry = TABLE.get(name)
-        if entry is None:
-            if not eq:
-                next_value()  # an unknown flag's value, most likely: not the model
-            problems.append(Problem(token, _unknown(name, known)))
-            continue
-        if entry.arity in (Arity.SWITCH, Arity.BOOL):
-            if eq:
-                problems.append(Problem(token, "takes no value"))
-                continue
-            written = token
-            verdict = entry.judge(entry.arity is Arity.SWITCH or not name.startswith("--no-")
-                                  or name == entry.name)
-        else:
-            values = [inline] if eq else []
-            while not eq and (v := next_value()) is not None:
-                values.append(v)
-                if entry.arity is not Arity.MANY:
-                    break
-            if not values:
-                problems.append(Problem(token, _missing_value(entry)))
-                continue
-            written = token if eq else " ".join([token, *values])
-            verdict = entry.judge(" ".join(values))
-        if verdict is None:
-            noops.append(NoOp(written, entry.noop or ""))
-        else:
-            problems.append(Problem(written, verdict))
-    if positional_reason is not None:
-        problems += [Problem(p, positional_reason, is_flag=False) for p in positionals]
-    elif positionals:
-        model, extra = positionals[0], positionals[1:]
-        problems += [Problem(p, "a second positional argument: only the model may be given "
-                             "without a flag", is_flag=False) for p in extra]
-        if model_flags:
-            shown = " ".join(f"{MODEL_OPTION} {m}" for m in model_flags)
-            problems.append(Problem(f"{model} and {shown}", "the model given both as the "
-                                    f"positional argument and with {MODEL_OPTION}: give it once",
-                                    is_flag=False))
-        else:
-            out[model_at:model_at] = [MODEL_OPTION, model]
-    if problems:
-        raise VLLMFlagError(problems)
-    return out, noops
-
-
-def _missing_value(entry: VLLMFlag) -> str:
-    if entry.noop is None:  # refused whatever the value
-        return entry.refused or ""
-    return "needs a value" if entry.refused is None else f"needs a value ({entry.accepted} is accepted)"
-
-
-def _unknown(name: str, known: Iterable[str]) -> str:
-    """The reason an option string is unknown, with a hint when one is at hand."""
-    names = [*known, *TABLE]
-    if "_" in name and name.replace("_", "-") in names:
-        return f"{UNKNOWN}: write it {name.replace('_', '-')}"
-    near = sorted(n for n in names if n.startswith(name) and n.startswith("--")) \
-        if name.startswith("--") and len(name) > 3 else []
-    if 0 < len(near) <= 3:
-        return f"{UNKNOWN}; abbreviations are not accepted: did you mean {' or '.join(near)}?"
-    return UNKNOWN
-
-
-def _doc_name(flag: VLLMFlag, accepted: bool) -> str:
-    """How the docs name ``flag`` in the no-op table (``accepted``) or the refused one."""
-    on = [flag.name, *flag.aliases]
-    off = [f"--no-{flag.name[2:]}"] if flag.arity is Arity.BOOL else []
-    if flag.arity is Arity.BOOL and flag.category == "by value":
-        names = on if (flag.accepted == flag.name) == accepted else off
-    else:
-        names = on[:1] + off + on[1:]
-    text = " / ".join(f"`{n}`" for n in names)
-    if flag.category == "by value" and flag.arity is not Arity.BOOL:
-        return f"{text} {flag.accepted}" if accepted else f"{text} other than {flag.accepted}"
-    return text
-
-
-def markdown() -> str:
-    """The Markdown of docs/server.md's tables of vLLM flags: one of no-ops, one of flags
-    refused (a flag accepted for some values appears in both, with its values)."""
-    lines = ["| vLLM flag | a no-op here: |", "|---|---|"]
-    lines += [f"| {_doc_name(f, True)} | {f.noop} |" for f in FLAGS if f.noop is not None]
-    lines += ["", "| vLLM flag | refused: |", "|---|---|"]
-    lines += [f"| {_doc_name(f, False)} | {f.refused} |" for f in FLAGS if f.refused is not None]
-    return "\n".join(lines) + "\n"
-
-
-BEGIN, END = "<!-- vllm-flags: begin (python -m kvpilot.vllm_flags --update docs/server.md) -->", \
-    "<!-- vllm-flags: end -->"
-
-
-def update_docs(path: Path) -> bool:
-    """Rewrite the tables between the markers in ``path``; True when it changed.
-    Raises ValueError when the markers are missing."""
-    text = path.read_text()
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"{path}: no {BEGIN!r} ... {END!r} markers")
-    new = text[: start + len(BEGIN)] + "\n" + markdown() + text[end:]
-    if new != text:
-        path.write_text(new)
-    return new != text
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvpilot.vllm_flags [--update FILE]``: print the tables, or rewrite them
-    in FILE between the markers."""
-    p = argparse.ArgumentParser(prog="python -m kvpilot.vllm_flags", allow_abbrev=False)
-    p.add_argument("--update", type=Path, metavar="FILE")
-    ns = p.parse_args(argv)
-    if ns.update is None:
-        sys.stdout.write(markdown())
-    else:
-        print(f"{ns.update}: {'updated' if update_docs(ns.update) else 'up to date'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    raise RuntimeError("kvpilot.flags.vllm: an option string is listed twice")
