@@ -69,6 +69,16 @@ def condition_is(cluster: Cluster, namespace: str, name: str, kind: str, status:
     return None
 
 
+def reconciled(cluster: Cluster, namespace: str, name: str) -> dict[str, Any] | None:
+    """The InferenceDeployment once a reconcile of its current generation has written
+    its status (``status.observedGeneration == metadata.generation``): every child that
+    reconcile applied is then known to the operator as its own. None before."""
+    obj = infd(cluster, namespace, name)
+    if obj.get("status", {}).get("observedGeneration") == obj["metadata"]["generation"]:
+        return obj
+    return None
+
+
 def deployment(cluster: Cluster, namespace: str, name: str) -> dict[str, Any] | None:
     r = cluster.kubectl("get", "-n", namespace, "deployment", name, "-o", "json", check=False)
     return json.loads(r.stdout) if r.returncode == 0 else None

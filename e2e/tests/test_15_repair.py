@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+from e2e.cluster import wait_seconds
 from e2e.tests import helpers as h
 
 NAME = "repair"
@@ -30,7 +31,10 @@ def test_deleted_and_edited_children_are_restored_within_seconds(cluster, namesp
     cluster.wait_for(lambda: h.deployment(cluster, namespace, NAME), 60, "the engine Deployment")
     cluster.wait_for(lambda: cluster.kubectl("get", "-n", namespace, "service", NAME, check=False)
                      .returncode == 0, 60, "the engine Service")
-    time.sleep(2)  # let the operator see both (a child's first event is only recorded)
+    # The reconcile that applied both has finished: their fingerprints are the operator's
+    # own, so the edits below are someone else's.
+    cluster.wait_for(lambda: h.reconciled(cluster, namespace, NAME), 60,
+                     "the reconcile that applied them to finish")
     first = h.deployment(cluster, namespace, NAME)
     image = first["spec"]["template"]["spec"]["containers"][0]["image"]
     times = {}
@@ -55,13 +59,13 @@ def test_deleted_and_edited_children_are_restored_within_seconds(cluster, namesp
 
     times["service edited"] = _timed(cluster, "the Service target port put back", port_back)
 
-    time.sleep(1.5)  # past the first step of the per-owner back-off (1 s)
+    wait_seconds(1.5)  # on purpose: past the first step of the per-owner back-off (1 s)
     cluster.kubectl("scale", "-n", namespace, "deployment", NAME, "--replicas=2")
     times["deployment scaled"] = _timed(
         cluster, "the manual scale reverted",
         lambda: h.deployment(cluster, namespace, NAME)["spec"]["replicas"] == 0)
 
-    time.sleep(2.5)  # past the second step (2 s)
+    wait_seconds(2.5)  # on purpose: past the second step (2 s)
     cluster.kubectl("patch", "-n", namespace, "deployment", NAME, "--type=json", "-p",
                     json.dumps([{"op": "replace", "path": "/spec/template/spec/containers/0/image",
                                  "value": "example.invalid/not-kvpilot:1"}]))

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from e2e import pace
+from e2e.cluster import wait_seconds
 from e2e.load import Ramp, Step
 from e2e.tests import helpers as h
 from e2e.tests.conftest import delete_namespace
@@ -229,7 +230,7 @@ def test_gitops_reapply_keeps_replicas(cluster, fleet):
     h.apply(cluster, NS, fleet["doc"])
     obj = h.infd(cluster, NS, NAME)
     assert "replicas" not in obj["spec"]
-    time.sleep(2 * INTERVAL)  # two autoscaler intervals pass on purpose
+    wait_seconds(2 * INTERVAL)  # on purpose: two autoscaler intervals in which nothing may change
     after = _replicas(cluster)
     if after != before:
         # The autoscaler may legitimately step down meanwhile (its 30 s window can end
@@ -272,7 +273,7 @@ def test_concurrent_edits_are_retried(cluster, fleet):
     threads = [threading.Thread(target=writer, args=(i,), daemon=True) for i in range(2)]
     for t in threads:
         t.start()
-    time.sleep(5 * INTERVAL)  # the edits run for at least five autoscaler intervals
+    wait_seconds(5 * INTERVAL)  # on purpose: the edits run for at least five autoscaler intervals
 
     def reconciles() -> int:
         return cluster.operator_logs()[log_start:].count("Handler 'reconcile-update' succeeded")

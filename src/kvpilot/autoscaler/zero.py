@@ -22,7 +22,7 @@ state, so an operator restart continues them.
 runs vllm-router with a retry schedule that lasts ``activationTimeoutSeconds``, and every
 retry that finds no engine counts in ``vllm_router_request_errors_total{error_type=
 "no_available_workers"}``, which the operator reads every second while the fleet is at zero
-(:mod:`kvpilot.operator.activation`). The same design as Knative's activator and the KEDA
+(:mod:`kvpilot.operator.autoscaling.activation`). The same design as Knative's activator and the KEDA
 HTTP add-on's interceptor, with the router that is already in front of the engines.
 """
 
