@@ -22,10 +22,9 @@ TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".json", ".sh", ".txt",
                  ".Dockerfile", ".dockerignore", ".helmignore", ""}
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis", "results"}
 
-# Paths that look like ours but are another project's, cited as sources.
-UPSTREAM_DOCS = {
-    "docs/design/prefix_caching.md",  # vLLM's design note, cited in engine/core/radix_cache.py
-}
+# Paths that look like ours but are another project's, cited as sources (none: another
+# project's document is cited by its full URL, which DOC_PATH does not match).
+UPSTREAM_DOCS: set[str] = set()
 
 DOC_PATH = re.compile(r"(?<![\w./-])docs/[\w./-]+?\.md\b")
 REPO_PATH = re.compile(r"(?<![\w./-])(?:benchmarks|charts|crds|docker|e2e|scripts|src|tests)/[\w./-]*\w")
