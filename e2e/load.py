@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from e2e import procs
+from e2e import pace, procs
 
 BIN = Path(sys.executable).parent
 
@@ -64,7 +64,8 @@ class Ramp:
                 "--random-input-len", str(step.input_len), "--output-len", str(step.output_len),
                 "--random-range-ratio", "0.0", "--ignore-eos",
                 "--num-prompts", str(step.num_prompts), "--max-concurrency", str(step.concurrency),
-                "--request-timeout", "120", "--result-json", str(result),
+                # A request's bound scales with the machine's measured pace, like every wait.
+                "--request-timeout", str(round(pace.PACE.bound(120))), "--result-json", str(result),
             ], self.out_dir)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._current.popen.wait(timeout=900)

@@ -6,12 +6,15 @@ while KV usage stays low. On KV usage alone the policy stepped back to one repli
 one window (KV usage ~15%, nothing waiting at two replicas) and left two requests queued
 there, under the queue target, for good. Once the load stops the fleet steps down.
 
-The KV pool is the sample's 0.25 GiB (about 5,800 tokens): ten requests of 32 + 128
+The KV pool is the sample's 0.25 GiB (about 5,800 tokens): ten requests of 32 + 48
 tokens hold under a third of one engine's cache.
 
-The load is sustained as short bench steps (one request per stream, 48 tokens out) so
-that steps finish while the fleet is held even where a shared CPU decodes at ~2 tokens/s
-per stream (CI: a 60-prompt, 128-token step never finished within the hold)."""
+The load is one bench run of many short requests (48 tokens out) that outlasts the hold,
+so every stream stays busy throughout: back-to-back bench steps left gaps (a step's tail,
+the next client's start-up) that, on a loaded two-core machine, lasted a whole window.
+Whether requests succeed is read from the engines' own counters before the load stops:
+requests finished at their length and none was aborted (kept-alive connections may
+leave one pod with most of the load: a full batch of 8 still asks for ceil(8 / 6) = 2)."""
 
 from __future__ import annotations
 
@@ -53,12 +56,24 @@ def _saturation_candidate(cluster, namespace) -> dict | None:
     return next((c for c in decision.get("candidates", []) if c["rule"] == "saturation"), None)
 
 
+def _finished(cluster, namespace) -> dict[str, dict[str, float]]:
+    """Each ready engine pod's finished requests by reason (``kvpilot:request_success``)."""
+    out = {}
+    for pod in h.ready_pods(cluster, namespace, NAME):
+        samples = h.scrape(pod["status"]["podIP"])
+        out[pod["metadata"]["name"]] = {
+            reason: sum(v for k, v in samples.items()
+                        if k.startswith("kvpilot:request_success_total{") and f'finished_reason="{reason}"' in k)
+            for reason in ("length", "stop", "abort")}
+    return out
+
+
 def test_a_busy_fleet_with_an_empty_cache_keeps_its_replicas(cluster, namespace):
     assert FLOOR == 2
     h.apply(cluster, namespace, manifest())
     h.wait_ready(cluster, namespace, NAME, replicas=1)
     ip, port = h.wait_service(cluster, namespace, NAME)
-    ramp = Ramp(f"http://{ip}:{port}", [Step(STREAMS, STREAMS, input_len=32, output_len=48)],
+    ramp = Ramp(f"http://{ip}:{port}", [Step(STREAMS, 100 * STREAMS, input_len=32, output_len=48)],
                 cluster.workdir / "bench-saturation", sustain=True).start()
     try:
         cluster.wait_for(lambda: _replicas(cluster, namespace) >= FLOOR, 240,
@@ -81,12 +96,12 @@ def test_a_busy_fleet_with_an_empty_cache_keeps_its_replicas(cluster, namespace)
         candidate = _saturation_candidate(cluster, namespace)
         assert candidate is not None and candidate["replicas"] is not None, candidate
         assert candidate["replicas"] >= FLOOR, candidate
-        # Every request of a finished step must have succeeded: wait for one to finish.
-        cluster.wait_for(lambda: ramp.results, 120, "a load step to finish")
+        finished = _finished(cluster, namespace)
+        print(f"e2e saturation: finished requests by pod and reason: {finished}")
+        assert sum(f["length"] for f in finished.values()) > 0, finished
+        assert not any(f["abort"] for f in finished.values()), finished
     finally:
         ramp.stop()
-    assert ramp.results, "no load step finished while the fleet was held"
-    assert not any(r["summary"]["requests_failed"] for r in ramp.results), ramp.results
     # The load is gone: one window later the fleet steps down to minReplicas.
     cluster.wait_for(lambda: _replicas(cluster, namespace) == 1, WINDOW + 120,
                      "the idle fleet to step down to minReplicas")
