@@ -482,22 +482,17 @@ class Server:
 # --------------------------------------------------------------------------- client
 
 
-def percentile(values: list[float], pct: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * pct / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def ms(values: list[float]) -> dict[str, float | None]:
+    # kvpilot's one percentile (linear, as before); imported here, not at the top: vLLM's
+    # venv runs this file too (--worker), without kvpilot on its path
+    from kvpilot.stats import percentile
+
     def r(v: float | None) -> float | None:
         return None if v is None else round(v * 1000, 2)
 
     return {"n": len(values), "mean": r(statistics.fmean(values)) if values else None,
-            "p50": r(percentile(values, 50)), "p99": r(percentile(values, 99)),
+            "p50": r(percentile(values, 50)) if values else None,
+            "p99": r(percentile(values, 99)) if values else None,
             "max": r(max(values)) if values else None}
 
 
