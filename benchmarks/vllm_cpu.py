@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -50,7 +51,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where used: vLLM's venv runs this file too, without kvpilot
+    from kvpilot.bench.client import RequestRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / ".bench"
@@ -482,81 +486,58 @@ class Server:
 # --------------------------------------------------------------------------- client
 
 
-def percentile(values: list[float], pct: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * pct / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def ms(values: list[float]) -> dict[str, float | None]:
+    # kvpilot's one percentile (linear, as before); imported here, not at the top: vLLM's
+    # venv runs this file too (--worker), without kvpilot on its path
+    from kvpilot.stats import percentile
+
     def r(v: float | None) -> float | None:
         return None if v is None else round(v * 1000, 2)
 
     return {"n": len(values), "mean": r(statistics.fmean(values)) if values else None,
-            "p50": r(percentile(values, 50)), "p99": r(percentile(values, 99)),
+            "p50": r(percentile(values, 50)) if values else None,
+            "p99": r(percentile(values, 99)) if values else None,
             "max": r(max(values)) if values else None}
 
 
-class Stream:
-    """One streamed request: send time, the arrival time of every token chunk, usage."""
+def new_record(body: dict[str, Any], endpoint: str = "/v1/completions") -> RequestRecord:
+    """An empty ``kvpilot bench`` record for one request of ``body``."""
+    from kvpilot.bench.client import RequestRecord
 
-    def __init__(self) -> None:
-        self.sent: float | None = None
-        self.arrivals: list[float] = []
-        self.text: list[str] = []
-        self.usage: dict[str, int] | None = None
-        self.finish_reason: str | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        return self.arrivals[0] - self.sent if self.arrivals and self.sent is not None else None
-
-    def gaps(self) -> list[float]:
-        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:])]
-
-    @property
-    def output_tokens(self) -> int:
-        return int(self.usage["completion_tokens"]) if self.usage else len(self.arrivals)
+    prompt = body.get("prompt")
+    return RequestRecord(request_id=0, request_class="main", endpoint=endpoint,
+                         target_input_tokens=len(prompt) if isinstance(prompt, list) else 0,
+                         max_tokens=int(body["max_tokens"]))
 
 
-async def stream_request(http: Any, url: str, body: dict[str, Any], rec: Stream) -> Stream:
-    """POST a streaming completions/chat request; every chunk carrying a token is timed
-    (a chat role-only chunk and a final empty chunk that only closes the choice are not)."""
-    rec.sent = time.perf_counter()
-    async with http.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code} from {url}: {(await response.aread())[:500]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
-            if event.get("error"):
-                raise RuntimeError(f"error event from {url}: {data[:500]}")
-            if event.get("usage"):
-                rec.usage = event["usage"]
-            choices = event.get("choices") or []
-            if not choices:
-                continue
-            choice = choices[0]
-            text = choice["text"] if "text" in choice else ((choice.get("delta") or {}).get("content") or "")
-            if choice.get("finish_reason"):
-                rec.finish_reason = choice["finish_reason"]
-            if "delta" in choice and not text and set(choice["delta"]) <= {"role", "content"} \
-                    and not choice.get("finish_reason") and not rec.arrivals:
-                continue  # chat: the opening chunk with the role only
-            if not text and choice.get("finish_reason") and rec.usage is not None \
-                    and len(rec.arrivals) >= rec.output_tokens:
-                continue  # a closing chunk after every token was counted
-            rec.arrivals.append(time.perf_counter())
-            rec.text.append(text)
+async def stream_request(http: Any, url: str, body: dict[str, Any], rec: RequestRecord | None = None
+                         ) -> RequestRecord:
+    """POST a streaming completions/chat request, timed by ``kvpilot bench``'s client
+    (:func:`kvpilot.bench.client.stream_request`: TTFT and ITL between chunks carrying
+    text; output tokens from ``usage``, else the text chunks). ``rec.send_time_s`` is a
+    ``time.perf_counter()`` time. Raises RuntimeError when the request failed (HTTP
+    error, error event, broken stream); the record is filled as it streams, so a caller
+    may watch it."""
+    from kvpilot.bench.client import FAILED
+    from kvpilot.bench.client import stream_request as bench_stream_request
+
+    rec = new_record(body, url[url.index("/v1/"):] if "/v1/" in url else url) if rec is None else rec
+    await bench_stream_request(http, url, body, rec, origin=0.0, clock=time.perf_counter)
+    if rec.status == FAILED:
+        raise RuntimeError(f"{url}: {rec.error}")
     return rec
+
+
+def arrivals(rec: RequestRecord) -> list[float]:
+    """The ``time.perf_counter()`` times of the record's text chunks so far."""
+    if rec.send_time_s is None or rec.ttft_s is None:
+        return []
+    t = rec.send_time_s + rec.ttft_s
+    out = [t]
+    for gap in list(rec.itl_s):
+        t += gap
+        out.append(t)
+    return out
 
 
 def completion_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -613,7 +594,7 @@ async def wait_idle(http: Any, url: str, timeout: float = 60.0) -> None:
 
 
 async def warm_up(http: Any, url: str, seed: int) -> None:
-    await stream_request(http, url + "/v1/completions", completion_body(random_ids(random.Random(seed), 16), 4), Stream())
+    await stream_request(http, url + "/v1/completions", completion_body(random_ids(random.Random(seed), 16), 4))
 
 
 # --------------------------------------------------------------------------- workloads: servers
@@ -626,18 +607,18 @@ async def serve_client(url: str, sz: dict[str, Any], seed: int) -> dict[str, Any
     async with http_client(sz["serve_concurrency"]) as http:
         await warm_up(http, url, seed + 1)
 
-        async def one(p: list[int]) -> Stream:
+        async def one(p: list[int]) -> RequestRecord:
             async with sem:
-                return await stream_request(http, url + "/v1/completions", completion_body(p, sz["serve_output"]), Stream())
+                return await stream_request(http, url + "/v1/completions", completion_body(p, sz["serve_output"]))
 
         t0 = time.perf_counter()
         recs = await asyncio.gather(*(one(p) for p in prompts))
         wall = time.perf_counter() - t0
     tokens = sum(r.output_tokens for r in recs)
-    itl = [g for r in recs for g in r.gaps()]
+    itl = [g for r in recs for g in r.itl_s]
     return {"wall_s": round(wall, 3), "output_tokens": tokens, "output_tok_s": round(tokens / wall, 2),
-            "chunks": sum(len(r.arrivals) for r in recs), "itl_ms": ms(itl),
-            "ttft_ms": ms([r.ttft for r in recs if r.ttft is not None]),
+            "chunks": sum(r.text_chunks for r in recs), "itl_ms": ms(itl),
+            "ttft_ms": ms([r.ttft_s for r in recs if r.ttft_s is not None]),
             "finish_reasons": sorted({str(r.finish_reason) for r in recs})}
 
 
@@ -651,13 +632,14 @@ async def long_prompt_client(url: str, sz: dict[str, Any], seed: int) -> dict[st
     async with http_client(n + 2) as http:
         await warm_up(http, url, seed + 1)
         for _ in range(sz["lp_repeats"]):
-            recs = [Stream() for _ in range(n)]
-            tasks = [asyncio.create_task(stream_request(
-                http, url + "/v1/completions", completion_body(random_ids(rng, sz["lp_stream_prompt"]), sz["lp_stream_output"]),
-                rec)) for rec in recs]
+            bodies = [completion_body(random_ids(rng, sz["lp_stream_prompt"]), sz["lp_stream_output"])
+                      for _ in range(n)]
+            recs = [new_record(body) for body in bodies]
+            tasks = [asyncio.create_task(stream_request(http, url + "/v1/completions", body, rec))
+                     for body, rec in zip(bodies, recs)]
             try:
                 deadline = time.monotonic() + 300
-                while min(len(r.arrivals) for r in recs) < 4:  # all streams decoding
+                while min(r.text_chunks for r in recs) < 4:  # all streams decoding
                     if time.monotonic() > deadline or any(t.done() for t in tasks):
                         for t in tasks:
                             if t.done() and t.exception():
@@ -665,8 +647,8 @@ async def long_prompt_client(url: str, sz: dict[str, Any], seed: int) -> dict[st
                         raise RuntimeError("background streams did not all start decoding")
                     await asyncio.sleep(0.02)
                 long = await stream_request(http, url + "/v1/completions",
-                                            completion_body(random_ids(rng, sz["lp_len"]), 1), Stream())
-                t_send, t_first = long.sent, long.arrivals[0]
+                                            completion_body(random_ids(rng, sz["lp_len"]), 1))
+                t_send, t_first = long.send_time_s, arrivals(long)[0]
                 assert t_send is not None
                 if any(t.done() for t in tasks):
                     log("warning: a background stream ended before the long prompt's first token")
@@ -676,7 +658,8 @@ async def long_prompt_client(url: str, sz: dict[str, Any], seed: int) -> dict[st
                 await asyncio.gather(*tasks, return_exceptions=True)
             rep_during = []
             for r in recs:
-                for a, b in zip(r.arrivals, r.arrivals[1:]):
+                times = arrivals(r)
+                for a, b in itertools.pairwise(times):
                     mid = (a + b) / 2  # a gap belongs to the prefill when its middle falls in it
                     if t_send <= mid <= t_first:
                         rep_during.append(b - a)
@@ -696,7 +679,7 @@ async def multi_turn_client(url: str, sz: dict[str, Any], seed: int) -> dict[str
     rng = random.Random(seed)
     system = random_text(rng, sz["mt_system"])
     users = [[random_text(rng, sz["mt_user"]) for _ in range(sz["mt_turns"])] for _ in range(sz["mt_convs"])]
-    recs: list[Stream] = []
+    recs: list[RequestRecord] = []
     async with http_client(sz["mt_convs"]) as http:
         await warm_up(http, url, seed + 1)
         cache = await cache_config(http, url)
@@ -708,9 +691,9 @@ async def multi_turn_client(url: str, sz: dict[str, Any], seed: int) -> dict[str
                 messages.append({"role": "user", "content": text})
                 body = {"model": SERVED_NAME, "messages": messages, "max_tokens": sz["mt_output"], "temperature": 0.0,
                         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-                rec = await stream_request(http, url + "/v1/chat/completions", body, Stream())
+                rec = await stream_request(http, url + "/v1/chat/completions", body)
                 recs.append(rec)
-                messages = [*messages, {"role": "assistant", "content": "".join(rec.text)}]
+                messages = [*messages, {"role": "assistant", "content": rec.reply}]
 
         t0 = time.perf_counter()
         await asyncio.gather(*(conversation(t) for t in users))
@@ -722,8 +705,9 @@ async def multi_turn_client(url: str, sz: dict[str, Any], seed: int) -> dict[str
 
     hits, queries = delta("vllm:prefix_cache_hits_total"), delta("vllm:prefix_cache_queries_total")
     return {"hit_rate": round(hits / queries, 4) if queries else None, "hits": hits, "queries": queries,
-            "prompt_tokens": sum((r.usage or {}).get("prompt_tokens", 0) for r in recs),
-            "requests": len(recs), "wall_s": round(wall, 3), "cache_config": cache, "ttft_ms": ms([r.ttft for r in recs if r.ttft is not None])}
+            "prompt_tokens": sum(r.prompt_tokens or 0 for r in recs),
+            "requests": len(recs), "wall_s": round(wall, 3), "cache_config": cache,
+            "ttft_ms": ms([r.ttft_s for r in recs if r.ttft_s is not None])}
 
 
 SERVER_CLIENTS = {"serve": serve_client, "long_prompt": long_prompt_client, "multi_turn": multi_turn_client}

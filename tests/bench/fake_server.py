@@ -2,9 +2,10 @@
 
 Each streamed request sends (chat: after an immediate empty role chunk) its first text
 chunk after ``ttft_s`` and each further one ``itl_s`` later, one token per chunk, exactly
-``max_tokens`` of them, then a usage chunk and ``data: [DONE]``. It records every request
-body and the most requests it ever had in flight, and exposes prefix-cache counters that
-move by known amounts: per request, queries += prompt words and hits += a fixed share.
+``max_tokens`` of them (the last with ``finish_reason: "length"``), then a usage chunk
+and ``data: [DONE]``. It records every request body and the most requests it ever had in
+flight, and exposes prefix-cache counters that move by known amounts: per request,
+queries += prompt words (or token ids) and hits += a fixed share.
 
 ``FakeServer`` runs it with uvicorn in a thread on 127.0.0.1 and a free port.
 """
@@ -53,8 +54,9 @@ class State:
 
 
 def prompt_words(body: dict[str, Any]) -> int:
-    if "prompt" in body:
-        return len(body["prompt"].split())
+    if "prompt" in body:  # text, or token ids (benchmarks/vllm_cpu.py)
+        prompt = body["prompt"]
+        return len(prompt) if isinstance(prompt, list) else len(prompt.split())
     return sum(len(m["content"].split()) for m in body["messages"])
 
 
@@ -107,8 +109,10 @@ def make_app(server: FakeServer) -> FastAPI:
                 if behaviour.break_every and number % behaviour.break_every == 0 and i == 2:
                     raise RuntimeError("injected broken stream")
                 token = reply_token(number, i)
-                choice = ({"index": 0, "delta": {"content": token}} if chat
-                          else {"index": 0, "text": token})
+                choice: dict[str, Any] = ({"index": 0, "delta": {"content": token}} if chat
+                                          else {"index": 0, "text": token})
+                if i == n - 1:
+                    choice["finish_reason"] = "length"
                 yield sse({"choices": [choice]})
             if behaviour.send_usage:
                 yield sse({"choices": [], "usage": {"prompt_tokens": words,

@@ -14,6 +14,7 @@ from kvpilot.bench.arrivals import poisson_arrival_times
 from kvpilot.bench.cache_counters import hit_rate, parse_counters
 from kvpilot.bench.client import (
     RequestRecord,
+    chunk_finish_reason,
     chunk_reasoning,
     chunk_text,
     error_message,
@@ -148,6 +149,9 @@ def test_payloads_and_chunk_parsing():
     thinking = {"choices": [{"delta": {"reasoning_content": "hmm"}}]}
     assert chunk_text(thinking) == "" and chunk_reasoning(thinking) == "hmm"
     assert chunk_reasoning({"choices": [{"text": "a"}]}) == ""
+    assert chunk_finish_reason({"choices": [{"text": "a", "finish_reason": "length"}]}) == "length"
+    assert chunk_finish_reason({"choices": [{"delta": {}, "finish_reason": None}]}) is None
+    assert chunk_finish_reason({"choices": [], "usage": {}}) is None
     assert error_message(b'{"error": {"message": "too long", "code": 400}}') == "too long"
     assert error_message(b'{"detail": "x"}') == '{"detail": "x"}'
     assert error_message(b"") == "(empty body)"

@@ -61,6 +61,7 @@ class RequestRecord:
     output_tokens: int = 0  # usage.completion_tokens, else the number of text chunks
     usage_reported: bool = False
     text_chunks: int = 0
+    finish_reason: str | None = None  # the last one the stream reported (first choice)
     reply: str = field(default="", repr=False)  # the received text (multi-turn history)
 
     @property
@@ -160,6 +161,9 @@ async def _read_stream(http: httpx.AsyncClient, url: str, body: dict[str, Any],
                 record.usage_reported = True
                 record.prompt_tokens = usage.get("prompt_tokens")
                 record.output_tokens = int(usage.get("completion_tokens") or 0)
+            reason = chunk_finish_reason(event)
+            if reason:
+                record.finish_reason = reason
             text = chunk_text(event)
             if text or chunk_reasoning(event):  # a reasoning token is output too
                 now = clock()
@@ -193,6 +197,13 @@ def chunk_text(event: dict[str, Any]) -> str:
     if "text" in choice:  # /v1/completions
         return choice.get("text") or ""
     return (choice.get("delta") or {}).get("content") or ""  # /v1/chat/completions
+
+
+def chunk_finish_reason(event: dict[str, Any]) -> str | None:
+    """The ``finish_reason`` of one streamed chunk's first choice (None while it runs)."""
+    choices = event.get("choices") or []
+    reason = choices[0].get("finish_reason") if choices else None
+    return str(reason) if reason else None
 
 
 def chunk_reasoning(event: dict[str, Any]) -> str:

@@ -1,8 +1,8 @@
 """Summary statistics of a run: throughput and latency distributions per request class.
 
 Latencies are reported in milliseconds as ``{"mean", "p<q>"..., "count"}``; percentiles
-interpolate linearly between order statistics (numpy's default ``linear`` method), so
-p50 of ``[1, 2, 3, 4]`` is 2.5. A distribution with no samples is ``None``.
+are :func:`kvpilot.stats.percentile` (linear interpolation between order statistics,
+numpy's default ``linear`` method), so p50 of ``[1, 2, 3, 4]`` is 2.5. A distribution with no samples is ``None``.
 
 Which records feed which figure:
 
@@ -16,24 +16,11 @@ Which records feed which figure:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvpilot.bench.client import CANCELLED, FAILED, OK, RequestRecord
-
-
-def percentile(values: Sequence[float], pct: float) -> float:
-    """The ``pct``-th percentile (0..100) of non-empty ``values``, linear interpolation."""
-    if not values:
-        raise ValueError("percentile of no values")
-    if not 0 <= pct <= 100:
-        raise ValueError(f"pct must be in [0, 100], got {pct}")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * pct / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+from kvpilot.stats import percentile
 
 
 def percentile_key(pct: float) -> str:

@@ -27,9 +27,10 @@ from typing import Protocol
 from kvpilot.autoscaler.sim.model import ReplicaModel, SimConfig
 from kvpilot.autoscaler.sim.nodes import NodePool
 from kvpilot.autoscaler.sim.replica import Replica, Req, Stats
-from kvpilot.autoscaler.sim.report import SimResult, Timeline, percentile
+from kvpilot.autoscaler.sim.report import SimResult, Timeline
 from kvpilot.autoscaler.sim.routing import Router
 from kvpilot.autoscaler.sim.traces import Trace
+from kvpilot.stats import percentile
 
 _REPLICA, _READY, _TICK, _SAMPLE, _NODE = 0, 1, 2, 3, 4
 
@@ -368,8 +369,8 @@ def _result(
         rejected=rejected,
         starvation_seconds=stats.starvation,
         preemptions=stats.preemptions,
-        p99_queue_seconds=percentile(waits, 99),
-        p50_queue_seconds=percentile(waits, 50),
+        p99_queue_seconds=percentile(waits, 99) if waits else 0.0,
+        p50_queue_seconds=percentile(waits, 50) if waits else 0.0,
         mean_queue_seconds=sum(waits) / len(waits) if waits else 0.0,
         replica_hours=fleet.replica_seconds / 3600.0,
         peak_replicas=fleet.peak,

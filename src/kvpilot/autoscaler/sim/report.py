@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -87,14 +86,6 @@ class SimResult:
         if not timeline:
             d.pop("timeline")
         return d
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of an already sorted sequence (0 for an empty one)."""
-    if not sorted_values:
-        return 0.0
-    k = max(0, min(len(sorted_values) - 1, math.ceil(q / 100.0 * len(sorted_values)) - 1))
-    return sorted_values[k]
 
 
 def comparison_table(results: Sequence[SimResult], baseline: str = "hpa") -> str:

@@ -8,7 +8,6 @@ one :class:`AttentionMetadata` per step; all layers share it.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.engine.model.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
+from kvpilot.engine.registry import Registry
 from kvpilot.kernels.kv4 import KV4Args
 from kvpilot.kernels.rotation import rotate_heads
 
@@ -145,11 +145,11 @@ class AttentionBackend(ABC):
 
 
 # name -> "module:Class", imported on first use so CPU installs never import triton.
-ATTENTION_BACKENDS = {
-    "torch": "kvpilot.engine.attention.torch_backend:TorchAttentionBackend",
-    "cpu": "kvpilot.engine.attention.cpu_backend:CpuAttentionBackend",
-    "triton": "kvpilot.engine.attention.triton_backend:TritonAttentionBackend",
-}
+ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = Registry(
+    "attention backend", unknown="unknown {kind} {name!r}; choose one of: auto, {allowed}")
+ATTENTION_BACKENDS.register_lazy("torch", "kvpilot.engine.attention.torch_backend:TorchAttentionBackend")
+ATTENTION_BACKENDS.register_lazy("cpu", "kvpilot.engine.attention.cpu_backend:CpuAttentionBackend")
+ATTENTION_BACKENDS.register_lazy("triton", "kvpilot.engine.attention.triton_backend:TritonAttentionBackend")
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
@@ -172,16 +172,12 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
             logger.warning("%s; decode attention falls back to the torch backend (slower)", why)
         return "torch"
     if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(ATTENTION_BACKENDS)}")
+        raise ATTENTION_BACKENDS.unknown(name)
     return name
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """Instantiate the backend ``name`` (after resolving ``auto``)."""
     resolved = resolve_backend_name(name, device)
-    module, cls = ATTENTION_BACKENDS[resolved].split(":")
-    try:
-        backend_cls = getattr(importlib.import_module(module), cls)
-    except ImportError as e:
-        raise ValueError(f"attention backend {resolved!r} is not available here: {e}") from e
+    backend_cls = ATTENTION_BACKENDS.get(resolved)  # ValueError when it cannot be imported here
     return backend_cls(device)

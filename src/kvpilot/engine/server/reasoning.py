@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from kvpilot.engine.registry import Registry
+
 __all__ = [
     "REASONING_PARSERS",
     "DeepSeekR1ReasoningParser",
@@ -150,6 +152,10 @@ class ReasoningStreamer:
         return reasoning, content
 
 
+REASONING_PARSERS: Registry[type[ReasoningParser]] = Registry("reasoning parser")
+
+
+@REASONING_PARSERS.register("deepseek_r1")
 class DeepSeekR1ReasoningParser(ReasoningParser):
     """Reasoning from the start of the output (``<think>`` optional) to ``</think>``;
     all reasoning without ``</think>``. After vLLM's ``deepseek_r1``, except that only a
@@ -160,6 +166,7 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     start_required = False
 
 
+@REASONING_PARSERS.register("qwen3")
 class Qwen3ReasoningParser(ReasoningParser):
     """Reasoning only when the output starts with ``<think>``; up to ``</think>``, or to
     the end without it. After vLLM's ``qwen3`` (its earlier form, which required the
@@ -170,17 +177,7 @@ class Qwen3ReasoningParser(ReasoningParser):
     start_required = True
 
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
-}
-
-
 def get_reasoning_parser(name: str) -> ReasoningParser:
     """The parser registered as ``name`` (a new instance). Raises ValueError naming the
     bad value and the allowed names."""
-    try:
-        cls = REASONING_PARSERS[name]
-    except KeyError:
-        allowed = ", ".join(sorted(REASONING_PARSERS))
-        raise ValueError(f"unknown reasoning parser {name!r}; expected one of: {allowed}") from None
-    return cls()
+    return REASONING_PARSERS.get(name)()

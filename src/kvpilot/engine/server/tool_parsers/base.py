@@ -1,49 +1,10 @@
-"""Tool calls out of generated text: the ``--tool-call-parser`` formats, whole and streamed.
+"""What every tool-call format shares: the call and result types, tool-call ids, the
+JSON scanning helpers, the ``ToolParser`` interface, the streaming state
+(``ToolCallStreamer``) and the registry of formats (``TOOL_PARSERS``); the package
+docstring (:mod:`kvpilot.engine.server.tool_parsers`) describes the formats and the rules.
 
-A parser turns a model's raw output into OpenAI ``tool_calls`` plus the remaining text
-(``content``). The formats, each named and behaving like the vLLM parser of that name
-(``vllm/entrypoints/openai/tool_parsers``):
-
-``hermes`` (Hermes 2 Pro, Qwen 2.5/3; vLLM's ``Hermes2ProToolParser``)::
-
-    Let me look that up.
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
-  Any number of blocks; the last one may lack ``</tool_call>`` at the end of the output.
-
-``llama3_json`` (Llama 3.1/3.2/4 JSON tool calling; vLLM's ``Llama3JsonToolParser``)::
-
-    <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": ...}
-
-  The whole output is the call(s): ``<|python_tag|>`` is optional, objects are separated
-  by ``;``, ``"arguments"`` is accepted for ``"parameters"``.
-
-``mistral`` (Mistral 7B v0.3, Mistral Nemo/Small; vLLM's ``MistralToolParser``)::
-
-    [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]
-    [TOOL_CALLS]get_weather{"city": "Paris"}             (v11 tokenizer)
-    [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}       (v13 tokenizer)
-
-  ``[TOOL_CALLS]`` is a special token: the detokenizer must keep special tokens for the
-  parser to see it.
-
-Common rules: ``arguments`` come out as the JSON object re-serialized with
-``json.dumps(obj, ensure_ascii=False)`` (arguments given as a JSON string holding an
-object are decoded first; missing or null arguments are ``{}``); a call whose ``name``
-is not a non-empty string, whose arguments are not an object, or whose JSON does not
-parse makes the whole output plain content (all or nothing, as vLLM does). ``content``
-is the text outside the calls, stripped, and None when empty.
-
-Streaming (``ToolParser.streamer``) reports OpenAI chat-completion ``delta`` dicts: plain
-text as ``{"content": ...}``, a call as a header (``id``, ``type``, ``name``, empty
-``arguments``) followed by its arguments, sent when the call is complete. Text that could
-still become a tool-call marker is held back until it is known not to be one. The deltas
-reassemble into exactly what ``extract`` returns for the same text, except when a
-well-formed call has been sent and a later call turns out malformed: the sent call cannot
-be taken back, so the malformed text follows as content, where ``extract`` would have
-returned everything as content.
+A format is a ``ToolParser`` subclass in a module of its own, registered by name with
+``@TOOL_PARSERS.register(name)`` (the package imports every format module).
 """
 
 from __future__ import annotations
@@ -57,12 +18,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from kvpilot.engine.registry import Registry
+
 __all__ = [
     "TOOL_PARSERS",
     "ExtractedToolCalls",
-    "HermesToolParser",
-    "Llama3JsonToolParser",
-    "MistralToolParser",
     "ToolCall",
     "ToolCallStreamer",
     "ToolParser",
@@ -345,208 +305,12 @@ class ToolCallStreamer:
         return out
 
 
-# --- the formats ---------------------------------------------------------------------
+# --- the registry --------------------------------------------------------------------
 
-
-class HermesToolParser(ToolParser):
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, after vLLM's
-    ``hermes`` parser: several blocks allowed; the JSON may have whitespace around it; a
-    final block without ``</tool_call>`` is parsed when its JSON is complete; any block
-    that is not a call makes the whole output content (markers included). Differs from
-    vLLM in keeping text between and after the blocks as content (vLLM's non-streaming
-    path keeps only the text before the first block; its streaming path keeps all)."""
-
-    name = "hermes"
-    start = "<tool_call>"
-    end = "</tool_call>"
-
-    def _scan(self, text: str, state: _ScanState, final: bool) -> tuple[list[_Event], int]:
-        if state.failed:
-            return [text], len(text)
-        events: list[_Event] = []
-        pos = 0
-        while True:
-            start = text.find(self.start, pos)
-            if start < 0:
-                keep = 0 if final else _held_suffix(text, self.start, pos)
-                events.append(text[pos : len(text) - keep])
-                return events, len(text) - keep
-            events.append(text[pos:start])
-            pos = start
-            body = start + len(self.start)
-            end = text.find(self.end, body)
-            if end < 0 and not final:
-                return events, pos
-            call = _call_from_json(text[body:] if end < 0 else text[body:end])
-            if call is None:
-                state.failed = True
-                events.append(text[pos:])
-                return events, len(text)
-            events.append(call)
-            pos = len(text) if end < 0 else end + len(self.end)
-
-
-class Llama3JsonToolParser(ToolParser):
-    """The whole output as JSON call objects, after vLLM's ``llama3_json`` parser:
-    optional ``<|python_tag|>``, then ``{"name": ..., "parameters": {...}}`` (or
-    ``"arguments"``), more objects after ``;`` (a trailing ``;`` is allowed). Anything
-    else (text before the JSON, a JSON answer that is not a call, trailing text) makes
-    the output content. Differs from vLLM in accepting whitespace before the JSON and
-    arguments nested at any depth (vLLM's regex stops at two levels)."""
-
-    name = "llama3_json"
-    tag = "<|python_tag|>"
-
-    def _scan(self, text: str, state: _ScanState, final: bool) -> tuple[list[_Event], int]:
-        if state.failed:
-            return [text], len(text)
-        events: list[_Event] = []
-        pos = 0  # start of the text not consumed (a call is consumed at its ";")
-        while True:
-            first = state.calls == 0
-            p = _skip_ws(text, pos)
-            if first and text.startswith(self.tag, p):
-                p = _skip_ws(text, p + len(self.tag))
-                tagged = True
-            elif first and not final and p < len(text) and self.tag.startswith(text[p:]):
-                return events, pos
-            else:
-                tagged = False
-            if p == len(text):
-                if not final:
-                    return events, pos
-                if first and tagged:
-                    break  # a tag and nothing after it
-                events.append(text[pos:])  # whitespace: nothing, or after a trailing ";"
-                return events, len(text)
-            if text[p] != "{":
-                break
-            end = _json_end(text, p)
-            if end is None:
-                if final:
-                    break
-                return events, pos
-            call = _call_from_json(text[p:end])
-            if call is None:
-                break
-            q = _skip_ws(text, end)
-            if q == len(text):
-                if not final:
-                    return events, pos  # a ";" or more text may follow
-                events.append(call)
-                state.calls += 1
-                return events, len(text)
-            if text[q] != ";":
-                break
-            events.append(call)
-            state.calls += 1
-            pos = q + 1
-        state.failed = True
-        events.append(text[pos:])
-        return events, len(text)
-
-
-class MistralToolParser(ToolParser):
-    """``[TOOL_CALLS]`` then the calls, after vLLM's ``mistral`` parser: a JSON array of
-    ``{"name": ..., "arguments": {...}}`` (a single object is accepted too), or
-    ``name{...}`` / ``name[ARGS]{...}``, each call after its own ``[TOOL_CALLS]``. Text
-    before the first marker is content; so is text after the calls (vLLM drops it). When
-    a call is malformed the content is the output with the ``[TOOL_CALLS]`` markers
-    removed, as in vLLM."""
-
-    name = "mistral"
-    marker = "[TOOL_CALLS]"
-    args_marker = "[ARGS]"
-    _NAME = re.compile(r"[A-Za-z0-9_.-]+")
-
-    def _failed_content(self, text: str) -> str:
-        return text.replace(self.marker, "")
-
-    def _scan(self, text: str, state: _ScanState, final: bool) -> tuple[list[_Event], int]:
-        events: list[_Event] = []
-        pos = 0
-        while True:
-            mark = text.find(self.marker, pos)
-            if mark < 0:
-                keep = 0 if final else _held_suffix(text, self.marker, pos)
-                events.append(text[pos : len(text) - keep])
-                return events, len(text) - keep
-            events.append(text[pos:mark])
-            pos = mark + len(self.marker)
-            if state.failed:
-                continue  # content from here on, markers dropped
-            parsed = self._calls_at(text, pos, final)
-            if parsed is None:
-                return events, mark  # unfinished: wait for more text
-            if not parsed:
-                state.failed = True
-                continue
-            calls, pos = parsed
-            events.extend(calls)
-
-    def _calls_at(
-        self, text: str, p: int, final: bool
-    ) -> tuple[list[_Event], int] | tuple[()] | None:
-        """The calls after a marker ending at ``p``: (calls, end), ``()`` when malformed,
-        None when later text could still complete them."""
-        more = () if final else None
-        p = _skip_ws(text, p)
-        if p == len(text):
-            return more
-        if text[p] in "[{":
-            end = _json_end(text, p)
-            if end is None:
-                return more
-            try:
-                value = json.loads(text[p:end])
-            except (ValueError, RecursionError):
-                return ()
-            items = value if isinstance(value, list) else [value]
-            calls: list[_Event] = []
-            for item in items:
-                call = _call_from_object(item)
-                if call is None:
-                    return ()
-                calls.append(call)
-            return calls, end
-        m = self._NAME.match(text, p)
-        if m is None:
-            return ()
-        q = _skip_ws(text, m.end())
-        if q == len(text):
-            return more  # the name, or the space before "{", may go on
-        if text.startswith(self.args_marker, q):
-            q = _skip_ws(text, q + len(self.args_marker))
-        elif self.args_marker.startswith(text[q:]):
-            return more
-        if q == len(text):
-            return more
-        if text[q] != "{":
-            return ()
-        end = _json_end(text, q)
-        if end is None:
-            return more
-        try:
-            value = json.loads(text[q:end])
-        except (ValueError, RecursionError):
-            return ()
-        arguments = _normalize_arguments(value) if isinstance(value, dict) else None
-        if arguments is None:
-            return ()
-        return [(m.group(), arguments)], end
-
-
-TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
-}
+TOOL_PARSERS: Registry[type[ToolParser]] = Registry("tool call parser")
 
 
 def get_tool_parser(name: str) -> ToolParser:
     """The parser registered as ``name`` (a new instance). Raises ValueError naming the
     bad value and the allowed names."""
-    try:
-        cls = TOOL_PARSERS[name]
-    except KeyError:
-        allowed = ", ".join(sorted(TOOL_PARSERS))
-        raise ValueError(f"unknown tool call parser {name!r}; expected one of: {allowed}") from None
-    return cls()
+    return TOOL_PARSERS.get(name)()
