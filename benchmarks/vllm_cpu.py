@@ -215,10 +215,13 @@ def ensure_gitignored() -> None:
         gi.write_text(text + ("" if text.endswith("\n") or not text else "\n") + ".bench/\n")
 
 
-def setup() -> dict[str, Any]:
+def setup(with_vllm: bool = True) -> dict[str, Any]:
+    """Create what the runs need; vLLM's venv only when vLLM runs (``--engines kvpilot``
+    measures kvpilot alone, e.g. one tree against another)."""
     BENCH_DIR.mkdir(exist_ok=True)
     ensure_gitignored()
-    return {"vllm_install_s": ensure_vllm_venv(), "hf_convert_s": ensure_hf_model()}
+    return {"vllm_install_s": ensure_vllm_venv() if with_vllm else None,
+            "hf_convert_s": ensure_hf_model()}
 
 
 # --------------------------------------------------------------------------- environments
@@ -950,7 +953,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown {name}(s) {bad}; choose from {', '.join(allowed)}")
 
     t_setup = time.monotonic()
-    setup_info = setup()
+    setup_info = setup(with_vllm="vllm" in engines or args.setup_only)
     setup_info["total_s"] = round(time.monotonic() - t_setup, 1)
     if args.setup_only:
         log(f"setup done in {setup_info['total_s']:.0f} s: {VLLM_VENV}, {HF_DIR}")
@@ -964,7 +967,8 @@ def main(argv: list[str] | None = None) -> int:
     vllm_settings = {k: v for k, v in engine_env("vllm", args.vllm_threads_bind, args.vllm_preload).items()
                      if k.startswith(("VLLM_", "OMP_", "LD_PRELOAD"))}
     payload: dict[str, Any] = {
-        "machine": info, "loadavg_start": os.getloadavg(), "vllm_venv": vllm_versions(), "setup": setup_info,
+        "machine": info, "loadavg_start": os.getloadavg(),
+        "vllm_venv": vllm_versions() if "vllm" in engines else None, "setup": setup_info,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if v is not None},
         "sizes": sz, "engines": engines, "workloads": {},
         "settings": {"threads": 1, "dtype": "float32", "kv_cache_gib": KV_CACHE_GIB, "prefix_caching": True,
