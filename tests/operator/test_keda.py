@@ -365,3 +365,42 @@ def test_the_loop_stands_aside_in_keda_mode():
     loop = AutoscalerLoop(Ctx(), copy.deepcopy(body))  # type: ignore[arg-type]
     assert loop.tick(body) == RETRY_SECONDS
     assert Ctx.api.calls == []  # nothing observed, nothing written
+
+
+def test_the_deployment_watch_leaves_kedas_resize_alone():
+    """End to end through the handler: KEDA resizes, the watch event comes, nothing is
+    applied and no ChildRestored Warning is posted; a template edit is still put back."""
+    from kvpilot.operator.handlers.children import on_deployment_event
+    from kvpilot.operator.handlers.context import OperatorContext
+    from kvpilot.operator.handlers.lifecycle import on_spec
+    from kvpilot.operator.metrics import OperatorMetrics
+    from kvpilot.operator.repair import RepairBackoff
+
+    from .fakes import Clock
+
+    events: list[tuple[Any, ...]] = []
+    ctx = OperatorContext(api=FakeKubeApi(apis=(SCALED_OBJECT,)),
+                          options=OperatorOptions(engine_image="e:1"), metrics=OperatorMetrics(),
+                          clock=Clock(), post_event=lambda body, *e: events.append(e),
+                          monotonic=lambda: 1000.0,
+                          repairs=RepairBackoff(schedule=lambda s, fn: None))
+    body = inference(spec=keda_spec())
+    ctx.api.put(body)
+    on_spec(body=body, memo=ctx)
+    api = ctx.api
+    on_deployment_event(body=api.stored("Deployment", "llm", "chat"), type="ADDED", memo=ctx)
+    api.scale("llm", "chat", 6)
+    applies = len([w for w in api.writes() if w[0] == "apply"])
+    on_deployment_event(body=api.stored("Deployment", "llm", "chat"), type="MODIFIED", memo=ctx)
+    assert len([w for w in api.writes() if w[0] == "apply"]) == applies
+    assert not [e for e in events if e[1] == "ChildRestored"]
+    assert replicas(api) == 6
+    edited = api.stored("Deployment", "llm", "chat")
+    edited["spec"]["template"]["spec"]["containers"][0]["image"] = "someone/else:1"
+    edited["metadata"]["generation"] += 1
+    api.objects[("Deployment", "llm", "chat")] = copy.deepcopy(edited)
+    on_deployment_event(body=edited, type="MODIFIED", memo=ctx)
+    restored = api.stored("Deployment", "llm", "chat")
+    assert restored["spec"]["template"]["spec"]["containers"][0]["image"] != "someone/else:1"
+    assert restored["spec"]["replicas"] == 6  # the repair put the image back, not the count
+    assert [e[1] for e in events if e[1] == "ChildRestored"] == ["ChildRestored"]
