@@ -113,6 +113,7 @@ def test_the_defaults_table_is_the_crds(crd_file):
     assert {type(v) for v in found.values()} == {type(v) for v in DEFAULTS.values()}
     defaulted = AutoscalingSpec.from_crd({"maxReplicas": 3})
     assert {k: v for k, v in defaulted.to_crd().items() if k != "maxReplicas"} == {
-        k: v for k, v in DEFAULTS.items() if "." not in k
+        k: v for k, v in DEFAULTS.items() if "." not in k and k != "engine"
     }
     assert defaulted.metrics.source == DEFAULTS["metrics.source"]
+    assert defaulted.engine == DEFAULTS["engine"] == "kvpilot"

@@ -4,6 +4,13 @@ It keeps what a real API server keeps for our purposes: objects by (kind, namesp
 name), a resourceVersion bumped on every write and honoured as a precondition (409),
 ``metadata.generation`` bumped when ``spec`` changes, and the status subresource
 separate from the spec. Every call is recorded, so tests assert what was written.
+
+Server-side apply is modelled for one field, a Deployment's ``spec.replicas``: the field
+managers that own it are kept; an apply that leaves it out drops its manager's ownership,
+and when no manager owns it any more it goes back to the API's default (1). An apply with
+another field manager may set only that field (the hand-over of docs/autoscaling.md, "KEDA
+mode"), and :meth:`FakeKubeApi.scale` writes it as another controller's update would
+(taking the field from every other manager).
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ class FakeKubeApi:
         self.errors: dict[str, list[Exception]] = {}  # "apply:Deployment" -> errors to raise
         self.before_apply: Callable[[Mapping[str, Any]], None] | None = None
         self._rv = itertools.count(100)
+        # (kind, ns, name) of a Deployment -> the field managers owning spec.replicas.
+        self.replica_managers: dict[tuple[str, str, str], set[str]] = {}
 
     # --------------------------------------------------------------- helpers for tests
     def put(self, obj: dict[str, Any]) -> dict[str, Any]:
@@ -68,6 +77,16 @@ class FakeKubeApi:
         obj["status"] = {"observedGeneration": obj["metadata"]["generation"], **status}
         obj["metadata"]["resourceVersion"] = str(next(self._rv))
 
+    def scale(self, namespace: str, name: str, replicas: int,
+              manager: str = "keda-operator") -> None:
+        """Resize a Deployment as another controller does (an update through the scale
+        subresource): the new count, owned by ``manager`` alone, generation bumped."""
+        obj = self.objects[("Deployment", namespace, name)]
+        obj["spec"]["replicas"] = replicas
+        obj["metadata"]["generation"] += 1
+        obj["metadata"]["resourceVersion"] = str(next(self._rv))
+        self.replica_managers[("Deployment", namespace, name)] = {manager}
+
     def fail_next(self, call: str, *errors: Exception) -> None:
         self.errors.setdefault(call, []).extend(errors)
 
@@ -84,12 +103,13 @@ class FakeKubeApi:
         self._maybe_fail(f"get:{kind}")
         return self.stored(kind, namespace, name)
 
-    def apply(self, obj: Mapping[str, Any], force: bool = True) -> dict[str, Any]:
+    def apply(self, obj: Mapping[str, Any], force: bool = True,
+              field_manager: str = c.FIELD_MANAGER) -> dict[str, Any]:
         obj = copy.deepcopy(dict(obj))
         meta = obj["metadata"]
         key = (obj["kind"], meta["namespace"], meta["name"])
         self.calls.append(("apply", obj["kind"], meta["namespace"], meta["name"],
-                           copy.deepcopy(obj)))
+                           copy.deepcopy(obj), field_manager))
         if self.before_apply is not None:
             self.before_apply(obj)
         self._maybe_fail(f"apply:{obj['kind']}")
@@ -99,6 +119,10 @@ class FakeKubeApi:
             current is None or current["metadata"]["resourceVersion"] != precondition
         ):
             raise ConflictError(f"the object {key} has been modified", 409)
+        if field_manager != c.FIELD_MANAGER:
+            return self._hand_over(key, obj, current, field_manager)
+        if obj["kind"] == "Deployment":
+            self._own_replicas(key, obj, current)
         generation = 1
         if current is not None:
             generation = current["metadata"].get("generation", 0)
@@ -112,6 +136,30 @@ class FakeKubeApi:
             obj["status"] = current["status"]
         self.objects[key] = obj
         return copy.deepcopy(obj)
+
+    def _own_replicas(self, key: tuple[str, str, str], obj: dict[str, Any],
+                      current: dict[str, Any] | None) -> None:
+        owners = self.replica_managers.setdefault(key, set())
+        spec = obj.setdefault("spec", {})
+        if "replicas" in spec:
+            owners.add(c.FIELD_MANAGER)
+            return
+        owners.discard(c.FIELD_MANAGER)
+        kept = (current or {}).get("spec", {}).get("replicas")
+        spec["replicas"] = kept if owners and kept is not None else 1  # the API's default
+
+    def _hand_over(self, key: tuple[str, str, str], obj: dict[str, Any],
+                   current: dict[str, Any] | None, manager: str) -> dict[str, Any]:
+        """An apply by another field manager: only a Deployment's spec.replicas."""
+        if key[0] != "Deployment" or current is None or set(obj.get("spec") or {}) != {"replicas"}:
+            raise AssertionError(f"the fake applies only spec.replicas of a Deployment as {manager}")
+        replicas = obj["spec"]["replicas"]
+        if current["spec"].get("replicas") != replicas:
+            current["spec"]["replicas"] = replicas
+            current["metadata"]["generation"] += 1
+        self.replica_managers.setdefault(key, set()).add(manager)
+        current["metadata"]["resourceVersion"] = str(next(self._rv))
+        return copy.deepcopy(current)
 
     def patch_status(self, namespace: str, name: str, status: Mapping[str, Any],
                      resource_version: str | None = None) -> None:

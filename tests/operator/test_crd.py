@@ -251,6 +251,22 @@ REFUSED = [
      "below minimum 1"),
     ("shm-size-not-a-quantity", {"model": EMBEDDED, "engine": {"shmSize": "2 GB"}},
      "does not match"),
+    ("autoscaling-engine-unknown",
+     {"model": EMBEDDED, "autoscaling": {"maxReplicas": 3, "engine": "hpa"}}, "hpa"),
+    ("keda-with-pods-source",
+     {"model": EMBEDDED, "autoscaling": {"maxReplicas": 3, "engine": "keda"}},
+     "autoscaling.engine keda needs autoscaling.metrics.source prometheus"),
+    ("keda-scale-to-zero",
+     {"model": EMBEDDED, "autoscaling": {"minReplicas": 0, "maxReplicas": 3, "engine": "keda",
+                                         "metrics": {"source": "prometheus",
+                                                     "url": "http://prom:9090"}}},
+     "autoscaling.engine keda needs autoscaling.minReplicas >= 1"),
+    ("keda-node-headroom",
+     {"model": EMBEDDED, "autoscaling": {"maxReplicas": 3, "engine": "keda",
+                                         "nodeStartupSeconds": 300,
+                                         "metrics": {"source": "prometheus",
+                                                     "url": "http://prom:9090"}}},
+     "autoscaling.engine keda needs autoscaling.nodeStartupSeconds 0"),
 ]
 
 

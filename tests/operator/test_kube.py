@@ -90,6 +90,8 @@ def test_paths():
         "/api/v1/namespaces/llm/serviceaccounts/chat-router")
     assert resource_path("inference.networking.k8s.io/v1", "InferencePool", "llm", "chat") == (
         "/apis/inference.networking.k8s.io/v1/namespaces/llm/inferencepools/chat")
+    assert resource_path("keda.sh/v1alpha1", "ScaledObject", "llm", "chat") == (
+        "/apis/keda.sh/v1alpha1/namespaces/llm/scaledobjects/chat")
     with pytest.raises(ValueError, match="kind 'Pod' is not one the operator writes"):
         resource_path("v1", "Pod", "llm", "x")
 
@@ -126,6 +128,19 @@ def test_apply_is_a_server_side_apply_with_our_field_manager(server):
     assert first["authorization"] == "Bearer test-token"
     assert first["body"] == kids.deployment
     assert second["path"] == "/api/v1/namespaces/llm/services/chat"
+
+
+def test_a_hand_over_applies_with_another_field_manager_without_force(server):
+    """KEDA mode hands spec.replicas over (reconcile.HANDOVER_FIELD_MANAGER) without force:
+    a count someone changed meanwhile is a conflict, not overwritten."""
+    server.responses[("PATCH", DEPLOYMENT_PATH)] = [(200, {"spec": {"replicas": 3}})]
+    api = api_for(server.server_address[1])
+    partial = {"apiVersion": "apps/v1", "kind": "Deployment",
+               "metadata": {"name": "chat", "namespace": "llm"}, "spec": {"replicas": 3}}
+    api.apply(partial, force=False, field_manager="kvpilot-handover-to-keda")
+    (request,) = server.requests
+    assert request["query"] == {"fieldManager": ["kvpilot-handover-to-keda"]}
+    assert request["body"] == partial
 
 
 def test_get_returns_none_on_404_and_the_object_otherwise(server):

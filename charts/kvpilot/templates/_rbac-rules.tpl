@@ -2,7 +2,8 @@
 The operator's permissions, shared by the ClusterRole (all namespaces) and the per-namespace
 Roles (values.watchNamespaces). Each rule says why it is needed. Children go with their
 InferenceDeployment by garbage collection (owner references); the only deletes are of the
-request-router objects the operator made, when a spec turns its router off or switches mode.
+request-router objects the operator made, when a spec turns its router off or switches mode,
+the node-headroom placeholders, and the KEDA ScaledObject when a spec leaves KEDA mode.
 */}}
 {{- define "kvpilot.rules" -}}
 # Watch InferenceDeployments and patch their metadata for Kopf's finalizer and its
@@ -63,6 +64,13 @@ request-router objects the operator made, when a spec turns its router off or sw
 # pods, when the cluster serves that API; read it for RouterReady (a Gateway accepted it).
 - apiGroups: ["inference.networking.k8s.io"]
   resources: ["inferencepools"]
+  verbs: ["get", "create", "patch", "delete"]
+# KEDA mode (spec.autoscaling.engine: keda): the ScaledObject that lets KEDA scale the engine
+# Deployment (the same apply, read-first and delete rules; deleted when a spec switches back
+# to the operator's own autoscaler). Nothing lists or watches ScaledObjects, and server-side
+# apply needs no update.
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
   verbs: ["get", "create", "patch", "delete"]
 # Find the ready engine pods whose /metrics the autoscaler scrapes (metrics.source: pods)
 # and count pending pods as supply (one list per interval); watch the engine pods for

@@ -36,8 +36,12 @@ DEFAULTS: dict[str, Any] = {
     "scaleToZeroAfterSeconds": 300,
     "activationTimeoutSeconds": 300,
     "metrics.source": "pods",
+    "engine": "kvpilot",
 }
 METRIC_SOURCES = ("prometheus", "pods")
+# Who scales the fleet: ``kvpilot`` (the operator's own loop, this policy) or ``keda`` (the
+# operator writes a KEDA ScaledObject and KEDA's HPA scales; the policy is not called).
+AUTOSCALING_ENGINES = ("kvpilot", "keda")
 # Per-pod KV usage at which the starvation alarm fires; a target must stay below it.
 STARVATION_USAGE = 0.95
 # What maxReplicas is when a caller (the simulator, a test) does not say.
@@ -118,6 +122,10 @@ class AutoscalingSpec:
         interval_seconds: how often the operator calls the policy (> 0); also bounds the gap
             between observations that still counts as a continuous window.
         metrics: where the signals come from (the operator reads it; the policy does not).
+        engine: who scales the fleet, one of :data:`AUTOSCALING_ENGINES`: ``kvpilot`` (the
+            operator's loop calls this policy) or ``keda`` (the operator writes a KEDA
+            ScaledObject from these targets instead; the policy is not called). The
+            policy does not read it.
         tolerance: dead band around a target, as a ratio (HPA's default 0.1).
         starvation_usage: per-pod KV usage at or above which the starvation alarm fires.
         forecast_window_seconds: span of history the least-squares slope is fitted over.
@@ -151,10 +159,16 @@ class AutoscalingSpec:
     node_startup_seconds: float = float(DEFAULTS["nodeStartupSeconds"])
     scale_to_zero_after_seconds: float = float(DEFAULTS["scaleToZeroAfterSeconds"])
     activation_timeout_seconds: float = float(DEFAULTS["activationTimeoutSeconds"])
+    engine: str = DEFAULTS["engine"]
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "engine":
+                if value not in AUTOSCALING_ENGINES:
+                    raise ValueError(f"engine must be one of {', '.join(AUTOSCALING_ENGINES)};"
+                                     f" got {value!r}")
+                continue
             if f.name == "metrics":
                 if not isinstance(value, MetricsSourceSpec):
                     raise ValueError(f"metrics must be a MetricsSourceSpec; got {value!r}")
@@ -217,6 +231,12 @@ class AutoscalingSpec:
         return self.startup_seconds + self.forecast_margin_seconds
 
     @property
+    def keda(self) -> bool:
+        """True when KEDA scales the fleet (``engine: keda``): the operator writes a
+        ScaledObject and neither its loop nor its reconcile sets the replica count."""
+        return self.engine == "keda"
+
+    @property
     def scale_to_zero(self) -> bool:
         """True when ``minReplicas`` is 0: the fleet may go to zero replicas when idle."""
         return self.min_replicas == 0
@@ -247,9 +267,11 @@ class AutoscalingSpec:
             kwargs["metrics"] = MetricsSourceSpec(
                 source=metrics.get("source", DEFAULTS["metrics.source"]), url=metrics.get("url")
             )
+        if "engine" in autoscaling:
+            kwargs["engine"] = autoscaling["engine"]
         return cls(**kwargs)
 
     def to_crd(self) -> dict[str, float | int]:
-        """The policy's CRD fields, camelCase (``metrics`` left out: the policy does not
-        read it). ``from_crd(spec.to_crd())`` equals a spec with the default metrics."""
+        """The policy's CRD fields, camelCase (``metrics`` and ``engine`` left out: the
+        policy does not read them). ``from_crd(spec.to_crd())`` equals a spec with the default metrics and engine."""
         return {crd: getattr(self, name) for crd, name in _CRD_NAMES.items()}

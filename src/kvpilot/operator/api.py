@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from kvpilot.operator.constants import FIELD_MANAGER
+
 
 class ApiError(Exception):
     """Base of the errors below; ``status`` is the HTTP status (0 = no response)."""
@@ -38,10 +40,12 @@ class KubeApi(Protocol):
         """The object, or None when it does not exist (404)."""
         ...
 
-    def apply(self, obj: Mapping[str, Any], force: bool = True) -> dict[str, Any]:
-        """Server-side apply ``obj`` with field manager ``kvpilot-operator``; returns the
-        object as stored (spec and status). A ``metadata.resourceVersion`` in ``obj`` is a
-        precondition: ConflictError when the stored object has moved on."""
+    def apply(self, obj: Mapping[str, Any], force: bool = True,
+              field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
+        """Server-side apply ``obj`` with ``field_manager`` (``kvpilot-operator``; another
+        only to hand a field over, see ``reconcile``); returns the object as stored (spec
+        and status). A ``metadata.resourceVersion`` in ``obj`` is a precondition:
+        ConflictError when the stored object has moved on."""
         ...
 
     def patch_status(self, namespace: str, name: str, status: Mapping[str, Any],

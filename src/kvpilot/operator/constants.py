@@ -14,6 +14,10 @@ FIELD_MANAGER = "kvpilot-operator"
 # Kopf's finalizer and its progress/diff-base annotations live under our group.
 FINALIZER = f"{GROUP}/finalizer"
 ANNOTATION_PREFIX = GROUP
+# On the engine Deployment when another controller owns its spec.replicas (KEDA mode):
+# repairs then ignore replica changes (kvpilot.operator.repair).
+ANNOTATION_REPLICAS_OWNER = f"{GROUP}/replicas-owner"
+REPLICAS_OWNER_KEDA = "keda"
 
 # Labels on every child object. The selector uses only the two stable ones: a label that
 # can change (a version) in a Deployment selector would orphan the running pods.

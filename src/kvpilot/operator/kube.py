@@ -4,7 +4,8 @@ client's ApiClient (which owns authentication: in-cluster token, kubeconfig, exe
 Requests are generic (any kind, by apiVersion and kind) and bodies stay plain dicts:
 
 * ``apply``:        PATCH ``application/apply-patch+yaml`` (JSON is YAML), fieldManager
-                    ``kvpilot-operator``, force=true (we own what we apply)
+                    ``kvpilot-operator`` (another to hand a field over), force=true (we own
+                    what we apply)
 * ``delete``:       DELETE with propagationPolicy Background and an optional uid precondition
 * ``patch_status``: PATCH ``application/merge-patch+json`` on ``.../status`` (optionally with
                     a ``metadata.resourceVersion`` precondition)
@@ -42,6 +43,7 @@ PLURALS = {
     "ServiceAccount": "serviceaccounts",
     "RoleBinding": "rolebindings",
     c.INFERENCE_POOL_KIND: "inferencepools",
+    "ScaledObject": "scaledobjects",
     c.KIND: c.PLURAL,
 }
 REQUEST_TIMEOUT_SECONDS = 30
@@ -130,11 +132,12 @@ class KubernetesApi:
         raise_for_status(status, data, what, write=False)
         return _json_object(data)
 
-    def apply(self, obj: Mapping[str, Any], force: bool = True) -> dict[str, Any]:
+    def apply(self, obj: Mapping[str, Any], force: bool = True,
+              field_manager: str = c.FIELD_MANAGER) -> dict[str, Any]:
         meta = obj["metadata"]
         what = f"apply {obj['kind']} {meta['namespace']}/{meta['name']}"
         path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        query = [("fieldManager", c.FIELD_MANAGER)] + ([("force", "true")] if force else [])
+        query = [("fieldManager", field_manager)] + ([("force", "true")] if force else [])
         status, data = self._request("PATCH", path, what, body=dict(obj), query=query,
                                      content_type="application/apply-patch+yaml")
         raise_for_status(status, data, what, write=True)

@@ -11,7 +11,9 @@ report.
     SSA Service, PodDisruptionBudget[, PodMonitor], spec.router's objects (router:
         ServiceAccount, RoleBinding, Deployment, Service[, PDB][, PodMonitor], all
         NAME-router; gateway: InferencePool NAME, where the cluster serves the kind)
-    DELETE router objects the spec no longer wants (only our own, uid precondition)
+    SSA ScaledObject NAME in KEDA mode (spec.autoscaling.engine: keda)
+    DELETE router objects the spec no longer wants, the headroom placeholders when off, the
+        ScaledObject outside KEDA mode (only our own, uid precondition)
     -> ReconcileResult(status merge patch, events, condition types to drop)
 
 Idempotent: running it twice on an unchanged object applies identical configurations and
@@ -33,6 +35,14 @@ The replica count (:func:`replica_target`). Two controllers must never fight ove
   to zero when idle). Only the autoscaler takes a fleet to zero, and a fleet at zero stays
   there until the autoscaler activates it (docs/autoscaling.md, "Scale to zero").
 
+* KEDA mode (``autoscaling.engine: keda``): KEDA's HPA is the truth. The Deployment is
+  applied without ``spec.replicas`` (a new one starts at the API's default, one, and KEDA
+  raises it to minReplicaCount); :func:`replica_target` only reports the current count.
+  Server-side apply resets a field its last owner stops sending, so before the first apply
+  without it the count is handed over (:data:`HANDOVER_FIELD_MANAGER` applies the current
+  count, with a resourceVersion precondition, as the Kubernetes docs' "Transferring
+  ownership" does for an HPA): switching a live fleet to KEDA keeps its size.
+
 The autoscaler loop calls :func:`reconcile` with ``requested`` (its recommendation):
 the same code path then applies the new count, so the two never fight over
 ``Deployment.spec.replicas`` and a concurrent change surfaces as a 409 that is retried
@@ -51,6 +61,7 @@ from kvpilot.operator import constants as c
 from kvpilot.operator.api import ConflictError, InvalidObjectError, KubeApi, TransientApiError
 from kvpilot.operator.builders import Children, Owner, build_children
 from kvpilot.operator.builders.children import POD_MONITOR_API_VERSION, ChildRef
+from kvpilot.operator.builders.keda import SCALED_OBJECT_API_VERSION, SCALED_OBJECT_KIND
 from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.spec import InferenceSpec, parse_spec
 from kvpilot.operator.status.conditions import Condition, set_conditions, to_rfc3339
@@ -63,6 +74,9 @@ from kvpilot.operator.status.router import (
 from kvpilot.operator.status.workload import workload_status
 
 CONFLICT_ATTEMPTS = 5
+# KEDA mode: the field manager that keeps the engine Deployment's spec.replicas while the
+# operator's own manager stops sending it (docs/autoscaling.md, "KEDA mode").
+HANDOVER_FIELD_MANAGER = "kvpilot-handover-to-keda"
 
 
 @dataclass(frozen=True)
@@ -111,7 +125,7 @@ class ReconcileResult:
         applied: ``Kind/name`` of every object applied, in order.
         deleted: ``Kind/name`` of every object deleted (router objects no longer wanted).
         drop_conditions: condition types the writer removes (RouterReady when the router
-            is disabled).
+            is disabled; the autoscaler's in KEDA mode).
     """
 
     status: dict[str, Any]
@@ -154,6 +168,9 @@ def replica_target(spec: InferenceSpec, current: int | None, requested: int | No
         requested_reason: the autoscaler's explanation, kept in the decision's reason.
     """
     if spec.autoscaling is None and spec.replicas is None:
+        return ReplicaTarget(1 if current is None else current, current, "")
+    if spec.autoscaling is not None and spec.autoscaling.keda:
+        # KEDA's HPA owns the count: nothing to choose, the current one is reported.
         return ReplicaTarget(1 if current is None else current, current, "")
     static = spec.static_replicas
     if static is not None:
@@ -240,12 +257,18 @@ def serves_inference_pool(api: KubeApi) -> bool:
     return api.has_api(c.INFERENCE_POOL_API_VERSION, c.INFERENCE_POOL_KIND)
 
 
+def serves_scaled_objects(api: KubeApi) -> bool:
+    """Whether the cluster serves KEDA's ScaledObject (keda.sh/v1alpha1)."""
+    return api.has_api(SCALED_OBJECT_API_VERSION, SCALED_OBJECT_KIND)
+
+
 @dataclass(frozen=True)
 class _Wants:
     """What this reconcile builds besides the engine Deployment, decided once."""
 
     pod_monitor: bool
     inference_pool: bool
+    scaled_objects: bool = False
 
 
 def _build(resource: Resource, spec: InferenceSpec, options: OperatorOptions, replicas: int,
@@ -253,7 +276,8 @@ def _build(resource: Resource, spec: InferenceSpec, options: OperatorOptions, re
     return build_children(resource.owner, spec, replicas, options.engine_image,
                           wants.pod_monitor, options.pod_monitor_labels,
                           router_image=options.router_image,
-                          inference_pool=wants.inference_pool)
+                          inference_pool=wants.inference_pool,
+                          scaled_objects=wants.scaled_objects)
 
 
 @dataclass(frozen=True)
@@ -262,6 +286,34 @@ class _Applied:
     target: ReplicaTarget
     children: Children
     created: bool
+
+
+def _manages_replicas(deployment: Mapping[str, Any]) -> bool:
+    """Whether our field manager's apply owns the Deployment's ``spec.replicas``, from its
+    ``metadata.managedFields`` (True when the API did not return them: hand over to be
+    safe, the hand-over writes the count it read)."""
+    managed = (deployment.get("metadata") or {}).get("managedFields")
+    if managed is None:
+        return True
+    for entry in managed:
+        mine = entry.get("manager") == c.FIELD_MANAGER and entry.get("operation") == "Apply"
+        if mine and "f:replicas" in ((entry.get("fieldsV1") or {}).get("f:spec") or {}):
+            return True
+    return False
+
+
+def _hand_over_replicas(api: KubeApi, current: dict[str, Any]) -> dict[str, Any]:
+    """KEDA mode: make :data:`HANDOVER_FIELD_MANAGER` a co-owner of ``spec.replicas`` at
+    its current value, so our apply without the field keeps it. Returns the Deployment as
+    stored. Raises ConflictError when it changed since ``current`` was read."""
+    meta = current["metadata"]
+    return api.apply({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": meta["name"], "namespace": meta["namespace"],
+                     "resourceVersion": meta["resourceVersion"]},
+        "spec": {"replicas": _current_replicas(current)},
+    }, force=False, field_manager=HANDOVER_FIELD_MANAGER)
 
 
 def _check_children_owners(api: KubeApi, resource: Resource, children: Children) -> None:
@@ -290,6 +342,14 @@ def _apply_deployment(api: KubeApi, resource: Resource, spec: InferenceSpec,
             _check_children_owners(api, resource, children)
         if current is not None:
             _check_owner(current, resource)
+            keda = spec.autoscaling is not None and spec.autoscaling.keda
+            if keda and _manages_replicas(current):
+                try:
+                    current = _hand_over_replicas(api, current)
+                except ConflictError:
+                    if attempt == CONFLICT_ATTEMPTS:
+                        raise
+                    continue
         config = children.deployment
         if current is not None:
             # A precondition: if anyone resized or changed it since the read, 409.
@@ -347,7 +407,8 @@ def reconcile(api: KubeApi, resource: Resource, options: OperatorOptions, now: d
 
     Raises:
         SpecError: the spec is invalid (permanent until the spec changes).
-        InvalidObjectError: the API refused an object, or the name is taken.
+        InvalidObjectError: the API refused an object, or the name is taken, or KEDA mode
+            on a cluster without KEDA's ScaledObject kind.
         ConflictError: still conflicting after CONFLICT_ATTEMPTS tries.
         TransientApiError: the API is unreachable or overloaded.
     """
@@ -356,7 +417,14 @@ def reconcile(api: KubeApi, resource: Resource, options: OperatorOptions, now: d
         pod_monitor=want_pod_monitor(api, options),
         # Asked in every mode: a pool left from gateway mode is deleted in the others.
         inference_pool=serves_inference_pool(api),
+        # Likewise: a ScaledObject left from KEDA mode is deleted in kvpilot mode.
+        scaled_objects=serves_scaled_objects(api),
     )
+    if spec.autoscaling is not None and spec.autoscaling.keda and not wants.scaled_objects:
+        raise InvalidObjectError(
+            f"spec.autoscaling.engine is keda but the cluster does not serve"
+            f" {SCALED_OBJECT_API_VERSION} {SCALED_OBJECT_KIND}: install KEDA, or set"
+            " spec.autoscaling.engine to kvpilot")
     done = _apply_deployment(api, resource, spec, options, wants, requested, requested_reason)
     target = done.target
     applied = [f"Deployment/{resource.name}"]
@@ -382,6 +450,12 @@ def reconcile(api: KubeApi, resource: Resource, options: OperatorOptions, now: d
         drop = (c.ROUTER_CONDITION,)
         status["conditions"] = [cond for cond in status["conditions"]
                                 if cond.get("type") != c.ROUTER_CONDITION]
+    if spec.autoscaling is not None and spec.autoscaling.keda:
+        # KEDA decides: the operator's autoscaler conditions (left from kvpilot mode) go;
+        # the ScaledObject's own conditions say how KEDA is doing.
+        drop += c.AUTOSCALER_CONDITIONS
+        status["conditions"] = [cond for cond in status["conditions"]
+                                if cond.get("type") not in c.AUTOSCALER_CONDITIONS]
     events: list[Event] = []
     if done.created:
         events.append(Event("Normal", "Created",

@@ -14,8 +14,8 @@ engine or router Service event         :func:`~kvpilot.operator.handlers.childre
 engine pod event (watch)               :func:`~kvpilot.operator.handlers.pods.on_engine_pod_event`
                                        (restarts reported on the owner)
 InferenceDeployment delete             :func:`~kvpilot.operator.handlers.lifecycle.on_delete`
-``spec.autoscaling`` set               :func:`~kvpilot.operator.autoscaling.loop.autoscaler_daemon`
-                                       (one loop per resource, every ``intervalSeconds``)
+``spec.autoscaling`` set (and          :func:`~kvpilot.operator.autoscaling.loop.autoscaler_daemon`
+``engine`` not ``keda``)               (one loop per resource, every ``intervalSeconds``)
 =====================================  ===============================================
 """
 

@@ -8,7 +8,10 @@ by default). Now the child watches say when:
 * a change of what someone wrote to the child: ``metadata.generation`` for kinds that
   keep one (a Deployment's spec, its replica count through the scale subresource), else
   ``metadata.resourceVersion`` (a Service has no generation and no status that changes).
-  A Deployment's status updates move neither, so they never trigger a repair.
+  A Deployment's status updates move neither, so they never trigger a repair. In KEDA
+  mode (``spec.autoscaling.engine: keda``) the engine Deployment's count is KEDA's: a
+  digest of its spec without ``replicas`` stands for the generation, so KEDA's resizes
+  trigger nothing and any other edit is repaired as before.
 
 Then the owner is reconciled at once (server-side apply, force: every field kvpilot sets
 goes back to its value; fields it does not set are left to whoever set them, as apply
@@ -32,12 +35,15 @@ reconcile every owner anyway.
 from __future__ import annotations
 
 import contextvars
+import hashlib
+import json
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.operator.api import KubeApi
+from kvpilot.operator.constants import ANNOTATION_REPLICAS_OWNER, FIELD_MANAGER
 
 INITIAL_BACKOFF_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 60.0
@@ -46,8 +52,15 @@ RESET_AFTER_SECONDS = 30.0
 
 def fingerprint(body: Mapping[str, Any]) -> tuple[str, int | str] | None:
     """What a writer of ``body`` moved: ``("g", generation)`` when the kind keeps one, else
-    ``("rv", resourceVersion)``; None when the object carries neither."""
+    ``("rv", resourceVersion)``; None when the object carries neither. A Deployment whose
+    replica count another controller owns (annotation ``kvpilot.dev/replicas-owner``, KEDA
+    mode) is ``("spec", digest of its spec without replicas)``: KEDA's resizes move the
+    generation but are not edits to undo."""
     meta = body.get("metadata") or {}
+    if (meta.get("annotations") or {}).get(ANNOTATION_REPLICAS_OWNER) and body.get("spec"):
+        spec = {k: v for k, v in dict(body["spec"]).items() if k != "replicas"}
+        digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+        return ("spec", digest)
     generation = meta.get("generation")
     if isinstance(generation, int) and not isinstance(generation, bool) and generation > 0:
         return ("g", generation)
@@ -181,8 +194,9 @@ class RecordingApi:
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return self.inner.get(api_version, kind, namespace, name)
 
-    def apply(self, obj: Mapping[str, Any], force: bool = True) -> dict[str, Any]:
-        stored = self.inner.apply(obj, force)
+    def apply(self, obj: Mapping[str, Any], force: bool = True,
+              field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
+        stored = self.inner.apply(obj, force, field_manager)
         self.fingerprints.record(stored)
         return stored
 

@@ -153,7 +153,8 @@ class AutoscalerLoop:
             spec = parse_spec(resource.spec)
         except SpecError:
             return RETRY_SECONDS  # the reconcile reports it (Ready=False, InvalidSpec)
-        if spec.autoscaling is None:
+        if spec.autoscaling is None or spec.autoscaling.keda:
+            # KEDA mode: KEDA's HPA scales; deciding here would fight it.
             return RETRY_SECONDS
         interval = float(spec.autoscaling.interval_seconds)
         now = self.ctx.clock()
@@ -274,8 +275,13 @@ class AutoscalerLoop:
 
 
 def has_autoscaling(spec: Mapping[str, Any], **_: Any) -> bool:
-    """Kopf ``when`` filter: run the autoscaler only for resources that ask for it."""
-    return bool(spec.get("autoscaling"))
+    """Kopf ``when`` filter: run the autoscaler only for resources that ask for it, and not
+    in KEDA mode (``autoscaling.engine: keda``: KEDA's HPA scales the fleet; Kopf stops the
+    daemon when a resource switches to it and starts one when it switches back)."""
+    autoscaling = spec.get("autoscaling")
+    if not autoscaling:
+        return False
+    return not (isinstance(autoscaling, Mapping) and autoscaling.get("engine") == "keda")
 
 
 async def autoscaler_daemon(stopped: kopf.DaemonStopped, body: kopf.Body,

@@ -2,7 +2,10 @@
 PodDisruptionBudget and, where the Prometheus operator is installed, a PodMonitor; plus
 what ``spec.router`` asks for in front of them (:mod:`kvpilot.operator.builders.router`):
 the router's ServiceAccount, RoleBinding, Deployment, Service, PDB (two or more replicas)
-and PodMonitor, all named NAME-router, or in gateway mode an InferencePool named NAME.
+and PodMonitor, all named NAME-router, or in gateway mode an InferencePool named NAME; and
+in KEDA mode (``spec.autoscaling.engine: keda``) a KEDA ScaledObject named NAME
+(:mod:`kvpilot.operator.builders.keda`), whose HPA owns the engine Deployment's replica
+count: the Deployment is then applied without ``spec.replicas``.
 
 Engine objects share the InferenceDeployment's name (names are unique per kind); all carry
 an owner reference with ``controller: true`` so deletion cascades, and are complete apply
@@ -19,6 +22,11 @@ from typing import Any
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.builders import router as r
+from kvpilot.operator.builders.keda import (
+    SCALED_OBJECT_API_VERSION,
+    SCALED_OBJECT_KIND,
+    build_scaled_object,
+)
 from kvpilot.operator.builders.labels import (
     headroom_name,
     object_labels,
@@ -69,8 +77,10 @@ class Children:
         router: the router's objects in apply order (ServiceAccount and RoleBinding before
             the Deployment whose pods use them), or the InferencePool; () when disabled.
         unwanted: router objects this spec does not want (mode switched, router disabled,
-            PDB below two replicas), and the node-headroom placeholder Deployment when
-            node headroom is off: the reconcile deletes them if they are its own.
+            PDB below two replicas), the node-headroom placeholder Deployment when
+            node headroom is off, and the ScaledObject outside KEDA mode (where the kind
+            is served): the reconcile deletes them if they are its own.
+        scaled_object: the KEDA ScaledObject in KEDA mode, else None.
     """
 
     deployment: dict[str, Any]
@@ -79,10 +89,12 @@ class Children:
     pod_monitor: dict[str, Any] | None
     router: tuple[dict[str, Any], ...] = ()
     unwanted: tuple[ChildRef, ...] = ()
+    scaled_object: dict[str, Any] | None = None
 
     def all(self) -> list[dict[str, Any]]:
         objs = [self.deployment, self.service, self.pod_disruption_budget]
-        return objs + ([self.pod_monitor] if self.pod_monitor else []) + list(self.router)
+        objs += ([self.pod_monitor] if self.pod_monitor else []) + list(self.router)
+        return objs + ([self.scaled_object] if self.scaled_object else [])
 
     def router_deployment(self) -> dict[str, Any] | None:
         """The router Deployment among ``router`` (None unless router mode)."""
@@ -98,19 +110,25 @@ def _metadata(owner: Owner) -> dict[str, Any]:
     }
 
 
-def build_deployment(owner: Owner, spec: InferenceSpec, replicas: int,
+def build_deployment(owner: Owner, spec: InferenceSpec, replicas: int | None,
                      default_image: str) -> dict[str, Any]:
-    """The engine Deployment with ``replicas`` pods.
+    """The engine Deployment with ``replicas`` pods (None, KEDA mode: no ``spec.replicas``
+    in the apply configuration, so KEDA's HPA, which owns the field, keeps it; the
+    annotation ``kvpilot.dev/replicas-owner: keda`` tells repairs to leave its changes).
 
     Rolling updates add one pod before removing one (``maxUnavailable: 0``): capacity never
     drops during a rollout, at the price of one spare pod's worth of resources (a GPU).
     """
+    count: dict[str, Any] = {} if replicas is None else {"replicas": replicas}
+    metadata = _metadata(owner)
+    if replicas is None:
+        metadata["annotations"] = {c.ANNOTATION_REPLICAS_OWNER: c.REPLICAS_OWNER_KEDA}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(owner),
+        "metadata": metadata,
         "spec": {
-            "replicas": replicas,
+            **count,
             "selector": {"matchLabels": selector_labels(owner.name)},
             "revisionHistoryLimit": 5,
             "progressDeadlineSeconds": startup_budget_seconds(spec) + 300,
@@ -227,30 +245,42 @@ def build_children(owner: Owner, spec: InferenceSpec, replicas: int, default_ima
                    pod_monitor: bool,
                    pod_monitor_labels: tuple[tuple[str, str], ...] = (),
                    router_image: str = "kvpilot/router:0.1.0",
-                   inference_pool: bool = False) -> Children:
+                   inference_pool: bool = False,
+                   scaled_objects: bool = False) -> Children:
     """Everything one InferenceDeployment owns, for ``replicas`` engine pods.
 
     Args:
+        replicas: the engine Deployment's count; ignored in KEDA mode
+            (``spec.autoscaling.engine: keda``), where the Deployment is built without
+            ``spec.replicas`` and a ScaledObject is added.
         pod_monitor: the monitoring.coreos.com PodMonitor kind is wanted (and served).
         router_image: the router image when ``spec.router.image`` is unset.
         inference_pool: the InferencePool kind is served (gateway mode applies one only
             then; where it is not, the reconcile reports RouterReady False instead).
+        scaled_objects: the KEDA ScaledObject kind is served: outside KEDA mode one of
+            ours is then listed in ``unwanted`` (switching back to ``engine: kvpilot``
+            deletes it).
 
     Raises ValueError on a negative replica count.
     """
     if replicas < 0:
         raise ValueError(f"replicas must be >= 0; got {replicas}")
+    keda = spec.autoscaling is not None and spec.autoscaling.keda
     router, unwanted = _router_children(owner, spec, router_image, pod_monitor,
                                         pod_monitor_labels, inference_pool)
     if spec.autoscaling is None or not spec.autoscaling.node_startup_seconds:
         # Node headroom off: its placeholder Deployment (the autoscaler loop applies it
         # while on) goes.
         unwanted = [*unwanted, ChildRef("apps/v1", "Deployment", headroom_name(owner.name))]
+    if not keda and scaled_objects:
+        unwanted = [*unwanted, ChildRef(SCALED_OBJECT_API_VERSION, SCALED_OBJECT_KIND, owner.name)]
     return Children(
-        deployment=build_deployment(owner, spec, replicas, default_image),
+        deployment=build_deployment(owner, spec, None if keda else replicas, default_image),
         service=build_service(owner),
         pod_disruption_budget=build_pod_disruption_budget(owner),
         pod_monitor=build_pod_monitor(owner, pod_monitor_labels) if pod_monitor else None,
         router=tuple(router),
         unwanted=tuple(unwanted),
+        scaled_object=(build_scaled_object(owner.reference(), owner.namespace, owner.name, spec)
+                       if keda else None),
     )

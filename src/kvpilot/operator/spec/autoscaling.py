@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from kvpilot.autoscaler.spec import (
+    AUTOSCALING_ENGINES,
     METRIC_SOURCES,
     STARVATION_USAGE,
     AutoscalingSpec,
@@ -24,18 +25,42 @@ MAX_INTERVAL_SECONDS = 60
 def parse_autoscaling(raw: Any) -> AutoscalingSpec:
     """The CRD's ranges first (each error names its ``spec.autoscaling`` path), then the
     policy's own checks in :class:`AutoscalingSpec` (a ValueError left by them means the
-    ranges here let through what the policy refuses: reported on ``autoscaling``)."""
+    ranges here let through what the policy refuses: reported on ``autoscaling``).
+
+    ``engine: keda`` (docs/autoscaling.md, "KEDA mode") needs ``metrics.source:
+    prometheus`` (KEDA's triggers query that Prometheus), ``minReplicas`` >= 1 (scale
+    to zero is the operator's own, through its router; KEDA mode does not do it) and
+    ``nodeStartupSeconds`` 0 (node headroom follows the policy's forecast).
+
+    Raises:
+        SpecError: a field out of range or not allowed with another, named by its path.
+    """
     r = FieldReader(raw, "autoscaling", DEFAULTS)
     m = FieldReader(r.raw.get("metrics"), "autoscaling.metrics", DEFAULTS)
     source, url = m.choice("source", METRIC_SOURCES), m.string("url")
     if source == "prometheus" and (url is None or not re.fullmatch(r"https?://\S+", url)):
         raise SpecError("autoscaling.metrics.url", url,
                         "an http(s) URL is required when metrics.source is prometheus")
+    engine = r.choice("engine", AUTOSCALING_ENGINES)
+    if engine == "keda" and source != "prometheus":
+        raise SpecError("autoscaling.metrics.source", source,
+                        "prometheus is required when autoscaling.engine is keda (KEDA's"
+                        " triggers query Prometheus; it cannot scrape the pods)")
     min_replicas = r.integer("minReplicas", 0, MAX_REPLICAS)
+    if engine == "keda" and min_replicas == 0:
+        raise SpecError("autoscaling.minReplicas", 0,
+                        ">= 1 when autoscaling.engine is keda (scale to zero and its"
+                        " activation through the router are kvpilot's own; use engine"
+                        " kvpilot for minReplicas 0)")
     max_replicas = r.integer("maxReplicas", 1, MAX_REPLICAS)
     if min_replicas > max_replicas:
         raise SpecError("autoscaling.minReplicas", min_replicas,
                         f"must be <= autoscaling.maxReplicas ({max_replicas})")
+    node_startup_seconds = r.integer("nodeStartupSeconds", 0, 3600)
+    if engine == "keda" and node_startup_seconds:
+        raise SpecError("autoscaling.nodeStartupSeconds", node_startup_seconds,
+                        "0 when autoscaling.engine is keda (node headroom follows kvpilot's KV"
+                        " forecast, which KEDA mode does not run)")
     try:
         return AutoscalingSpec(
             min_replicas=min_replicas,
@@ -49,10 +74,11 @@ def parse_autoscaling(raw: Any) -> AutoscalingSpec:
             scale_down_stabilization_seconds=r.integer("scaleDownStabilizationSeconds", 0,
                                                        86400),
             interval_seconds=r.integer("intervalSeconds", 1, MAX_INTERVAL_SECONDS),
-            node_startup_seconds=r.integer("nodeStartupSeconds", 0, 3600),
+            node_startup_seconds=node_startup_seconds,
             scale_to_zero_after_seconds=r.integer("scaleToZeroAfterSeconds", 1, 86400),
             activation_timeout_seconds=r.integer("activationTimeoutSeconds", 1, 3600),
             metrics=MetricsSourceSpec(source, url),
+            engine=engine,
         )
     except ValueError as exc:
         if isinstance(exc, SpecError):
