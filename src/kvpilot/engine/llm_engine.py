@@ -18,6 +18,7 @@ from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.kv_events import KVEventCollector
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig
+from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.kv_events import EventPublisher, make_publisher
 from kvpilot.engine.model_runner import LoadedModel, ModelRunner, load_model
 from kvpilot.engine.outputs import (
@@ -28,7 +29,7 @@ from kvpilot.engine.outputs import (
     TokenLogprob,
 )
 from kvpilot.engine.sampler import Sampler
-from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.structured_output import GrammarCompiler, GrammarState, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)

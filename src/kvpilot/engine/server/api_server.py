@@ -39,14 +39,16 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpilot import __version__
-from kvpilot.engine.kv_events import WIRE_ENCODING, WIRE_SCHEMA_VERSION, KVEventsConfig
-from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
-from kvpilot.engine.server.async_engine import (
-    AsyncEngine,
+from kvpilot.engine.errors import (
     EngineDeadError,
+    InvalidRequestError,
+    ModelNotFound,
     RequestAbortedError,
     RequestFailedError,
 )
+from kvpilot.engine.kv_events import WIRE_ENCODING, WIRE_SCHEMA_VERSION, KVEventsConfig
+from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.chat import ChatHandler, ChatOptions, render_chat
 from kvpilot.engine.server.completions import CompletionHandler
 from kvpilot.engine.server.metrics import EngineMetrics
@@ -73,7 +75,7 @@ from kvpilot.engine.server.protocol import (
     TokenizeResponse,
     error_body,
 )
-from kvpilot.engine.server.serving import ModelNotFound, ServingContext
+from kvpilot.engine.server.serving import ServingContext
 
 T = TypeVar("T")
 

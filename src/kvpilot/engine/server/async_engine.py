@@ -27,26 +27,20 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.engine.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    RequestAbortedError,
+    RequestFailedError,
+)
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.outputs import RequestOutput
-from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvpilot.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # How long the idle loop sleeps between looks at the inbox (seconds).
 IDLE_POLL_SECONDS = 0.05
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread failed to start or stopped; the request cannot be served."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine hit an internal error while running this request."""
-
-
-class RequestAbortedError(RuntimeError):
-    """The request was aborted (its client went away or a sibling choice failed)."""
 
 
 @dataclass

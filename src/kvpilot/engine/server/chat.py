@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.outputs import TokenLogprob
-from kvpilot.engine.sampling_params import InvalidRequestError
 from kvpilot.engine.server.protocol import ChatCompletionRequest, ChatMessage
 from kvpilot.engine.server.reasoning import ReasoningParser, get_reasoning_parser
 from kvpilot.engine.server.serving import (

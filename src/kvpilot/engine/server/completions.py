@@ -10,8 +10,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.outputs import TokenLogprob
-from kvpilot.engine.sampling_params import InvalidRequestError
 from kvpilot.engine.server.protocol import CompletionRequest
 from kvpilot.engine.server.serving import (
     Choice,

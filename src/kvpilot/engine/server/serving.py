@@ -11,8 +11,9 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
+from kvpilot.engine.errors import InvalidRequestError, ModelNotFound
 from kvpilot.engine.outputs import RequestOutput, TokenLogprob
-from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.async_engine import AsyncEngine
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -24,10 +25,6 @@ def _byte_level_decoder() -> dict[str, int]:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     return {ch: b for b, ch in bytes_to_unicode().items()}
-
-
-class ModelNotFound(Exception):
-    """The request names a model this server does not serve (HTTP 404)."""
 
 
 @dataclass

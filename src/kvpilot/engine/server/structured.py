@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpilot.engine.sampling_params import InvalidRequestError
+from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.server.protocol import ChatCompletionRequest, SamplingFields, Tool
 from kvpilot.engine.structured_output import StructuredOutputsParams
 
