@@ -49,9 +49,9 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
-    out: asyncio.Queue
+    out: asyncio.Queue[Any]
     loop: asyncio.AbstractEventLoop
-    ack: concurrent.futures.Future
+    ack: concurrent.futures.Future[Any]
     grammar: Any = None
 
 
@@ -86,8 +86,8 @@ class AsyncEngine:
         self._factory = engine_factory
         self._on_step = on_step
         self._on_integrity_check = on_integrity_check
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
         self._stop = threading.Event()
         self.ready = threading.Event()
@@ -148,9 +148,9 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
-        out: asyncio.Queue | None = None,
+        out: asyncio.Queue[Any] | None = None,
         grammar: Any = None,
-    ) -> asyncio.Queue:
+    ) -> asyncio.Queue[Any]:
         """Queue a request; returns the queue its :class:`RequestOutput` s arrive on (the
         last one has ``finished``; an exception object means it failed: an
         :class:`InvalidRequestError` when the engine ended it because of what it asked,
@@ -166,7 +166,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
         out = asyncio.Queue() if out is None else out
-        ack: concurrent.futures.Future = concurrent.futures.Future()
+        ack: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._inbox.put(_Add(request_id, prompt_token_ids, params, cache_salt, out, loop, ack, grammar))
         await asyncio.wrap_future(ack)
         return out
