@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvpilot.engine.errors import InvalidRequestError
+from kvpilot.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

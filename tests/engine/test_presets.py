@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.model.presets import MODEL_PRESETS, preset_config
-from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvpilot.engine.sampling_params import SamplingParams
 
 TINY = {"model": "preset:tiny-gqa3", "load_format": "dummy", "device": "cpu", "dtype": "float32",
         "kv_cache_memory": 0.01, "max_num_seqs": 8}

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from kvpilot.engine.core.request import Request
+from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.sampler import Sampler, apply_penalties, filter_logits
-from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvpilot.engine.sampling_params import SamplingParams
 
 V = 8
 EOS = 7

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.engine.sampling_params import MIN_TEMPERATURE, InvalidRequestError, SamplingParams
+from kvpilot.engine.errors import InvalidRequestError
+from kvpilot.engine.sampling_params import MIN_TEMPERATURE, SamplingParams
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 5e-324, 0.001])

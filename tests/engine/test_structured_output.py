@@ -11,7 +11,8 @@ import re
 import jsonschema
 import pytest
 
-from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvpilot.engine.errors import InvalidRequestError
+from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.structured_output import StructuredOutputsParams as SO
 
 PERSON = {

@@ -9,7 +9,8 @@ import logging
 import sys
 
 from kvpilot.engine.config import EngineArgs
-from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvpilot.engine.errors import InvalidRequestError
+from kvpilot.engine.sampling_params import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,6 +18,7 @@ from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.kv_events import KVEventCollector
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig
+from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.kv_events import EventPublisher, make_publisher
 from kvpilot.engine.model_runner import LoadedModel, ModelRunner, load_model
 from kvpilot.engine.outputs import (
@@ -27,8 +28,8 @@ from kvpilot.engine.outputs import (
     SchedulerStats,
     TokenLogprob,
 )
-from kvpilot.engine.sampler import Sampler
-from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvpilot.engine.sampler import Sampler, SamplerOutput
+from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.structured_output import GrammarCompiler, GrammarState, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -348,7 +349,7 @@ class LLMEngine:
         stats.prefix_hits += s.prefix_stats.hits - h0
         self._stats_prefix = (s.prefix_stats.queries, s.prefix_stats.hits)
 
-    def _make_output(self, req: Request, sampled, row: int, now: float, stats: IterationStats) -> RequestOutput:
+    def _make_output(self, req: Request, sampled: SamplerOutput | None, row: int, now: float, stats: IterationStats) -> RequestOutput:
         token = req.output_token_ids[-1]
         # Timing.
         stats.num_generation_tokens += 1
@@ -362,7 +363,11 @@ class LLMEngine:
         # Logprobs.
         new_lp = None
         if req.sampling_params.logprobs is not None:
-            new_lp = [TokenLogprob(token, sampled.logprobs[row], sampled.top_logprobs[row] or [])]
+            # A request that asked for logprobs sampled its token with them.
+            assert sampled is not None
+            logprob = sampled.logprobs[row]
+            assert logprob is not None
+            new_lp = [TokenLogprob(token, logprob, sampled.top_logprobs[row] or [])]
         # Text and stop strings. A stop token / EOS contributes no text.
         detok = self._detok[req.request_id]
         stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED and (
@@ -407,7 +412,10 @@ class LLMEngine:
         scheduled, first, last = req.first_scheduled_time, req.first_token_time, req.last_token_time
         queue = (scheduled - req.arrival_time) if scheduled is not None else now - req.arrival_time
         n_out = req.num_output_tokens
-        timed = scheduled is not None and first is not None and last is not None
+        prefill = decode = inference = tpot = None
+        if scheduled is not None and first is not None and last is not None:
+            prefill, decode, inference = first - scheduled, last - first, last - scheduled
+            tpot = (last - first) / (n_out - 1) if n_out > 1 else None
         max_tokens = req.sampling_params.max_tokens
         return FinishedRequestStats(
             finish_reason=req.status.finish_reason or "abort",
@@ -415,10 +423,10 @@ class LLMEngine:
             queue_time=queue,
             num_prompt_tokens=req.num_prompt_tokens,
             num_generation_tokens=n_out,
-            prefill_time=first - scheduled if timed else None,
-            decode_time=last - first if timed else None,
-            inference_time=last - scheduled if timed else None,
-            mean_time_per_output_token=(last - first) / (n_out - 1) if timed and n_out > 1 else None,
+            prefill_time=prefill,
+            decode_time=decode,
+            inference_time=inference,
+            mean_time_per_output_token=tpot,
             max_tokens=max_tokens if max_tokens is not None else self.config.max_model_len - req.num_prompt_tokens,
         )
 

@@ -6,19 +6,10 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvpilot.engine.errors import InvalidRequestError
+
 if TYPE_CHECKING:
     from kvpilot.engine.structured_output import StructuredOutputsParams
-
-
-class InvalidRequestError(ValueError):
-    """A request parameter is out of range. ``param`` names the offending field.
-
-    The server maps this to HTTP 400 with the OpenAI error body.
-    """
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def _check(cond: bool, param: str, value: object, allowed: str) -> None:

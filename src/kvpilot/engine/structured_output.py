@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from kvpilot.engine.sampling_params import InvalidRequestError
+from kvpilot.engine.errors import InvalidRequestError
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the message.
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")

@@ -8,9 +8,10 @@ import threading
 
 from fastapi.testclient import TestClient
 
-from kvpilot.engine.server.api_server import ServerState, build_app
+from kvpilot.engine.server.api_server import build_app
 from kvpilot.engine.server.async_engine import AsyncEngine, wait_until
 from kvpilot.engine.server.metrics import EngineMetrics
+from kvpilot.engine.server.state import ServerState
 
 
 class FakeScheduler:

@@ -25,7 +25,7 @@ from schemathesis.core import NotSet  # noqa: E402
 
 from kvpilot.engine.config import EngineArgs  # noqa: E402
 from kvpilot.engine.llm_engine import LLMEngine  # noqa: E402
-from kvpilot.engine.server.api_server import ServerState, build_app  # noqa: E402
+from kvpilot.engine.server.api_server import build_app  # noqa: E402
 from kvpilot.engine.server.async_engine import AsyncEngine, wait_until  # noqa: E402
 from kvpilot.engine.server.metrics import EngineMetrics  # noqa: E402
 from kvpilot.engine.server.protocol import (  # noqa: E402
@@ -34,6 +34,7 @@ from kvpilot.engine.server.protocol import (  # noqa: E402
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kvpilot.engine.server.state import ServerState  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,10 @@ from starlette.testclient import TestClient
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.kv_events import KVEventsConfig, ZmqEventPublisher
 from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.server.api_server import ServerState, build_app
+from kvpilot.engine.server.api_server import build_app
 from kvpilot.engine.server.async_engine import AsyncEngine, wait_until
 from kvpilot.engine.server.metrics import EngineMetrics
+from kvpilot.engine.server.state import ServerState
 
 pytestmark = pytest.mark.slow
 

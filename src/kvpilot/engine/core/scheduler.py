@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from kvpilot.engine.core.block_pool import CacheIntegrityError
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import Request, RequestStatus
-from kvpilot.engine.sampling_params import InvalidRequestError
+from kvpilot.engine.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

@@ -27,26 +27,20 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.engine.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    RequestAbortedError,
+    RequestFailedError,
+)
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.outputs import RequestOutput
-from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvpilot.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # How long the idle loop sleeps between looks at the inbox (seconds).
 IDLE_POLL_SECONDS = 0.05
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread failed to start or stopped; the request cannot be served."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine hit an internal error while running this request."""
-
-
-class RequestAbortedError(RuntimeError):
-    """The request was aborted (its client went away or a sibling choice failed)."""
 
 
 @dataclass
@@ -55,9 +49,9 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
-    out: asyncio.Queue
+    out: asyncio.Queue[Any]
     loop: asyncio.AbstractEventLoop
-    ack: concurrent.futures.Future
+    ack: concurrent.futures.Future[Any]
     grammar: Any = None
 
 
@@ -92,8 +86,8 @@ class AsyncEngine:
         self._factory = engine_factory
         self._on_step = on_step
         self._on_integrity_check = on_integrity_check
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
         self._stop = threading.Event()
         self.ready = threading.Event()
@@ -154,9 +148,9 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
-        out: asyncio.Queue | None = None,
+        out: asyncio.Queue[Any] | None = None,
         grammar: Any = None,
-    ) -> asyncio.Queue:
+    ) -> asyncio.Queue[Any]:
         """Queue a request; returns the queue its :class:`RequestOutput` s arrive on (the
         last one has ``finished``; an exception object means it failed: an
         :class:`InvalidRequestError` when the engine ended it because of what it asked,
@@ -172,7 +166,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
         out = asyncio.Queue() if out is None else out
-        ack: concurrent.futures.Future = concurrent.futures.Future()
+        ack: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._inbox.put(_Add(request_id, prompt_token_ids, params, cache_salt, out, loop, ack, grammar))
         await asyncio.wrap_future(ack)
         return out

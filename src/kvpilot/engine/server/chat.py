@@ -21,12 +21,13 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.outputs import TokenLogprob
-from kvpilot.engine.sampling_params import InvalidRequestError
+from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.protocol import ChatCompletionRequest, ChatMessage
 from kvpilot.engine.server.reasoning import ReasoningParser, get_reasoning_parser
 from kvpilot.engine.server.serving import (
@@ -140,7 +141,8 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
         raise
     except Exception as e:  # template errors (jinja raise_exception, bad roles) are the client's
         raise InvalidRequestError(f"the chat template rejected the messages: {e}", "messages") from e
-    return tok.encode(text, add_special_tokens=False)
+    ids: list[int] = tok.encode(text, add_special_tokens=False)
+    return ids
 
 
 def chat_logprobs(ctx: ServingContext, lps: list[TokenLogprob]) -> dict[str, Any]:
@@ -248,7 +250,7 @@ class ChatHandler:
             grammar = await asyncio.to_thread(self.ctx.llm.compile_grammar, constraint)
         return Prepared(ids, max_tokens, logprobs, constraint, grammar, tool_mode, reasoning)
 
-    def sampling_params(self, req: ChatCompletionRequest, prep: Prepared) -> Any:
+    def sampling_params(self, req: ChatCompletionRequest, prep: Prepared) -> SamplingParams:
         """The engine's parameters. With ``tool_choice: auto`` special tokens stay in the
         text (as vLLM's parsers ask): tool-call markers such as Mistral's
         ``[TOOL_CALLS]`` or Llama 3's ``<|python_tag|>`` are special tokens."""
@@ -266,8 +268,8 @@ class ChatHandler:
         text = choice.text
         reasoning = None
         if self.reasoning is not None and prep.reasoning:
-            reasoning, text = self.reasoning.extract(text)
-            text = text or ""
+            reasoning, answer = self.reasoning.extract(text)
+            text = answer or ""
         out = ChoiceOutput(content=text, reasoning=reasoning if req.include_reasoning else None)
         mode = prep.tool_mode
         if mode == "required" and choice.finish_reason == "length":
@@ -291,6 +293,26 @@ class ChatHandler:
 
     def _parser_name(self) -> str:
         return self.options.tool_call_parser or "hermes"
+
+    # ----------------------------------------------------------- entries
+    async def create(self, req: ChatCompletionRequest, header_id: str | None) -> dict[str, Any] | AsyncIterator[str]:
+        """The one entry of ``POST /v1/chat/completions``: validation, the prompt, the
+        sampling parameters, generation and the answer: the whole body, or with
+        ``stream`` the SSE events (validation errors raise before the stream starts)."""
+        if req.stream:
+            return await self.stream(req, header_id)
+        return await self.complete(req, header_id)
+
+    async def render(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        """The entry of ``POST /v1/chat/completions/render``: the prompt token ids and
+        sampling parameters :meth:`create` would run ``req`` with; nothing is generated.
+        Refuses what :meth:`create` refuses, with the same errors."""
+        self.ctx.check_model(req.model)
+        self.ctx.require_ready()
+        prep = await self.prepare(req)
+        params = self.sampling_params(req, prep)
+        self.ctx.llm.check_request(prep.ids, params)
+        return prep.ids, params
 
     # ----------------------------------------------------------- respond
     async def complete(self, req: ChatCompletionRequest, header_id: str | None) -> dict[str, Any]:
@@ -340,13 +362,13 @@ class ChatHandler:
         )
 
     async def _events(
-        self, req: ChatCompletionRequest, prep: Prepared, public_id: str, deltas: AsyncIterator[Delta]
+        self, req: ChatCompletionRequest, prep: Prepared, public_id: str, deltas: AsyncGenerator[Delta, None]
     ) -> AsyncIterator[str]:
         created = int(time.time())
         streams: dict[int, ChoiceStream] = {}
         finished: list[Choice] = []
 
-        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, lp: Any = None, extra: dict | None = None) -> str:
+        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, lp: Any = None, extra: dict[str, Any] | None = None) -> str:
             body = self._base(public_id, created, "chat.completion.chunk")
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             if extra:

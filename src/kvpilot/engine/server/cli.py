@@ -30,8 +30,9 @@ from kvpilot.engine.config import EngineArgs
 from kvpilot.flags import serve as flags
 
 if TYPE_CHECKING:
-    from kvpilot.engine.server.api_server import ServerState
+    from kvpilot.engine.server.async_engine import AsyncEngine
     from kvpilot.engine.server.chat import ChatOptions
+    from kvpilot.engine.server.state import ServerState
 
 logger = logging.getLogger("kvpilot.serve")
 # After the drain deadline aborts what is left: how long the aborted responses get to reach
@@ -99,9 +100,10 @@ def run(args: argparse.Namespace) -> int:
 
     from kvpilot.engine.kv_events import KVEventsConfigError, make_publisher
     from kvpilot.engine.llm_engine import LLMEngine
-    from kvpilot.engine.server.api_server import ServerState, build_app
+    from kvpilot.engine.server.api_server import build_app
     from kvpilot.engine.server.async_engine import AsyncEngine
     from kvpilot.engine.server.metrics import EngineMetrics
+    from kvpilot.engine.server.state import ServerState
 
     # The KV event publisher lives as long as the server: bound before the model loads (a
     # port in use is a start-up error), stopped after the engine thread.
@@ -146,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fatal_error(engine) -> str | None:
+def _fatal_error(engine: AsyncEngine) -> str | None:
     """Why the engine can run no more steps (a tensor-parallel worker ended), or None."""
     if engine.fatal_error is not None:
         return engine.fatal_error
@@ -154,7 +156,7 @@ def _fatal_error(engine) -> str | None:
     return None if llm is None else llm.fatal_error
 
 
-def _exit_when_dead(engine, server) -> None:
+def _exit_when_dead(engine: AsyncEngine, server: uvicorn.Server) -> None:
     """Stop the server when the model fails to load, or when the engine dies after it
     (a tensor-parallel worker ended): once the engine thread has failed the requests in
     flight (their error responses get a moment to go out), or at the latest

@@ -7,11 +7,12 @@ import codecs
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.outputs import TokenLogprob
-from kvpilot.engine.sampling_params import InvalidRequestError
+from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.protocol import CompletionRequest
 from kvpilot.engine.server.serving import (
     Choice,
@@ -100,9 +101,34 @@ class CompletionHandler:
             raise InvalidRequestError("max_tokens=0 (echo only) generates nothing to constrain", "max_tokens")
         return so, await asyncio.to_thread(self.ctx.llm.compile_grammar, so)
 
-    def sampling_params(self, req: CompletionRequest, max_tokens: int, so: Any) -> Any:
+    def sampling_params(self, req: CompletionRequest, max_tokens: int, so: Any) -> SamplingParams:
         params = req.to_sampling_params(max_tokens, req.logprobs)
         return dataclasses.replace(params, structured_outputs=so) if so is not None else params
+
+    async def create(self, req: CompletionRequest, header_id: str | None) -> dict[str, Any] | AsyncIterator[str]:
+        """The one entry of ``POST /v1/completions``: the whole body, or with ``stream``
+        the SSE events (validation errors raise before the stream starts)."""
+        if req.stream:
+            return await self.stream(req, header_id)
+        return await self.complete(req, header_id)
+
+    async def render(self, req: CompletionRequest) -> list[tuple[list[int], SamplingParams | None]]:
+        """The entry of ``POST /v1/completions/render``: per prompt, its token ids and the
+        sampling parameters :meth:`create` would run it with (None for an echo-only
+        request, ``max_tokens: 0``: nothing would be sampled); nothing is generated.
+        Refuses what :meth:`create` refuses."""
+        self.ctx.check_model(req.model)
+        self.ctx.require_ready()
+        prompts, max_tokens = await self.prepare(req)
+        if req.max_tokens == 0:  # echo only: the real endpoint generates nothing
+            if req.stream:
+                raise InvalidRequestError("max_tokens=0 with echo is not supported when streaming", "max_tokens")
+            return [(ids, None) for ids in prompts]
+        so, _ = await self.constraint(req)
+        params = self.sampling_params(req, max_tokens, so)
+        for ids in prompts:
+            self.ctx.llm.check_request(ids, params)
+        return [(ids, params) for ids in prompts]
 
     def _base(self, public_id: str, created: int) -> dict[str, Any]:
         return {"id": public_id, "object": "text_completion", "created": created, "model": self.ctx.served_model_name}
@@ -163,7 +189,7 @@ class CompletionHandler:
         return self._events(req, prompts, public_id, deltas)
 
     async def _events(
-        self, req: CompletionRequest, prompts: list[list[int]], public_id: str, deltas: AsyncIterator[Delta]
+        self, req: CompletionRequest, prompts: list[list[int]], public_id: str, deltas: AsyncGenerator[Delta, None]
     ) -> AsyncIterator[str]:
         created = int(time.time())
         echoed: set[int] = set()

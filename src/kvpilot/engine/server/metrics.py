@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from kvpilot.engine.llm_engine import LLMEngine
 
 # The *_created series double the payload and no dashboard uses them.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Inter-token latency: from 1 ms. Request-level latencies: finite buckets up to an hour,
 # so a p99 above 60 s is visible (a 60 s top bucket hides it).
@@ -349,13 +349,13 @@ class EngineMetrics:
                 c.inc(v)
         if it.num_batched_tokens:  # a step ran (while idle nothing is observed)
             self.v_iteration_tokens.observe(it.num_batched_tokens)
-        for v in it.time_to_first_token:
-            self.ttft.observe(v)
-            self.v_ttft.observe(v)
-        for v in it.inter_token_latency:
-            self.itl.observe(v)
-            self.v_itl.observe(v)
-            self.v_tpot.observe(v)
+        for ttft in it.time_to_first_token:
+            self.ttft.observe(ttft)
+            self.v_ttft.observe(ttft)
+        for itl in it.inter_token_latency:
+            self.itl.observe(itl)
+            self.v_itl.observe(itl)
+            self.v_tpot.observe(itl)
         for f in it.finished:
             self.e2e.observe(f.e2e_latency)
             self.queue_time.observe(f.queue_time)

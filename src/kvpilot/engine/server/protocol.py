@@ -31,12 +31,8 @@ from pydantic import (
     model_validator,
 )
 
-from kvpilot.engine.sampling_params import (
-    MIN_REPETITION_PENALTY,
-    MIN_TEMPERATURE,
-    InvalidRequestError,
-    SamplingParams,
-)
+from kvpilot.engine.errors import InvalidRequestError
+from kvpilot.engine.sampling_params import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams
 
 NonNegFloat = Annotated[float, Field(ge=0.0)]
 

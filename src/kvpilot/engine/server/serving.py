@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
+from kvpilot.engine.errors import EngineDeadError, InvalidRequestError, ModelNotFound
 from kvpilot.engine.outputs import RequestOutput, TokenLogprob
-from kvpilot.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.async_engine import AsyncEngine
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -23,11 +24,7 @@ def _byte_level_decoder() -> dict[str, int]:
     """GPT-2's printable stand-in character -> byte (the inverse of bytes_to_unicode)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    return {ch: b for b, ch in bytes_to_unicode().items()}
-
-
-class ModelNotFound(Exception):
-    """The request names a model this server does not serve (HTTP 404)."""
+    return {ch: b for b, ch in bytes_to_unicode().items()}  # type: ignore[no-untyped-call]
 
 
 @dataclass
@@ -81,7 +78,8 @@ class ServingContext:
 
     @property
     def max_model_len(self) -> int:
-        return self.llm.max_model_len
+        limit: int = self.llm.max_model_len
+        return limit
 
     @property
     def max_chars_per_token(self) -> int:
@@ -106,6 +104,11 @@ class ServingContext:
                 f"{most} characters are tokenized); send a shorter {param}",
                 param,
             )
+
+    def require_ready(self) -> None:
+        """Raise EngineDeadError (503) unless the model has loaded and the engine runs."""
+        if not self.engine.is_ready:
+            raise EngineDeadError("the model is still loading" if self.engine.is_alive else "the engine is not running")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -134,7 +137,8 @@ class ServingContext:
 
     @lru_cache(maxsize=65536)  # noqa: B019 - one context per server, bounded cache
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        text: str = self.tokenizer.decode([token_id])
+        return text
 
     @lru_cache(maxsize=65536)  # noqa: B019 - one context per server, bounded cache
     def token_bytes(self, token_id: int) -> bytes:
@@ -183,14 +187,14 @@ class ServingContext:
         params: SamplingParams,
         cache_salt: str | None,
         grammar: Any = None,
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         """Run ``len(prompts) x params.n`` engine requests and yield their deltas as they
         come. Choice ``k`` of prompt ``p`` has index ``p * n + k`` and seed ``seed + k``.
         ``grammar`` is the compiled grammar of ``params.structured_outputs`` (one per
         request: every choice gets its own matcher over it).
         Leaving early (disconnect, cancellation) or any failure aborts all of them."""
         n = params.n
-        out: asyncio.Queue = asyncio.Queue()
+        out: asyncio.Queue[Any] = asyncio.Queue()
         choices: dict[str, Choice] = {}
         added: list[str] = []
         try:
@@ -236,12 +240,12 @@ class ServingContext:
             self.metrics.observe_finished_parent(n, max(len(c.token_ids) for c in siblings))
 
 
-async def started(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+async def started(deltas: AsyncGenerator[Delta, None]) -> AsyncGenerator[Delta, None]:
     """Pull the first delta now, so that errors at add time (a refused prompt) raise
     before any byte of a stream is sent; return an iterator over all the deltas."""
     first = await anext(deltas)
 
-    async def chain() -> AsyncIterator[Delta]:
+    async def chain() -> AsyncGenerator[Delta, None]:
         try:
             yield first
             async for d in deltas:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpilot.engine.sampling_params import InvalidRequestError
+from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.server.protocol import ChatCompletionRequest, SamplingFields, Tool
 from kvpilot.engine.structured_output import StructuredOutputsParams
 
@@ -36,7 +36,7 @@ def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None
         if rf.type == "json_object":
             found.append(SO(json_object=True, param="response_format"))
         else:
-            js = rf.json_schema  # type: ignore[union-attr]
+            js = rf.json_schema
             if js.schema_ is None:
                 found.append(SO(json_object=True, param="response_format"))
             else:
@@ -122,8 +122,8 @@ def tool_constraint(req: ChatCompletionRequest) -> tuple[StructuredOutputsParams
         return SO(json=_schema(schema, "tools"), param="tools"), "required"
     assert not isinstance(choice, str)
     name = choice.function.name
-    tool = next((t for t in tools if t.function.name == name), None)
-    if tool is None:
+    forced = next((t for t in tools if t.function.name == name), None)
+    if forced is None:
         raise InvalidRequestError(
             f"tool_choice: function {name!r} is not among the tools ({', '.join(names)})", "tool_choice")
-    return SO(json=_schema(tool_parameters(tool), "tools"), param="tools"), name
+    return SO(json=_schema(tool_parameters(forced), "tools"), param="tools"), name

@@ -1,0 +1,1 @@
+"""The HTTP routes, one ``fastapi.APIRouter`` per module; no module imports another."""

@@ -1,0 +1,68 @@
+"""The OpenAI API: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and
+vLLM's ``/tokenize``. A generation request enters its handler once
+(:meth:`~kvpilot.engine.server.chat.ChatHandler.create`), which validates, renders the
+prompt, builds the sampling parameters, generates and answers."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvpilot.engine.server.chat import render_chat
+from kvpilot.engine.server.openapi import errors, generated
+from kvpilot.engine.server.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from kvpilot.engine.server.responses import respond
+from kvpilot.engine.server.state import app_state
+
+router = APIRouter()
+
+GENERATION_ERRORS = errors(400, 401, 404, 413, 500, 503)
+TOKENIZE_ERRORS = errors(400, 401, 404, 413, 503)
+
+
+@router.get("/v1/models", responses=errors(401))
+async def models(request: Request) -> ModelList:
+    state = app_state(request).server
+    max_len = state.engine.engine.max_model_len if state.engine.engine is not None else None
+    return ModelList(data=[ModelCard(id=state.served_model_name, root=state.served_model_name, max_model_len=max_len)])
+
+
+@router.post("/v1/completions", response_model=None,
+             responses={200: generated(CompletionResponse, CompletionStreamResponse), **GENERATION_ERRORS})
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    return await respond(app_state(request).completions, body, request)
+
+
+@router.post("/v1/chat/completions", response_model=None,
+             responses={200: generated(ChatCompletionResponse, ChatCompletionChunk), **GENERATION_ERRORS})
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    return await respond(app_state(request).chat, body, request)
+
+
+@router.post("/tokenize", response_model=None, responses={200: {"model": TokenizeResponse}, **TOKENIZE_ERRORS})
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+    app = app_state(request)
+    ctx = app.ctx
+    ctx.check_model(body.model)
+    ctx.require_ready()
+    ids: list[int]
+    if body.messages is not None:
+        ids = await asyncio.to_thread(render_chat, ctx, body.messages, body.add_generation_prompt,
+                                      chat_template=app.server.chat_options.chat_template)
+    else:
+        ids = await asyncio.to_thread(ctx.tokenizer.encode, body.prompt,
+                                      add_special_tokens=body.add_special_tokens)
+    return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
