@@ -38,7 +38,8 @@ from kvpilot.engine.kv_scales import (
 )
 from kvpilot.engine.model.config import GEMMA_ARCHITECTURES, ModelConfig
 from kvpilot.engine.model.gemma import GemmaForCausalLM
-from kvpilot.engine.model.llama import LlamaForCausalLM, can_pack_linears, probe_batch_invariance
+from kvpilot.engine.model.layers import can_pack_linears, probe_batch_invariance
+from kvpilot.engine.model.llama import LlamaForCausalLM
 from kvpilot.engine.model.loader import (
     GGUFModelFile,
     ModelSource,
