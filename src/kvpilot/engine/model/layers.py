@@ -21,19 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.engine.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
+from kvpilot.engine.distributed import TPGroup as TPGroup  # re-exported for the model files
 from kvpilot.engine.distributed import vocab_range
 from kvpilot.engine.model.config import ModelConfig
 from kvpilot.engine.model.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
-
-if TYPE_CHECKING:
-    from kvpilot.engine.distributed import TPGroup
 
 
 @dataclass
@@ -119,7 +116,8 @@ class PackedLinear(nn.Module):
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :class:`PackedLinear` applies: CPU, fp32 and a torch built with oneDNN."""
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return (device.type == "cpu" and dtype == torch.float32
+            and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
@@ -334,4 +332,5 @@ def set_tensor_parallel(model: nn.Module, tp: TPGroup, kinds: tuple[type[nn.Modu
     the modules' ``tp``."""
     for module in model.modules():
         if isinstance(module, kinds):
-            module.tp = tp
+            # A plain attribute: nn.Module.__setattr__ is typed for tensors and modules only.
+            module.tp = tp  # type: ignore[assignment]

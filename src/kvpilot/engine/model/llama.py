@@ -36,7 +36,7 @@ from kvpilot.engine.model.moe import SparseMoeBlock
 from kvpilot.engine.model.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from kvpilot.engine.distributed import TPGroup
+    from kvpilot.engine.model.layers import TPGroup
 
 
 class DecoderLayer(nn.Module):
@@ -84,7 +84,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = nn.Embedding(config.vocab_size,
+                                                                                config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -105,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
         attention, MLP and MoE blocks all-reduce their outputs. Mutates the module tree."""
         self.tp = tp
         hidden = self.config.hidden_size
-        self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden, tp)  # type: ignore[assignment]
+        self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden, tp)
         if self.lm_head is not None:
             self.lm_head = nn.Linear(hidden, self.embed_tokens.weight.shape[0], bias=False)
         set_tensor_parallel(self, tp, (Attention, MLP, SparseMoeBlock))

@@ -32,7 +32,7 @@ from kvpilot.engine.model.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
 from kvpilot.engine.model.layers import MLP, row_parallel_reduce
 
 if TYPE_CHECKING:
-    from kvpilot.engine.distributed import TPGroup
+    from kvpilot.engine.model.layers import TPGroup
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
