@@ -76,7 +76,8 @@ class GemmaMLP(MLP):
     """GeGLU: ``down(gelu_tanh(gate(x)) * up(x))`` (Shazeer 2020), gate/up fused."""
 
     def forward(self, x: torch.Tensor, ops: TorchLayerOps = TORCH_LAYER_OPS) -> torch.Tensor:
-        return self.reduce(self.down_proj(ops.gelu_tanh_and_mul(self.gate_up_proj(x))))
+        y: torch.Tensor = self.down_proj(ops.gelu_tanh_and_mul(self.gate_up_proj(x)))
+        return y
 
 
 class GemmaDecoderLayer(nn.Module):

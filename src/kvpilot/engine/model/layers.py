@@ -9,12 +9,12 @@ file; of tensor parallelism it needs the group's collectives (a :class:`TPGroup`
 in) and the vocabulary split (:func:`~kvpilot.engine.distributed.vocab_range`).
 
 Tensor parallelism (Megatron-LM's split, :mod:`kvpilot.engine.distributed`): a
-column-parallel linear (``qkv_proj``, ``gate_up_proj``) is a plain ``nn.Linear`` holding
-this rank's output rows and needs no communication; a row-parallel one (``o_proj``,
-``down_proj``) holds the matching input columns, and its owner sums the ranks' partial
-outputs with one all-reduce (:func:`row_parallel_reduce`). The projections stay
-``nn.Linear`` so that their parameter names are the checkpoint's and
-:func:`pack_linears` can swap each for a :class:`PackedLinear`.
+:class:`ColumnParallelLinear` (``qkv_proj``, ``gate_up_proj``) holds this rank's output
+rows and needs no communication; a :class:`RowParallelLinear` (``o_proj``,
+``down_proj``) holds the matching input columns and sums the ranks' partial outputs with
+one all-reduce. Both subclass ``nn.Linear``, so that their parameter names are the
+checkpoint's and :func:`pack_linears` can swap each for a :class:`PackedLinear` (which
+keeps the row-parallel reduce).
 """
 
 from __future__ import annotations
@@ -96,22 +96,73 @@ class PackedLinear(nn.Module):
     Args:
         weight: ``[out_features, in_features]`` fp32 (CPU); not kept (the packed copy is).
         bias: ``[out_features]`` or None.
+        tp: the group a row-parallel linear's output is all-reduced over (the packed copy
+            of a :class:`RowParallelLinear`), None for no reduce.
     Raises:
         RuntimeError: from oneDNN when it cannot pack this dtype on this CPU (bf16
             without AVX-512/AVX-NE-CONVERT): the caller keeps the plain ``nn.Linear``.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self.bias = None if bias is None else bias.detach()
         self.nbytes = weight.numel() * weight.element_size()
+        self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, in_features]`` -> ``[T, out_features]`` in ``x``'s dtype."""
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + b``: ``[T, in_features]`` -> ``[T, out_features]`` in ``x``'s dtype,
+        this rank's part only (no communication)."""
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`matmul`, summed over ``tp``'s ranks when it has one."""
+        return row_parallel_reduce(self.matmul(x), self.tp)
+
+
+class ColumnParallelLinear(nn.Linear):
+    """A linear whose output rows are split over the tensor-parallel ranks (the QKV and
+    gate/up projections): rank ``r`` holds its heads' or its intermediate slice's rows of
+    ``weight`` ``[out / N, in]`` and computes them without communication, so this is a
+    plain ``nn.Linear`` over the rank's shapes; the name says how the checkpoint is sliced
+    (:func:`~kvpilot.engine.distributed.shard_weights`)."""
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear whose input columns are split over the tensor-parallel ranks (the output
+    and down projections): rank ``r`` holds ``weight`` ``[out, in / N]`` and computes a
+    partial sum, which one all-reduce over ``tp`` completes (a bias is held by rank 0
+    only, zeros elsewhere, so it is added once).
+
+    Args:
+        in_features, out_features, bias: as ``nn.Linear`` (the rank's ``in``).
+        reduce_results: False to leave the partial sum to the caller (a MoE block's shared
+            expert: the block reduces once for the experts and the shared expert).
+    Attributes:
+        tp: the group (set by :func:`set_tensor_parallel`); None: no reduce.
+    """
+
+    tp: TPGroup | None = None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, reduce_results: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.reduce_results = reduce_results
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + b``: ``[T, in]`` -> ``[T, out]`` in ``x``'s dtype, this rank's partial
+        sum (no communication)."""
+        return super().forward(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`local`, summed over the ranks."""
+        return row_parallel_reduce(self.local(x), self.group)
+
+    @property
+    def group(self) -> TPGroup | None:
+        """The group this projection's output is all-reduced over (None: none)."""
+        return self.tp if self.reduce_results else None
 
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
@@ -122,7 +173,8 @@ def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def pack_linears(model: nn.Module) -> tuple[int, int]:
-    """Replace every ``nn.Linear`` under ``model`` with a :class:`PackedLinear`.
+    """Replace every ``nn.Linear`` under ``model`` with a :class:`PackedLinear` (a
+    :class:`RowParallelLinear`'s keeps its all-reduce).
 
     Returns ``(count, bytes)``: how many were packed and the packed weights' bytes (which
     ``model.parameters()`` no longer shows). Mutates the module tree; call under
@@ -132,7 +184,8 @@ def pack_linears(model: nn.Module) -> tuple[int, int]:
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                packed = PackedLinear(child.weight, child.bias)
+                group = child.group if isinstance(child, RowParallelLinear) else None
+                packed = PackedLinear(child.weight, child.bias, group)
                 setattr(module, child_name, packed)
                 nbytes += packed.nbytes
                 count += 1
@@ -168,9 +221,12 @@ def probe_batch_invariance(model: nn.Module, rows: int = 40, seed: int = 0) -> t
     gen = torch.Generator(device="cpu").manual_seed(seed)
     products: dict[tuple[int, int], tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = {}
     for m in model.modules():
-        if isinstance(m, (nn.Linear, PackedLinear)):
-            param = m.weight if isinstance(m, nn.Linear) else m.packed
-            products.setdefault((m.in_features, m.out_features), (m, param))
+        # The local products only: a row-parallel linear's all-reduce is not probed.
+        if isinstance(m, nn.Linear):
+            local: Callable[[torch.Tensor], torch.Tensor] = m.local if isinstance(m, RowParallelLinear) else m
+            products.setdefault((m.in_features, m.out_features), (local, m.weight))
+        elif isinstance(m, PackedLinear):
+            products.setdefault((m.in_features, m.out_features), (m.matmul, m.packed))
     embed = getattr(model, "embed_tokens", None)
     if embed is not None and getattr(model, "lm_head", None) is None and getattr(model, "packed_head", None) is None:
         head: torch.Tensor = embed.weight  # a tied head left unpacked: F.linear over the embedding table
@@ -197,13 +253,10 @@ class Attention(nn.Module):
         config: the rank's shapes (:func:`~kvpilot.engine.distributed.rank_config`).
         layer_idx: which KV cache layer this attention reads and writes.
     Attributes:
-        qkv_proj: ``[q_size + 2 * kv_size, hidden]`` (q rows, then k, then v).
-        o_proj: ``[hidden, q_size]``.
+        qkv_proj: ``[q_size + 2 * kv_size, hidden]`` (q rows, then k, then v), column-parallel.
+        o_proj: ``[hidden, q_size]``, row-parallel (its output all-reduced).
         q_norm, k_norm: Qwen3's per-head RMSNorm of q and k before RoPE (None elsewhere).
-        tp: the tensor-parallel group (set by :meth:`LlamaForCausalLM.enable_tensor_parallel`).
     """
-
-    tp: TPGroup | None = None
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -214,8 +267,9 @@ class Attention(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                             bias=config.attention_bias)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         # Qwen3: RMSNorm over each head of q and of k, before RoPE (one weight per dim).
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.sliding_window = config.sliding_window_for(layer_idx)
@@ -241,7 +295,7 @@ class Attention(nn.Module):
         """``o_proj`` of the attention output ``[T, heads, head_dim]`` -> ``[T, hidden]``,
         summed over the tensor-parallel ranks."""
         y: torch.Tensor = self.o_proj(out.reshape(-1, self.q_size))
-        return row_parallel_reduce(y, self.tp)
+        return y
 
 
 # --------------------------------------------------------------------- MLP
@@ -253,29 +307,25 @@ class MLP(nn.Module):
     Args:
         config: the rank's shapes.
         intermediate_size: default ``config.intermediate_size`` (a shared expert's differs).
-        reduce_output: whether :meth:`reduce` all-reduces.
+        reduce_output: whether ``down_proj`` all-reduces its output.
     Attributes:
-        gate_up_proj: ``[2 * intermediate, hidden]`` (gate rows, then up rows).
-        down_proj: ``[hidden, intermediate]``.
-        tp: the tensor-parallel group (set by :meth:`LlamaForCausalLM.enable_tensor_parallel`).
+        gate_up_proj: ``[2 * intermediate, hidden]`` (gate rows, then up rows), column-parallel.
+        down_proj: ``[hidden, intermediate]``, row-parallel.
     """
-
-    tp: TPGroup | None = None
 
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None, reduce_output: bool = True) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size or config.intermediate_size
         self.reduce_output = reduce_output
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * self.intermediate_size,
+                                                 bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias,
+                                           reduce_results=reduce_output)
 
     def forward(self, x: torch.Tensor, ops: TorchLayerOps = TORCH_LAYER_OPS) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]`` in ``x``'s dtype."""
-        return self.reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
-
-    def reduce(self, y: torch.Tensor) -> torch.Tensor:
-        """Sum the row-parallel ``down_proj`` partials over the ranks (when this MLP does)."""
-        return row_parallel_reduce(y, self.tp if self.reduce_output else None)
+        y: torch.Tensor = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return y
 
 
 # ------------------------------------------------------ embedding, LM head
@@ -326,10 +376,11 @@ def lm_head_logits(hidden: torch.Tensor, head: nn.Module | torch.Tensor, tp: TPG
     return logits
 
 
-def set_tensor_parallel(model: nn.Module, tp: TPGroup, kinds: tuple[type[nn.Module], ...]) -> None:
-    """Give every module of ``model`` of one of ``kinds`` (the blocks that end in a
-    row-parallel projection) the group ``tp``, so each all-reduces its output. Mutates
-    the modules' ``tp``."""
+def set_tensor_parallel(model: nn.Module, tp: TPGroup,
+                        kinds: tuple[type[nn.Module], ...] = (RowParallelLinear,)) -> None:
+    """Give every module of ``model`` of one of ``kinds`` (the row-parallel linears, and a
+    model file's own blocks that reduce their output) the group ``tp``, so each
+    all-reduces its output. Mutates the modules' ``tp``."""
     for module in model.modules():
         if isinstance(module, kinds):
             # A plain attribute: nn.Module.__setattr__ is typed for tensors and modules only.

@@ -27,6 +27,7 @@ from kvpilot.engine.model.layers import (
     ForwardContext,
     PackedLinear,
     RMSNorm,
+    RowParallelLinear,
     VocabParallelEmbedding,
     lm_head_logits,
     pack_linears,
@@ -103,13 +104,14 @@ class LlamaForCausalLM(nn.Module):
         """Make this model one rank of ``tp``: call on a model built (on the meta device)
         from :func:`kvpilot.engine.distributed.rank_config`, before its weights exist. The
         embedding and LM head become vocab-parallel (``vocab_size``: the whole model's);
-        attention, MLP and MoE blocks all-reduce their outputs. Mutates the module tree."""
+        the row-parallel projections and MoE blocks all-reduce their outputs. Mutates the
+        module tree."""
         self.tp = tp
         hidden = self.config.hidden_size
         self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden, tp)
         if self.lm_head is not None:
             self.lm_head = nn.Linear(hidden, self.embed_tokens.weight.shape[0], bias=False)
-        set_tensor_parallel(self, tp, (Attention, MLP, SparseMoeBlock))
+        set_tensor_parallel(self, tp, (RowParallelLinear, SparseMoeBlock))
 
     def init_rotary(self, device: torch.device) -> None:
         self.rotary = RotaryEmbedding(self.config, self.max_positions, device)
