@@ -14,12 +14,7 @@ from __future__ import annotations
 
 import grimp
 
-KNOWN_CYCLES: set[frozenset[str]] = {
-    # llama builds the MoE block; moe reuses llama's dense MLP for the shared expert.
-    frozenset({"kvpilot.engine.model.llama", "kvpilot.engine.model.moe"}),
-    # the runner starts the tensor-parallel workers; a worker builds a runner.
-    frozenset({"kvpilot.engine.model_runner", "kvpilot.engine.tp_executor"}),
-}
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
 def strongly_connected(graph: dict[str, set[str]]) -> list[frozenset[str]]:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpilot.engine.model.llama import PackedLinear, can_pack_linears, probe_batch_invariance
+from kvpilot.engine.model.layers import PackedLinear, can_pack_linears, probe_batch_invariance
 
 needs_onednn = pytest.mark.skipif(not can_pack_linears(torch.device("cpu"), torch.float32),
                                   reason="this torch build has no oneDNN weight packing")

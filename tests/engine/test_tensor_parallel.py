@@ -151,6 +151,17 @@ def test_a_model_that_cannot_be_split_fails_before_any_worker_starts(tmp_path):
     assert _children(os.getpid()) == before
 
 
+def test_the_runner_loads_one_rank_and_leaves_the_workers_to_the_engine():
+    """model_runner.load_model never starts workers: above one rank without a group it
+    refuses, naming who does (the engine's executor, tp_executor.load_with_workers)."""
+    from kvpilot.engine.model_runner import load_model
+
+    before = _children(os.getpid())
+    with pytest.raises(ValueError, match=r"load_model loads one rank; kvpilot.engine.tp_executor.load_with_workers"):
+        load_model(EngineArgs(device="cpu", dtype="float32", tensor_parallel_size=2))
+    assert _children(os.getpid()) == before
+
+
 # -------------------------------------------------------------- equivalence
 def _kv1(t):  # one KV head for two ranks: replicated
     return t.LlamaConfig(**{**COMMON, "num_key_value_heads": 1}, rope_theta=10000.0), t.LlamaForCausalLM

@@ -1,5 +1,7 @@
-"""Tensor parallelism: the process group, the split of a model over its ranks, and the
-layers that need communication.
+"""Tensor parallelism: the process group and the split of a model over its ranks.
+
+The layers that communicate (the vocab-parallel embedding and LM head, the row-parallel
+reductions) are :mod:`kvpilot.engine.model.layers`.
 
 The split is Megatron-LM's (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion
 Parameter Language Models Using Model Parallelism"), as vLLM and SGLang apply it to
@@ -43,8 +45,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from kvpilot.engine.model.config import ModelConfig
 
@@ -199,7 +199,7 @@ def _splits(config: ModelConfig, n: int) -> bool:
 def rank_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
     """The shapes rank ``rank`` holds: its query and KV heads (:func:`head_range`) and
     every intermediate size divided by ``size``. The vocabulary, hidden size and head size
-    stay whole (:class:`VocabParallelEmbedding` splits the vocabulary). Call
+    stay whole (:class:`~kvpilot.engine.model.layers.VocabParallelEmbedding` splits the vocabulary). Call
     :func:`check_tensor_parallel` first."""
     if size == 1:
         return config
@@ -285,28 +285,3 @@ def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], config: ModelConf
             gate, up = t.chunk(2, dim=0)
             t = torch.cat([_chunk(gate, 0, rank, size), _chunk(up, 0, rank, size)])
         yield name, t.contiguous()
-
-
-# ------------------------------------------------------------------ layers
-class VocabParallelEmbedding(nn.Module):
-    """The embedding table's rows ``[first, end)`` of the vocabulary (:func:`vocab_range`);
-    a token outside them looks up zeros, and the all-reduce fills in every token.
-
-    Attributes:
-        weight: ``[rows, hidden]`` (``rows = ceil(vocab / size)``, zero-padded); the LM
-            head of a tied model multiplies by it too.
-    """
-
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
-        super().__init__()
-        self.first, self.end, rows = vocab_range(vocab_size, tp.rank, tp.size)
-        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
-        self.tp = tp
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[T]`` int64 -> ``[T, hidden]`` (the whole vocabulary's embeddings)."""
-        local = input_ids - self.first
-        outside = (input_ids < self.first) | (input_ids >= self.end)
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)
-        h.masked_fill_(outside[:, None], 0)
-        return self.tp.all_reduce(h)

@@ -20,7 +20,7 @@ from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig
 from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.kv_events import EventPublisher, make_publisher
-from kvpilot.engine.model_runner import LoadedModel, ModelRunner, load_model
+from kvpilot.engine.model_runner import LoadedModel, ModelRunner
 from kvpilot.engine.outputs import (
     FinishedRequestStats,
     IterationStats,
@@ -31,6 +31,7 @@ from kvpilot.engine.outputs import (
 from kvpilot.engine.sampler import Sampler, SamplerOutput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.structured_output import GrammarCompiler, GrammarState, StructuredOutputsParams
+from kvpilot.engine.tp_executor import TPExecutor, load_with_workers
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,9 @@ def _eos_ids(model_eos: Sequence[int], tokenizer: object, source_path: object) -
 
 
 class LLMEngine:
-    """Owns the scheduler, the model runner, the sampler and per-request detokenizers.
+    """Owns the scheduler, the model runner, the sampler and per-request detokenizers,
+    and with tensor parallelism the executor of the worker processes (vLLM v1's layout:
+    the engine owns the executor, the executor the workers, each rank one model runner).
 
     Args:
         args: engine settings.
@@ -78,6 +81,8 @@ class LLMEngine:
 
     Attributes:
         kv_events: the collector the radix cache reports to (None: events off).
+        tp_executor: the tensor-parallel workers this engine started (None: one rank, or
+            a shared ``loaded``).
     """
 
     def __init__(
@@ -92,7 +97,8 @@ class LLMEngine:
         self.kv_events: KVEventCollector | None = None
         self._kv_publisher: EventPublisher | None = None
         self._owns_kv_publisher = False
-        self._owned_load: LoadedModel | None = None  # loaded here: closed (TP workers) by close()
+        self._owned_load: LoadedModel | None = None  # loaded here: closed by close()
+        self.tp_executor: TPExecutor | None = None  # started here: shut down by close()
         kv_cfg = args.kv_events_config
         if kv_cfg is not None and kv_cfg.enable_kv_cache_events:
             # Bound before the weights load: a port in use fails start-up at once.
@@ -111,7 +117,8 @@ class LLMEngine:
     def _init(self, args: EngineArgs, loaded: LoadedModel | None) -> None:
         clock = self.clock
         if loaded is None:
-            loaded = self._owned_load = load_model(args)
+            loaded, self.tp_executor = load_with_workers(args)
+            self._owned_load = loaded
         self.loaded = loaded
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -253,7 +260,10 @@ class LLMEngine:
         if sched_out.is_empty:
             self._publish_kv_events()
             return []
-        logits = self.runner.execute(sched_out)
+        if self.tp_executor is None:
+            logits = self.runner.execute(sched_out)
+        else:  # the workers get the step first; raises WorkerDiedError when one is gone
+            logits = self.tp_executor.execute_model(self.runner, sched_out)
         sampling = [it.request for it in sched_out.scheduled if it.sample]
         sampled = self.sampler(logits, sampling) if sampling else None
         tokens: list[int | None] = []
@@ -330,6 +340,8 @@ class LLMEngine:
         if self._owns_kv_publisher and self._kv_publisher is not None:
             self._kv_publisher.shutdown()
             self._owns_kv_publisher = False
+        if self.tp_executor is not None:
+            self.tp_executor.shutdown()
         if self._owned_load is not None:
             self._owned_load.close()
 
@@ -337,8 +349,7 @@ class LLMEngine:
     def fatal_error(self) -> str | None:
         """Why this engine cannot run another step (a tensor-parallel worker ended), or
         None. The server then fails ``/health`` and exits non-zero."""
-        executor = self.loaded.executor if hasattr(self, "loaded") else None
-        return None if executor is None else executor.dead
+        return None if self.tp_executor is None else self.tp_executor.dead
 
     def _collect_scheduler_deltas(self, stats: IterationStats) -> None:
         s = self.scheduler

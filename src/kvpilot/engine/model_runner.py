@@ -10,8 +10,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,6 +30,7 @@ from kvpilot.engine.config import (
 )
 from kvpilot.engine.core.scheduler import SchedulerOutput
 from kvpilot.engine.cpu_threads import cpu_threads
+from kvpilot.engine.distributed import TPGroup, check_tensor_parallel, rank_config, shard_weights
 from kvpilot.engine.kv_cache import PagedKVCache, bytes_per_block, check_skip_layers, element_bytes
 from kvpilot.engine.kv_scales import (
     CALIBRATION_MAX_TOKENS,
@@ -38,7 +39,8 @@ from kvpilot.engine.kv_scales import (
 )
 from kvpilot.engine.model.config import GEMMA_ARCHITECTURES, ModelConfig
 from kvpilot.engine.model.gemma import GemmaForCausalLM
-from kvpilot.engine.model.llama import LlamaForCausalLM, can_pack_linears, probe_batch_invariance
+from kvpilot.engine.model.layers import can_pack_linears, probe_batch_invariance
+from kvpilot.engine.model.llama import LlamaForCausalLM
 from kvpilot.engine.model.loader import (
     GGUFModelFile,
     ModelSource,
@@ -47,10 +49,6 @@ from kvpilot.engine.model.loader import (
     resolve_model,
 )
 from kvpilot.engine.tokenizer import load_tokenizer
-
-if TYPE_CHECKING:
-    from kvpilot.engine.distributed import TPGroup
-    from kvpilot.engine.tp_executor import TPExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +80,6 @@ def build_model(
     :func:`~kvpilot.engine.distributed.rank_config`, loaded from the sliced checkpoint
     tensors; dummy weights are then drawn per rank (seed + rank).
     """
-    from kvpilot.engine.distributed import rank_config, shard_weights
-
     size = 1 if tp is None else tp.size
     local = config if tp is None else rank_config(config, tp.rank, size)
     with torch.device("meta"):
@@ -174,7 +170,11 @@ def num_kv_blocks(
 @dataclass
 class LoadedModel:
     """Weights, tokenizer and architecture, loaded once and shareable between engines
-    that differ only in cache or scheduler settings (tests, side-by-side benchmarks)."""
+    that differ only in cache or scheduler settings (tests, side-by-side benchmarks).
+
+    With tensor parallelism this is one rank's shard; the worker processes of the other
+    ranks are not this object's: the engine owns them
+    (:class:`~kvpilot.engine.tp_executor.TPExecutor`)."""
 
     source: ModelSource
     config: ModelConfig
@@ -184,9 +184,8 @@ class LoadedModel:
     dtype: torch.dtype
     model_max_len: int
     load_seconds: float
-    # Tensor parallelism: this rank's group, and on rank 0 the executor running the others.
+    # Tensor parallelism: this rank's group.
     tp: TPGroup | None = None
-    executor: TPExecutor | None = field(default=None, repr=False)
 
     @property
     def weight_bytes(self) -> int:
@@ -199,33 +198,42 @@ class LoadedModel:
         return self.model.config
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers this load started (idempotent)."""
-        if self.executor is not None:
-            self.executor.shutdown()
-        elif self.tp is not None:
+        """Drop this rank's tensor-parallel group (idempotent)."""
+        if self.tp is not None:
             self.tp.close()
 
 
-def load_model(args: EngineArgs, tp: TPGroup | None = None) -> LoadedModel:
-    """Resolve ``args.model``, read its config and tokenizer, and load the weights.
+@dataclass
+class LoadPlan:
+    """What :func:`plan_load` resolved before any weight is read (and before any
+    tensor-parallel worker starts): the model's source, config and tokenizer, the device
+    and dtype, and the served context. ``started``: ``time.monotonic()`` at the start."""
 
-    With ``--tensor-parallel-size N > 1`` and no ``tp`` (rank 0), the split is checked,
-    the workers are started (:class:`~kvpilot.engine.tp_executor.TPExecutor`) and this
-    process loads rank 0's shard; a worker calls this with its own ``tp``.
+    source: ModelSource
+    config: ModelConfig
+    gguf_file: GGUFModelFile | None
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    model_max_len: int
+    served_len: int
+    started: float
+
+
+def plan_load(args: EngineArgs) -> LoadPlan:
+    """Resolve ``args.model``, read its config and tokenizer, check the tensor-parallel
+    split and pick the device, dtype and CPU threads (sets ``torch``'s thread count on CPU).
 
     Raises:
         ModelNotFoundError, UnsupportedModelError: with what was found and what is supported.
         ValueError: ``--max-model-len`` above the model's context; a tensor-parallel size
             the model cannot be split into.
-        WorkerDiedError: a tensor-parallel worker failed to start.
     """
     t0 = time.monotonic()
     source = resolve_model(args.model)
     if source.kind == "preset" and args.load_format != "dummy":
         raise ValueError(f"--model preset:{source.name} is an architecture without weights; add --load-format dummy")
     config, gguf_file = load_model_config(source)
-    from kvpilot.engine.distributed import check_tensor_parallel
-
     check_tensor_parallel(config, args.tensor_parallel_size)
     if args.skip_tokenizer_init or (source.kind == "preset" and args.tokenizer is None):
         tokenizer = None  # token ids in and out
@@ -248,22 +256,35 @@ def load_model(args: EngineArgs, tp: TPGroup | None = None) -> LoadedModel:
         raise ValueError(f"--max-model-len {args.max_model_len} is larger than the model's context ({model_max} tokens)")
     # The served context picks LongRoPE's factor list and sizes the RoPE tables.
     served = args.max_model_len if args.max_model_len is not None else model_max
-    executor = None
-    if tp is None and args.tensor_parallel_size > 1:
-        from kvpilot.engine.tp_executor import TPExecutor
+    return LoadPlan(source, config, gguf_file, tokenizer, device, dtype, model_max, served, t0)
 
-        executor = TPExecutor(args, device)
-        tp = executor.group
-    elif tp is not None:
-        device = tp.device
-    try:
-        model = build_model(config, source, gguf_file, served, dtype, device, args.load_format, args.seed, tp)
-    except BaseException:
-        if executor is not None:
-            executor.shutdown()
-        raise
-    return LoadedModel(source, config, model, tokenizer, device, dtype, model_max, time.monotonic() - t0,
-                       tp, executor)
+
+def load_planned(args: EngineArgs, plan: LoadPlan, tp: TPGroup | None = None) -> LoadedModel:
+    """Build and load the model :func:`plan_load` planned: the whole model, or with ``tp``
+    rank ``tp.rank``'s shard on ``tp.device``."""
+    device = plan.device if tp is None else tp.device
+    model = build_model(plan.config, plan.source, plan.gguf_file, plan.served_len, plan.dtype, device,
+                        args.load_format, args.seed, tp)
+    return LoadedModel(plan.source, plan.config, model, plan.tokenizer, device, plan.dtype, plan.model_max_len,
+                       time.monotonic() - plan.started, tp)
+
+
+def load_model(args: EngineArgs, tp: TPGroup | None = None) -> LoadedModel:
+    """Resolve ``args.model``, read its config and tokenizer, and load the weights: the
+    whole model, or with ``tp`` (a tensor-parallel worker) rank ``tp.rank``'s shard.
+
+    This loads one rank; with ``--tensor-parallel-size N > 1`` the engine starts the other
+    ranks first (:func:`kvpilot.engine.tp_executor.load_with_workers`).
+
+    Raises:
+        ModelNotFoundError, UnsupportedModelError: with what was found and what is supported.
+        ValueError: ``--max-model-len`` above the model's context; a tensor-parallel size
+            the model cannot be split into; ``--tensor-parallel-size`` above 1 without ``tp``.
+    """
+    if tp is None and args.tensor_parallel_size > 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: load_model loads one rank; "
+                         "kvpilot.engine.tp_executor.load_with_workers starts the workers and loads rank 0")
+    return load_planned(args, plan_load(args), tp)
 
 
 @dataclass
@@ -296,7 +317,6 @@ class ModelRunner:
         # The KV cache holds this rank's KV heads (with tensor parallelism, its shard).
         device, dtype, model_config = loaded.device, loaded.dtype, loaded.rank_config
         self.tp = loaded.tp
-        self.executor = loaded.executor
         if (args.device != "auto" and torch.device(args.device).type != device.type) or (
             args.dtype != "auto" and resolve_dtype(args.dtype, device) != dtype
         ):
@@ -451,41 +471,41 @@ class ModelRunner:
         return parts
 
     @torch.inference_mode()
-    def execute_inputs(self, x: StepInputs) -> None:
-        """A tensor-parallel worker's step: the forward pass and the logits' all-gather,
-        in step with rank 0 (the logits are dropped: rank 0 samples). Mutates the KV cache,
-        and its scales while they are being learned (``--calculate-kv-scales``: the same
-        calls as on rank 0, whose all-reduces they join)."""
+    def run_inputs(self, x: StepInputs) -> list[torch.Tensor]:
+        """The forward pass of one step and the logits of its row chunks (``x.chunks``):
+        what every tensor-parallel rank runs, in step (all-reduces, all-gathers). Mutates
+        the KV cache, and its scales while they are being learned
+        (``--calculate-kv-scales``: the same calls on every rank, whose all-reduces they
+        join)."""
         input_ids, positions, meta, logits_rows = self.to_tensors(x)
         calibrate = self.kv_cache.calibrate if self.kv_cache.calibrating else None
         hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, self.backend, logits_rows,
                             calibrate)
-        self._logits(hidden, x.chunks)
+        return self._logits(hidden, x.chunks)
 
-    @torch.inference_mode()
+    def execute_inputs(self, x: StepInputs) -> None:
+        """A tensor-parallel worker's step: :meth:`run_inputs`, the logits dropped (rank 0
+        samples)."""
+        self.run_inputs(x)
+
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step. Returns logits ``[num_sampling_requests, vocab]`` fp32, in the
         order of the sampling entries of ``out.scheduled``. Mutates the KV cache.
 
-        Requests that asked for prompt logprobs get them here: each prompt position
-        computed this step appends ``(logprob of the next prompt token, its rank (1 =
-        most likely), top k)`` to the
-        request's ``prompt_logprobs`` (from the log-softmax of the raw logits)."""
+        Requests that asked for prompt logprobs get them here (:meth:`finish_step`). With
+        tensor parallelism the engine's executor runs the step instead
+        (:meth:`kvpilot.engine.tp_executor.TPExecutor.execute_model`: the same calls, and
+        the step's inputs sent to the workers first)."""
         inputs = self.flatten(out)
-        if self.executor is not None:
-            self.executor.send(inputs)  # raises WorkerDiedError when a worker is gone
-        try:
-            input_ids, positions, meta, logits_rows = self.to_tensors(inputs)
-            calibrate = self.kv_cache.calibrate if self.kv_cache.calibrating else None
-            hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, self.backend, logits_rows,
-                                calibrate)
-            parts = self._logits(hidden, inputs.chunks)
-        except RuntimeError:
-            if self.executor is not None:  # a collective failed: was it a dead worker?
-                from kvpilot.engine.tp_executor import DEATH_GRACE_SECONDS
+        return self.finish_step(self.run_inputs(inputs))
 
-                self.executor.check(DEATH_GRACE_SECONDS)
-            raise
+    @torch.inference_mode()
+    def finish_step(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The sampling rows' logits out of :meth:`run_inputs`'s ``parts`` (the first), after
+        the prompt-logprob spans of :meth:`flatten` (the others): each prompt position
+        computed this step appends ``(logprob of the next prompt token, its rank (1 =
+        most likely), top k)`` to the request's ``prompt_logprobs`` (from the log-softmax
+        of the raw logits). Mutates those requests."""
         logits = parts[0]
         for (req, first, count), span_logits in zip(self.prompt_spans, parts[1:]):
             lps = torch.log_softmax(span_logits, dim=-1)

@@ -1,5 +1,12 @@
 """Tensor-parallel processes: rank 0 (the engine process) starts and watches the workers.
 
+Ownership follows vLLM v1's executor: the engine (:class:`~kvpilot.engine.llm_engine.LLMEngine`)
+owns a :class:`TPExecutor`, which owns the worker processes; each rank (rank 0 in the
+engine process, each worker in its own) owns one
+:class:`~kvpilot.engine.model_runner.ModelRunner` for its shard. The runner knows nothing
+of the workers: :func:`load_with_workers` starts them before rank 0 loads its shard, and
+:meth:`TPExecutor.execute_model` sends each step to them before rank 0 runs it.
+
 Rank 0 runs the scheduler, the sampler and its own shard of the model. Ranks ``1..N-1``
 are worker processes (``spawn``, as vLLM's multiprocessing executor, so CUDA is never
 forked) that each load their shard and KV cache, then run every step rank 0 sends them:
@@ -39,7 +46,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvpilot.engine.config import EngineArgs, resolve_device
+from kvpilot.engine.core.scheduler import SchedulerOutput
 from kvpilot.engine.distributed import TP_TIMEOUT_SECONDS, TPGroup, WorkerDiedError
+from kvpilot.engine.model_runner import (
+    LoadedModel,
+    ModelRunner,
+    load_model,
+    load_planned,
+    plan_load,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +201,23 @@ class TPExecutor:
                 self.check(DEATH_GRACE_SECONDS)
                 raise WorkerDiedError(f"a tensor-parallel worker is gone: {e}") from e
 
+    def execute_model(self, runner: ModelRunner, out: SchedulerOutput) -> torch.Tensor:
+        """Run one step on every rank: send its inputs to the workers, then run rank 0's
+        share with ``runner`` (rank 0's). Returns what :meth:`ModelRunner.execute` returns.
+
+        Raises:
+            WorkerDiedError: a worker is gone (before the step, or a collective failed
+                because it died).
+        """
+        inputs = runner.flatten(out)
+        self.send(inputs)  # raises WorkerDiedError when a worker is gone
+        try:
+            parts = runner.run_inputs(inputs)
+        except RuntimeError:  # a collective failed: was it a dead worker?
+            self.check(DEATH_GRACE_SECONDS)
+            raise
+        return runner.finish_step(parts)
+
     # ------------------------------------------------------------- shutdown
     def shutdown(self) -> None:
         """Stop the workers (a None message, then terminate, then kill) and drop the
@@ -212,14 +245,33 @@ class TPExecutor:
             group.close()
 
 
+def load_with_workers(args: EngineArgs) -> tuple[LoadedModel, TPExecutor | None]:
+    """Rank 0's load: with ``--tensor-parallel-size N > 1`` check the split, start the
+    workers (each loads its own shard), then load rank 0's shard; with one rank, the
+    whole model and no executor. The caller owns the executor (``shutdown()``).
+
+    Raises:
+        ModelNotFoundError, UnsupportedModelError, ValueError: as
+            :func:`~kvpilot.engine.model_runner.load_model` (a split the model cannot take
+            fails before any worker starts).
+        WorkerDiedError: a tensor-parallel worker failed to start.
+    """
+    if args.tensor_parallel_size == 1:
+        return load_model(args), None
+    plan = plan_load(args)
+    executor = TPExecutor(args, plan.device)
+    try:
+        return load_planned(args, plan, executor.group), executor
+    except BaseException:
+        executor.shutdown()
+        raise
+
+
 def worker_main(args: Any, rank: int, port: int, conn: mpc.Connection, log_level: int, timeout: float) -> None:
     """A worker process: join the group, load rank ``rank``'s shard and KV cache, then run
     each step rank 0 sends until it sends None or goes away. Exits 1 after reporting an
     error to rank 0 (through the pipe) if anything fails."""
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
-    from kvpilot.engine.config import resolve_device
-    from kvpilot.engine.model_runner import ModelRunner, load_model
-
     try:
         device = rank_device(resolve_device(args.device), rank)
         if device.type == "cuda":

@@ -1,5 +1,6 @@
 """Gemma 2 and Gemma 3 (text) decoders over the same packed varlen batch as
-:mod:`kvpilot.engine.model.llama`, whose pieces they reuse where the math is the same.
+:mod:`kvpilot.engine.model.llama`, built from the same layers
+(:mod:`kvpilot.engine.model.layers`) where the math is the same.
 
 What differs from Llama (transformers' ``modeling_gemma2`` / ``modeling_gemma3``, and the
 Gemma 2 report, arXiv:2408.00118; Gemma 3 report, arXiv:2503.19786):
@@ -36,7 +37,8 @@ from torch import nn
 from kvpilot.engine.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvpilot.engine.model.config import ModelConfig
 from kvpilot.engine.model.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
-from kvpilot.engine.model.llama import MLP, Attention, ForwardContext, LlamaForCausalLM, RMSNorm
+from kvpilot.engine.model.layers import MLP, Attention, ForwardContext, RMSNorm
+from kvpilot.engine.model.llama import LlamaForCausalLM
 from kvpilot.engine.model.rotary import RotaryEmbedding
 
 
@@ -74,7 +76,8 @@ class GemmaMLP(MLP):
     """GeGLU: ``down(gelu_tanh(gate(x)) * up(x))`` (Shazeer 2020), gate/up fused."""
 
     def forward(self, x: torch.Tensor, ops: TorchLayerOps = TORCH_LAYER_OPS) -> torch.Tensor:
-        return self.reduce(self.down_proj(ops.gelu_tanh_and_mul(self.gate_up_proj(x))))
+        y: torch.Tensor = self.down_proj(ops.gelu_tanh_and_mul(self.gate_up_proj(x)))
+        return y
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -4,206 +4,40 @@ Inputs are flat: ``input_ids`` and ``positions`` are ``[num_tokens]`` for the wh
 (decodes and prefill chunks of many requests); attention goes through the pluggable
 backend and the paged KV cache. Q/K/V and gate/up projections are fused into single
 matrices when the weights are loaded.
+
+The layers themselves (norms, attention, MLP, embeddings, LM head, packed linears) are
+:mod:`kvpilot.engine.model.layers`; this module wires them into the decoder and maps a
+checkpoint's tensor names onto them.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.engine.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvpilot.engine.model.config import ModelConfig
-from kvpilot.engine.model.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
+from kvpilot.engine.model.layers import (
+    MLP,
+    Attention,
+    ForwardContext,
+    PackedLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    lm_head_logits,
+    pack_linears,
+    set_tensor_parallel,
+)
 from kvpilot.engine.model.moe import SparseMoeBlock
 from kvpilot.engine.model.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from kvpilot.engine.distributed import TPGroup
-
-
-@dataclass
-class ForwardContext:
-    """What every layer needs for one step (passed explicitly, never global)."""
-
-    meta: AttentionMetadata
-    kv_caches: list[LayerKVCache]
-    backend: AttentionBackend
-    # The elementwise ops (the backend's: fused C++ on the cpu backend, else torch) and
-    # their per-step rotary state (``ops.rotary_tables``).
-    ops: TorchLayerOps
-    rotary: object
-    # FP8 scale calibration hook: (layer, k, v) -> None, set only until calibrated.
-    calibrate: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-
-
-class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight``, computed in fp32 (Zhang & Sennrich 2019);
-    the math is in :mod:`kvpilot.engine.model.layer_ops`."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, ops: TorchLayerOps = TORCH_LAYER_OPS) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
-                    ops: TorchLayerOps = TORCH_LAYER_OPS) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual), x + residual)``; the cpu ops mutate ``x`` and ``residual``."""
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class PackedLinear(nn.Module):
-    """``x @ W.T + b`` with ``W`` reordered once, at load, into oneDNN's blocked layout
-    (``torch.ops.mkldnn._reorder_linear_weight``), as vLLM's CPU backend does with its
-    oneDNN matmul handles.
-
-    Why: ``F.linear`` on CPU calls MKL's sgemm, which packs the weight again on every
-    call. For a decode step (a few to a few dozen rows) that repacking is a second pass
-    over every weight, and the step is bound by reading the weights: measured on the
-    development machine (one thread, the embedded model's 30 layers), 8 rows 109 -> 83 ms,
-    32 rows 220 -> 143 ms, the LM head at 32 rows 58 -> 34 ms; a 2,048-row prefill chunk
-    is the same either way.
-
-    Args:
-        weight: ``[out_features, in_features]`` fp32 (CPU); not kept (the packed copy is).
-        bias: ``[out_features]`` or None.
-    Raises:
-        RuntimeError: from oneDNN when it cannot pack this dtype on this CPU (bf16
-            without AVX-512/AVX-NE-CONVERT): the caller keeps the plain ``nn.Linear``.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self.bias = None if bias is None else bias.detach()
-        self.nbytes = weight.numel() * weight.element_size()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether :class:`PackedLinear` applies: CPU, fp32 and a torch built with oneDNN."""
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-def probe_batch_invariance(model: nn.Module, rows: int = 40, seed: int = 0) -> tuple[bool, str]:
-    """Whether this model's matrix products give a row the same bits whatever the number
-    of rows in the call: the property that lets a request's answer not depend on what it
-    was batched with (vLLM's and SGLang's "batch invariance"). Every other per-token op of
-    the CPU path is row-local by construction; the products are the library's choice
-    (MKL's sgemm rounds a lone row differently from a row among several; oneDNN's packed
-    kernels were found not to), so it is measured on this machine, once at load.
-
-    For each distinct weight shape among the ``nn.Linear``/:class:`PackedLinear`
-    modules (and the packed LM head), ``rows`` random rows go through once together and
-    again as calls of 1, 2, 3, 8 and 17 rows; any bit of difference is a failure. A
-    sample, not a proof: a library that changes kernels at a row count not sampled would
-    pass.
-
-    Args:
-        model: the loaded model (on its device, in its dtype).
-        rows: rows of the full call; seed: for the random rows.
-    Returns:
-        ``(invariant, detail)``; detail names the first shape and row count that differed.
-    """
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    products: dict[tuple[int, int], tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = {}
-    for m in model.modules():
-        if isinstance(m, (nn.Linear, PackedLinear)):
-            param = m.weight if isinstance(m, nn.Linear) else m.packed
-            products.setdefault((m.in_features, m.out_features), (m, param))
-    embed = getattr(model, "embed_tokens", None)
-    if embed is not None and getattr(model, "lm_head", None) is None and getattr(model, "packed_head", None) is None:
-        head = embed.weight  # a tied head left unpacked: F.linear over the embedding table
-        products.setdefault((head.shape[1], head.shape[0]), (lambda h: F.linear(h, head), head))
-    for (inp, out), (fn, param) in products.items():
-        x = torch.randn(rows, inp, generator=gen).to(device=param.device, dtype=param.dtype)
-        with torch.no_grad():
-            full = fn(x)
-            for n in (1, 2, 3, 8, 17):
-                for start in (0, rows - n):
-                    if not torch.equal(fn(x[start:start + n]), full[start:start + n]):
-                        return False, (f"{inp}x{out} product: rows {start}..{start + n - 1} alone differ from "
-                                       f"the same rows among {rows}")
-    return True, f"{len(products)} weight shapes, calls of 1-17 rows against one of {rows}"
-
-
-class Attention(nn.Module):
-    """Self-attention over the paged KV cache; with tensor parallelism this rank's heads
-    (column-parallel ``qkv_proj``, row-parallel ``o_proj``) and one all-reduce of the
-    output (:mod:`kvpilot.engine.distributed`)."""
-
-    tp: TPGroup | None = None  # set by LlamaForCausalLM.enable_tensor_parallel
-
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
-        self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
-        # Qwen3: RMSNorm over each head of q and of k, before RoPE (one weight per dim).
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.sliding_window = config.sliding_window_for(layer_idx)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim), ctx.ops)
-            k = self.k_norm(k.reshape(-1, self.head_dim), ctx.ops)
-        q, k = ctx.ops.rotary(q.view(-1, self.num_heads, self.head_dim),
-                              k.view(-1, self.num_kv_heads, self.head_dim), ctx.rotary)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if ctx.calibrate is not None:
-            ctx.calibrate(self.layer_idx, k, v)
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta, self.scale,
-                                  sliding_window=self.sliding_window)
-        return self.project_out(out)
-
-    def project_out(self, out: torch.Tensor) -> torch.Tensor:
-        """``o_proj`` of the attention output ``[T, heads, head_dim]`` -> ``[T, hidden]``,
-        summed over the tensor-parallel ranks."""
-        y = self.o_proj(out.reshape(-1, self.q_size))
-        return y if self.tp is None else self.tp.all_reduce(y)
-
-
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020). With tensor parallelism
-    this rank's slice of the intermediate dimension, and one all-reduce of the output
-    unless ``reduce_output`` is False (a MoE block's shared expert: the block reduces once)."""
-
-    tp: TPGroup | None = None  # set by LlamaForCausalLM.enable_tensor_parallel
-
-    def __init__(self, config: ModelConfig, intermediate_size: int | None = None, reduce_output: bool = True) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size or config.intermediate_size
-        self.reduce_output = reduce_output
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-
-    def forward(self, x: torch.Tensor, ops: TorchLayerOps = TORCH_LAYER_OPS) -> torch.Tensor:
-        return self.reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
-
-    def reduce(self, y: torch.Tensor) -> torch.Tensor:
-        """Sum the row-parallel ``down_proj`` partials over the ranks (when this MLP does)."""
-        return y if self.tp is None or not self.reduce_output else self.tp.all_reduce(y)
+    from kvpilot.engine.model.layers import TPGroup
 
 
 class DecoderLayer(nn.Module):
@@ -251,7 +85,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = nn.Embedding(config.vocab_size,
+                                                                                config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -269,17 +104,14 @@ class LlamaForCausalLM(nn.Module):
         """Make this model one rank of ``tp``: call on a model built (on the meta device)
         from :func:`kvpilot.engine.distributed.rank_config`, before its weights exist. The
         embedding and LM head become vocab-parallel (``vocab_size``: the whole model's);
-        attention, MLP and MoE blocks all-reduce their outputs. Mutates the module tree."""
-        from kvpilot.engine.distributed import VocabParallelEmbedding
-
+        the row-parallel projections and MoE blocks all-reduce their outputs. Mutates the
+        module tree."""
         self.tp = tp
         hidden = self.config.hidden_size
-        self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden, tp)  # type: ignore[assignment]
+        self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden, tp)
         if self.lm_head is not None:
             self.lm_head = nn.Linear(hidden, self.embed_tokens.weight.shape[0], bias=False)
-        for module in self.modules():
-            if isinstance(module, (Attention, MLP, SparseMoeBlock)):
-                module.tp = tp
+        set_tensor_parallel(self, tp, (RowParallelLinear, SparseMoeBlock))
 
     def init_rotary(self, device: torch.device) -> None:
         self.rotary = RotaryEmbedding(self.config, self.max_positions, device)
@@ -320,14 +152,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` fp32 (with tensor parallelism the ranks' vocabulary
         slices, all-gathered: every rank calls this with the same rows)."""
+        head: nn.Module | torch.Tensor
         if self.packed_head is not None:
-            logits = self.packed_head(hidden).float()
+            head = self.packed_head
         else:
-            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            logits = F.linear(hidden, weight).float()
-        if self.tp is not None:
-            logits = self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]
-        return logits
+            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return lm_head_logits(hidden, head, self.tp, self.config.vocab_size)
 
     @torch.no_grad()
     def pack_linears(self) -> int:
@@ -336,14 +166,8 @@ class LlamaForCausalLM(nn.Module):
         :meth:`load_weights`, on CPU (:func:`can_pack_linears`). Returns how many were
         packed. Mutates the module tree; ``packed_bytes`` counts what the packed weights
         hold, which :meth:`parameters` no longer shows."""
-        count = 0
-        for module in list(self.modules()):
-            for child_name, child in list(module.named_children()):
-                if isinstance(child, nn.Linear):
-                    packed = PackedLinear(child.weight, child.bias)
-                    setattr(module, child_name, packed)
-                    self.packed_bytes += packed.nbytes
-                    count += 1
+        count, nbytes = pack_linears(self)
+        self.packed_bytes += nbytes
         if self.lm_head is None:
             self.packed_head = PackedLinear(self.embed_tokens.weight, None)
             self.packed_bytes += self.packed_head.nbytes

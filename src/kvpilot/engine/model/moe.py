@@ -15,7 +15,8 @@ The block follows HF transformers' ``MixtralSparseMoeBlock`` / ``Qwen2MoeSparseM
 Expert weights are stacked per layer: ``w13 [E, 2 * moe_inter, hidden]`` (gate rows then
 up rows) and ``w2 [E, hidden, moe_inter]``. The expert computation is
 :func:`moe_experts_reference` (a loop over experts, only the tokens routed to each) on
-CPU and the Triton kernel :mod:`kvpilot.kernels.fused_moe` on CUDA.
+CPU and the Triton kernel :mod:`kvpilot.kernels.fused_moe` on CUDA. The shared expert is
+the gated MLP of :mod:`kvpilot.engine.model.layers`.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.engine.model.config import ModelConfig
+from kvpilot.engine.model.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
+from kvpilot.engine.model.layers import MLP, row_parallel_reduce
 
 if TYPE_CHECKING:
-    from kvpilot.engine.distributed import TPGroup
-from kvpilot.engine.model.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
+    from kvpilot.engine.model.layers import TPGroup
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -99,8 +101,6 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        from kvpilot.engine.model.llama import MLP
-
         e, inter, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
@@ -128,4 +128,4 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ops)
         # Row-parallel experts (and shared expert): each rank holds a partial sum.
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return row_parallel_reduce(out, self.tp)
