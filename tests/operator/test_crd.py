@@ -267,6 +267,13 @@ REFUSED = [
                                          "metrics": {"source": "prometheus",
                                                      "url": "http://prom:9090"}}},
      "autoscaling.engine keda needs autoscaling.nodeStartupSeconds 0"),
+    # KEDA reads a threshold as a milli-quantity: 1e-4 would be a target of 0.
+    *[(f"keda-{field}-under-a-thousandth",
+       {"model": EMBEDDED, "autoscaling": {"maxReplicas": 3, "engine": "keda", field: 0.0001,
+                                           "metrics": {"source": "prometheus",
+                                                       "url": "http://prom:9090"}}},
+       "KEDA reads its thresholds in thousandths")
+      for field in ("targetCacheUsage", "targetQueueDepth", "targetSaturation")],
 ]
 
 

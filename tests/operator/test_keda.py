@@ -404,3 +404,20 @@ def test_the_deployment_watch_leaves_kedas_resize_alone():
     assert restored["spec"]["template"]["spec"]["containers"][0]["image"] != "someone/else:1"
     assert restored["spec"]["replicas"] == 6  # the repair put the image back, not the count
     assert [e[1] for e in events if e[1] == "ChildRestored"] == ["ChildRestored"]
+
+
+
+@pytest.mark.parametrize("field", ["targetCacheUsage", "targetQueueDepth", "targetSaturation"])
+def test_a_keda_target_under_a_thousandth_is_refused_by_name(field):
+    # KEDA turns a threshold into a milli-quantity: 0.0001 would reach the HPA as 0.
+    with pytest.raises(SpecError, match=rf"autoscaling\.{field}: got 0\.0001; >= 0\.001"):
+        parse_spec(keda_spec(**{field: 0.0001}))
+
+
+def test_thresholds_are_thousandths_and_the_address_has_no_trailing_slash():
+    doc = keda_spec(targetSaturation=0.3333, metrics={"source": "prometheus", "url": PROM + "/"})
+    doc["engine"]["maxNumSeqs"] = 3
+    obj = build_scaled_object({"uid": "u"}, "llm", "chat", parse_spec(doc))
+    triggers = {t["name"]: t["metadata"] for t in obj["spec"]["triggers"]}
+    assert triggers["saturation"]["threshold"] == "1"  # 3 x 0.3333 = 0.9999 -> 1.000
+    assert {t["serverAddress"] for t in triggers.values()} == {PROM}

@@ -15,7 +15,7 @@ queue-depth     ``sum(max by (pod) (kvpilot:num_requests_waiting{S}))``    Avera
 saturation      ``sum(max by (pod) (kvpilot:num_requests_running{S}))``    AverageValue maxNumSeqs x targetSaturation
 ==============  =====================================================  ===========  ==========================
 
-The HPA sizes a ``Value`` metric as ``ceil(replicas x value / threshold)`` (mean usage x
+The HPA sizes a ``Value`` metric as ``ceil(ready replicas x value / threshold)`` (mean usage x
 replicas = the KV used, so ``ceil(used / target)``, the headroom rule) and an
 ``AverageValue`` one as ``ceil(sum / threshold)`` (the queue per replica; running requests
 per replica against ``maxNumSeqs x targetSaturation``, the saturation rule), and takes the
@@ -39,8 +39,10 @@ SCALE_DOWN_PODS_PER_PERIOD = 1
 
 
 def _threshold(value: float) -> str:
-    """A trigger threshold as KEDA reads it (a string of a float; no exponent)."""
-    text = f"{value:.6f}".rstrip("0").rstrip(".")
+    """A trigger threshold as KEDA reads it: a string of a float, no exponent, in
+    thousandths (KEDA turns it into a milli-quantity; the spec parser refuses a target
+    under 0.001 in KEDA mode, so this is never "0")."""
+    text = f"{value:.3f}".rstrip("0").rstrip(".")
     return text or "0"
 
 
@@ -127,7 +129,7 @@ def build_scaled_object(owner_reference: dict[str, Any], namespace: str, name: s
                     "name": trigger,
                     "metricType": metric_type,
                     "metadata": {
-                        "serverAddress": url,
+                        "serverAddress": url.rstrip("/"),  # KEDA appends /api/v1/query
                         "query": queries[trigger],
                         "threshold": _threshold(threshold),
                         "ignoreNullValues": "false",

@@ -20,6 +20,8 @@ from kvpilot.operator.spec.fields import FieldReader, SpecError
 MAX_REPLICAS = 1000
 # The autoscaler fits its KV forecast over two minutes: it needs a decision at least a minute.
 MAX_INTERVAL_SECONDS = 60
+# The smallest trigger threshold KEDA can express: it reads thresholds as milli-quantities.
+KEDA_MIN_THRESHOLD = 0.001
 
 
 def parse_autoscaling(raw: Any) -> AutoscalingSpec:
@@ -30,7 +32,8 @@ def parse_autoscaling(raw: Any) -> AutoscalingSpec:
     ``engine: keda`` (docs/autoscaling.md, "KEDA mode") needs ``metrics.source:
     prometheus`` (KEDA's triggers query that Prometheus), ``minReplicas`` >= 1 (scale
     to zero is the operator's own, through its router; KEDA mode does not do it) and
-    ``nodeStartupSeconds`` 0 (node headroom follows the policy's forecast).
+    ``nodeStartupSeconds`` 0 (node headroom follows the policy's forecast) and each target
+    at least :data:`KEDA_MIN_THRESHOLD` (KEDA's thresholds are milli-quantities).
 
     Raises:
         SpecError: a field out of range or not allowed with another, named by its path.
@@ -61,14 +64,27 @@ def parse_autoscaling(raw: Any) -> AutoscalingSpec:
         raise SpecError("autoscaling.nodeStartupSeconds", node_startup_seconds,
                         "0 when autoscaling.engine is keda (node headroom follows kvpilot's KV"
                         " forecast, which KEDA mode does not run)")
+    targets = {
+        "targetCacheUsage": r.number("targetCacheUsage", 0.0, STARVATION_USAGE,
+                                     lo_open=True, hi_open=True),
+        "targetQueueDepth": r.number("targetQueueDepth", 0.0, 10000.0, lo_open=True),
+        "targetSaturation": r.number("targetSaturation", 0.0, 1.0, lo_open=True),
+    }
+    if engine == "keda":
+        # KEDA reads a trigger threshold as a milli-quantity: under 0.001 it is a target of 0.
+        # (targetSaturation's threshold is maxNumSeqs x targetSaturation, maxNumSeqs >= 1.)
+        for field, value in targets.items():
+            if value < KEDA_MIN_THRESHOLD:
+                raise SpecError(f"autoscaling.{field}", value,
+                                f">= {KEDA_MIN_THRESHOLD} when autoscaling.engine is keda (KEDA"
+                                " reads its thresholds in thousandths)")
     try:
         return AutoscalingSpec(
             min_replicas=min_replicas,
             max_replicas=max_replicas,
-            target_cache_usage=r.number("targetCacheUsage", 0.0, STARVATION_USAGE,
-                                        lo_open=True, hi_open=True),
-            target_queue_depth=r.number("targetQueueDepth", 0.0, 10000.0, lo_open=True),
-            target_saturation=r.number("targetSaturation", 0.0, 1.0, lo_open=True),
+            target_cache_usage=targets["targetCacheUsage"],
+            target_queue_depth=targets["targetQueueDepth"],
+            target_saturation=targets["targetSaturation"],
             startup_seconds=r.integer("startupSeconds", 0, 7200),
             scale_up_stabilization_seconds=r.integer("scaleUpStabilizationSeconds", 0, 3600),
             scale_down_stabilization_seconds=r.integer("scaleDownStabilizationSeconds", 0,
