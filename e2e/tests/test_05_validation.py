@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from e2e.tests import helpers as h
 
@@ -13,6 +14,8 @@ def _autoscaling(**over):
     auto.update(over)
     return auto
 
+
+PROMETHEUS = {"source": "prometheus", "url": "http://prometheus.monitoring:9090"}
 
 CASES = {
     "min-over-max": ({"autoscaling": _autoscaling(minReplicas=5, maxReplicas=2)},
@@ -28,6 +31,12 @@ CASES = {
     "tensor-parallel-not-dividing-gpus": (
         {"engine": {"tensorParallelSize": 3}, "resources": {"limits": {"nvidia.com/gpu": 4}}},
         "engine.tensorParallelSize must divide the pod's GPU count"),
+    "keda-needs-prometheus": ({"autoscaling": _autoscaling(engine="keda")},
+                              "autoscaling.engine keda needs autoscaling.metrics.source prometheus"),
+    # KEDA reads a threshold as a milli-quantity: 0.0001 would reach its HPA as 0.
+    "keda-threshold-under-a-thousandth": (
+        {"autoscaling": _autoscaling(engine="keda", targetQueueDepth=0.0001, metrics=PROMETHEUS)},
+        "KEDA reads its thresholds in thousandths"),
 }
 
 
@@ -46,6 +55,21 @@ def test_invalid_spec_refused(cluster, case):
     assert result.returncode != 0, result.stdout
     assert "is invalid" in result.stderr and message in result.stderr, result.stderr
     gone = cluster.kubectl("get", "infd", doc["metadata"]["name"], check=False)
+    assert "NotFound" in gone.stderr
+
+
+def test_keda_mode_with_integer_targets_is_admitted(cluster):
+    """The KEDA threshold rule converts each target with double(): integer values (a
+    queue depth of 4) are admitted by the API server's CEL. A server-side dry run: the
+    apiserver validates, nothing is stored (and no KEDA is needed)."""
+    doc = h.small_infd("keda-admitted", autoscaling=_autoscaling(
+        engine="keda", targetQueueDepth=4, targetCacheUsage=0.75, targetSaturation=1,
+        metrics=PROMETHEUS))
+    doc["spec"].pop("replicas", None)
+    result = cluster.kubectl("apply", "--dry-run=server", "-n", "default", "-f", "-",
+                             input=yaml.safe_dump(doc), check=False)
+    assert result.returncode == 0, result.stderr
+    gone = cluster.kubectl("get", "infd", "keda-admitted", check=False)
     assert "NotFound" in gone.stderr
 
 
