@@ -128,3 +128,53 @@ def test_pruning_keeps_one_recommendation_at_the_window_start():
     assert [r.time for r in pruned.recommendations] == [100.0, 200.0, 300.0, 400.0]
     # A clock that went backwards drops the entries "from the future".
     assert PolicyState((), recs).pruned(250.0, 120.0, 1000.0).recommendations[-1].time == 200.0
+
+
+# ------------------------------------------------------------- latency windows
+def test_latency_window_quantile_interpolates_like_histogram_quantile():
+    from kvpilot.autoscaler import LatencyWindow
+
+    inf = float("inf")
+    # 10 observations: 4 in (0, 0.1], 4 in (0.1, 0.2], 2 in (0.2, 0.5]
+    w = LatencyWindow(((0.1, 4), (0.2, 8), (0.5, 10), (inf, 10)), sum_seconds=1.5)
+    assert w.count == 10
+    assert w.mean == pytest.approx(0.15)
+    assert w.quantile(0.5) == pytest.approx(0.125)  # rank 5: 1/4 into (0.1, 0.2]
+    assert w.quantile(0.9) == pytest.approx(0.35)  # rank 9: half into (0.2, 0.5]
+    assert w.quantile(0.2) == pytest.approx(0.05)
+
+
+def test_latency_window_top_bucket_and_empty():
+    from kvpilot.autoscaler import LatencyWindow
+
+    inf = float("inf")
+    w = LatencyWindow(((0.1, 1), (1.0, 1), (inf, 5)), sum_seconds=50.0)
+    assert w.quantile(0.9) == 1.0  # in +Inf: the highest finite bound (PromQL)
+    empty = LatencyWindow(((0.1, 0), (inf, 0)), sum_seconds=0.0)
+    assert empty.quantile(0.9) is None and empty.mean is None
+
+
+@pytest.mark.parametrize("buckets, total, match", [
+    (((0.1, 1), (1.0, 2)), 1.0, "Inf"),
+    (((0.5, 1), (0.1, 2), (float("inf"), 2)), 1.0, "increase"),
+    (((0.1, 3), (float("inf"), 2)), 1.0, "cumulative"),
+    (((0.1, 1), (float("inf"), 2)), -1.0, "sum_seconds"),
+])
+def test_latency_window_refuses_malformed(buckets, total, match):
+    from kvpilot.autoscaler import LatencyWindow
+
+    with pytest.raises(ValueError, match=match):
+        LatencyWindow(buckets, sum_seconds=total)
+
+
+def test_pod_latency_fields_are_not_load_signals():
+    from kvpilot.autoscaler import LatencyWindow
+
+    p = pod("a")
+    assert p.itl is None and p.ttft is None and p.step_tokens is None and p.missing == ()
+    with pytest.raises(ValueError, match="itl"):
+        pod("a", itl=(0.1, 3))
+    w = LatencyWindow(((0.1, 1), (float("inf"), 1)), 0.05)
+    assert pod("a", itl=w, step_tokens=12.0).itl is w
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        FleetSignals((p,), max_num_batched_tokens=0)

@@ -10,7 +10,14 @@ The operator's timer calls :func:`decide` once per ``intervalSeconds``::
 
 from kvpilot.autoscaler.policy import Decision, decide
 from kvpilot.autoscaler.rules import Candidate
-from kvpilot.autoscaler.signals import FleetLoad, FleetSignals, PodSignals, aggregate, counter_rate
+from kvpilot.autoscaler.signals import (
+    FleetLoad,
+    FleetSignals,
+    LatencyWindow,
+    PodSignals,
+    aggregate,
+    counter_rate,
+)
 from kvpilot.autoscaler.spec import AutoscalingSpec, MetricsSourceSpec
 from kvpilot.autoscaler.state import PolicyState, Recommendation
 
@@ -20,6 +27,7 @@ __all__ = [
     "Decision",
     "FleetLoad",
     "FleetSignals",
+    "LatencyWindow",
     "MetricsSourceSpec",
     "PodSignals",
     "PolicyState",

@@ -51,6 +51,76 @@ def _check_optional(name: str, pod: str, value: float | None, upper: float | Non
 
 
 @dataclass(frozen=True)
+class LatencyWindow:
+    """How much one latency histogram grew over the last read window (a Prometheus
+    ``increase()`` of ``_bucket`` and ``_sum``, or the difference of two scrapes).
+
+    Attributes:
+        buckets: ``(upper_bound_seconds, cumulative_count)`` pairs, bounds strictly
+            increasing, counts non-decreasing, the last bound ``math.inf`` (its count is
+            the number of observations in the window). Counts are floats: PromQL's
+            ``increase()`` extrapolates.
+        sum_seconds: increase of the histogram's ``_sum`` (seconds, >= 0).
+
+    Raises:
+        ValueError: bounds not increasing, no ``+Inf`` bucket, counts decreasing or
+            negative, a negative or non-finite sum.
+    """
+
+    buckets: tuple[tuple[float, float], ...]
+    sum_seconds: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "buckets", tuple((float(b), float(c)) for b, c in self.buckets))
+        if not self.buckets or self.buckets[-1][0] != math.inf:
+            raise ValueError(f"buckets must end with the +Inf bucket; got {self.buckets!r}")
+        prev_bound, prev_count = -math.inf, 0.0
+        for bound, count in self.buckets:
+            if not bound > prev_bound or math.isnan(bound):
+                raise ValueError(f"bucket bounds must increase; got {bound} after {prev_bound}")
+            if math.isnan(count) or count < prev_count:
+                raise ValueError(f"bucket counts must be >= 0 and cumulative; got {count} after {prev_count}")
+            prev_bound, prev_count = bound, count
+        if math.isnan(self.sum_seconds) or math.isinf(self.sum_seconds) or self.sum_seconds < 0:
+            raise ValueError(f"sum_seconds must be >= 0 and finite; got {self.sum_seconds!r}")
+
+    @property
+    def count(self) -> float:
+        """Observations in the window."""
+        return self.buckets[-1][1]
+
+    @property
+    def mean(self) -> float | None:
+        """Mean observation (seconds); None for an empty window."""
+        return self.sum_seconds / self.count if self.count > 0 else None
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile (0 < q < 1) in seconds, interpolated linearly inside its
+        bucket as PromQL's ``histogram_quantile`` does (the first bucket starts at 0; a
+        quantile in the +Inf bucket is the highest finite bound). None for an empty window.
+
+        Raises:
+            ValueError: ``q`` outside (0, 1).
+        """
+        if not 0.0 < q < 1.0:
+            raise ValueError(f"quantile must be in (0, 1); got {q}")
+        total = self.count
+        if total <= 0:
+            return None
+        rank = q * total
+        lower_bound, lower_count = 0.0, 0.0
+        for bound, count in self.buckets:
+            if count >= rank:
+                if bound == math.inf:
+                    return lower_bound
+                if count == lower_count:
+                    return bound
+                return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+            lower_bound, lower_count = bound, count
+        return lower_bound  # unreachable: the +Inf bucket holds every observation
+
+
+@dataclass(frozen=True)
 class PodSignals:
     """One ready pod's signals at one instant. ``None`` = missing (not zero).
 
@@ -62,6 +132,14 @@ class PodSignals:
         num_running: requests scheduled (prefilling or decoding).
         preemption_rate: preemptions per second over the last interval.
         kv_capacity_tokens: KV pool size in tokens (blocks x block size), > 0.
+        itl: ``kvpilot:inter_token_latency_seconds`` over the last window, or None when
+            the engine exports no such histogram (older engines) or it could not be read.
+        ttft: ``kvpilot:time_to_first_token_seconds`` over the last window, or None.
+        step_tokens: mean tokens scheduled per engine step over the last window (prefill
+            chunks plus one per decoding request; ``kvpilot:iteration_tokens_total``'s
+            ``_sum`` / ``_count`` increase), or None. The latency signals are not load
+            signals: a pod without them is not "missing"; the policy falls back to the
+            saturation signals and says so.
     """
 
     name: str
@@ -71,9 +149,17 @@ class PodSignals:
     num_running: float | None = None
     preemption_rate: float | None = None
     kv_capacity_tokens: float | None = None
+    itl: LatencyWindow | None = None
+    ttft: LatencyWindow | None = None
+    step_tokens: float | None = None
 
     def __post_init__(self) -> None:
         _check_optional("kv_usage", self.name, self.kv_usage, upper=1.0)
+        _check_optional("step_tokens", self.name, self.step_tokens)
+        for name in ("itl", "ttft"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, LatencyWindow):
+                raise ValueError(f"pod {self.name!r}: {name} must be a LatencyWindow or None; got {value!r}")
         for name in ("num_waiting", "waiting_tokens", "num_running", "preemption_rate"):
             _check_optional(name, self.name, getattr(self, name))
         _check_optional("kv_capacity_tokens", self.name, self.kv_capacity_tokens)
@@ -113,6 +199,9 @@ class FleetSignals:
         max_num_seqs: requests one engine runs at most (its ``--max-num-seqs``, >= 1), the
             denominator of saturation; None when unknown (the saturation rule then has no
             opinion, and the fleet is sized on KV and the queue alone).
+        max_num_batched_tokens: the engines' token budget per step
+            (``--max-num-batched-tokens``, >= 1), the denominator of ``step_tokens``;
+            None when unknown.
     """
 
     pods: tuple[PodSignals, ...]
@@ -121,6 +210,7 @@ class FleetSignals:
     requests_without_engine: float = 0.0
     requests_finished: float | None = None
     max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pods", tuple(self.pods))
@@ -140,6 +230,12 @@ class FleetSignals:
             or self.max_num_seqs < 1
         ):
             raise ValueError(f"max_num_seqs must be an int >= 1 or None; got {self.max_num_seqs!r}")
+        if self.max_num_batched_tokens is not None and (
+            isinstance(self.max_num_batched_tokens, bool) or not isinstance(self.max_num_batched_tokens, int)
+            or self.max_num_batched_tokens < 1
+        ):
+            raise ValueError(
+                f"max_num_batched_tokens must be an int >= 1 or None; got {self.max_num_batched_tokens!r}")
         names = [p.name for p in self.pods]
         if len(set(names)) != len(names):
             raise ValueError(f"pod names must be unique; got {names}")
