@@ -56,7 +56,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from kvpilot.engine.core.kv_events import BlockStored, KVEvent
 
@@ -66,8 +66,8 @@ logger = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # /kv_event_sources advertises these two: vllm-router 0.1.17 subscribes to a rank only
 # when its entry says `"encoding": "msgpack"` and `"schema_version": 1`.
-WIRE_ENCODING = "msgpack"
-WIRE_SCHEMA_VERSION = 1
+WIRE_ENCODING: Final = "msgpack"
+WIRE_SCHEMA_VERSION: Final = 1
 PUBLISHERS = ("zmq", "null")
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 

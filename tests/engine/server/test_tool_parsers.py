@@ -544,7 +544,7 @@ def test_new_tool_call_id(parser_name, form):
 
 def test_tool_call_to_openai():
     call = ToolCall("chatcmpl-tool-" + "0" * 32, "f", '{"a": "é"}')
-    assert call.to_openai() == {
+    assert call.to_openai().model_dump() == {
         "id": "chatcmpl-tool-" + "0" * 32,
         "type": "function",
         "function": {"name": "f", "arguments": '{"a": "é"}'},

@@ -28,8 +28,24 @@ from typing import Any
 from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.outputs import TokenLogprob
 from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.server.protocol import ChatCompletionRequest, ChatMessage
-from kvpilot.engine.server.reasoning import ReasoningParser, get_reasoning_parser
+from kvpilot.engine.server.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    FinishReason,
+    FunctionCallDelta,
+    ToolCallDelta,
+)
+from kvpilot.engine.server.reasoning import ReasoningParser, ReasoningStreamer, get_reasoning_parser
+from kvpilot.engine.server.responses import sse_event
 from kvpilot.engine.server.serving import (
     Choice,
     Delta,
@@ -41,6 +57,7 @@ from kvpilot.engine.server.serving import (
 from kvpilot.engine.server.structured import structured_outputs_of, tool_constraint
 from kvpilot.engine.server.tool_parsers import (
     ToolCall,
+    ToolCallStreamer,
     ToolParser,
     get_tool_parser,
     new_tool_call_id,
@@ -145,12 +162,15 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
     return ids
 
 
-def chat_logprobs(ctx: ServingContext, lps: list[TokenLogprob]) -> dict[str, Any]:
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": ctx.token_label(token_id), "logprob": logprob,
-                "bytes": list(ctx.token_bytes(token_id))}
+def chat_logprobs(ctx: ServingContext, lps: list[TokenLogprob]) -> ChatLogprobs:
+    """OpenAI's chat ``logprobs``: per token its label, logprob, bytes and top entries."""
+    def top(token_id: int, logprob: float) -> ChatTopLogprob:
+        return ChatTopLogprob(token=ctx.token_label(token_id), logprob=logprob, bytes=list(ctx.token_bytes(token_id)))
 
-    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(token=ctx.token_label(lp.token_id), logprob=lp.logprob, bytes=list(ctx.token_bytes(lp.token_id)),
+                         top_logprobs=[top(t, v) for t, v in lp.top])
+        for lp in lps])
 
 
 @dataclass
@@ -259,9 +279,6 @@ class ChatHandler:
             params = dataclasses.replace(params, skip_special_tokens=False)
         return dataclasses.replace(params, structured_outputs=prep.constraint) if prep.constraint else params
 
-    def _base(self, public_id: str, created: int, obj: str) -> dict[str, Any]:
-        return {"id": public_id, "object": obj, "created": created, "model": self.ctx.served_model_name}
-
     # ----------------------------------------------------------- parsing
     def parse_choice(self, req: ChatCompletionRequest, prep: Prepared, choice: Choice) -> ChoiceOutput:
         """The message of a finished choice: reasoning split off, tool calls parsed."""
@@ -295,7 +312,7 @@ class ChatHandler:
         return self.options.tool_call_parser or "hermes"
 
     # ----------------------------------------------------------- entries
-    async def create(self, req: ChatCompletionRequest, header_id: str | None) -> dict[str, Any] | AsyncIterator[str]:
+    async def create(self, req: ChatCompletionRequest, header_id: str | None) -> ChatCompletionResponse | AsyncIterator[str]:
         """The one entry of ``POST /v1/chat/completions``: validation, the prompt, the
         sampling parameters, generation and the answer: the whole body, or with
         ``stream`` the SSE events (validation errors raise before the stream starts)."""
@@ -315,7 +332,7 @@ class ChatHandler:
         return prep.ids, params
 
     # ----------------------------------------------------------- respond
-    async def complete(self, req: ChatCompletionRequest, header_id: str | None) -> dict[str, Any]:
+    async def complete(self, req: ChatCompletionRequest, header_id: str | None) -> ChatCompletionResponse:
         prep = await self.prepare(req)
         public_id, internal_id = new_request_id("chatcmpl", header_id)
         params = self.sampling_params(req, prep)
@@ -323,26 +340,26 @@ class ChatHandler:
         async for delta in self.ctx.generate(internal_id, [prep.ids], params, req.cache_salt, grammar=prep.grammar):
             if delta.finished:
                 done[delta.choice.index] = delta.choice
-        body = self._base(public_id, int(time.time()), "chat.completion")
         choices = []
         for i in sorted(done):
             c = done[i]
             parsed = self.parse_choice(req, prep, c)
-            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            message = ChatResponseMessage(role="assistant", content=parsed.content)
             if parsed.reasoning is not None:
-                message["reasoning_content"] = parsed.reasoning
-            message["tool_calls"] = [t.to_openai() for t in parsed.tool_calls]
-            choices.append({
-                "index": i,
-                "message": message,
-                "logprobs": chat_logprobs(self.ctx, c.logprobs) if req.logprobs else None,
-                "finish_reason": "tool_calls" if parsed.tool_calls and c.finish_reason == "stop" else c.finish_reason,
-                "stop_reason": c.stop_reason,
-            })
-        body["choices"] = choices
-        body["usage"] = usage([len(prep.ids)], list(done.values()), req.n)
+                message.reasoning_content = parsed.reasoning
+            message.tool_calls = [t.to_openai() for t in parsed.tool_calls]
+            choices.append(ChatCompletionChoice(
+                index=i,
+                message=message,
+                logprobs=chat_logprobs(self.ctx, c.logprobs) if req.logprobs else None,
+                finish_reason=_finish_reason(bool(parsed.tool_calls), c.finish_reason),
+                stop_reason=c.stop_reason,
+            ))
+        body = ChatCompletionResponse(
+            id=public_id, object="chat.completion", created=int(time.time()), model=self.ctx.served_model_name,
+            choices=choices, usage=usage([len(prep.ids)], list(done.values()), req.n))
         if req.prompt_logprobs is not None and done:
-            body["prompt_logprobs"] = self.ctx.prompt_logprobs_block(prep.ids, done[min(done)].prompt_logprobs or [])
+            body.prompt_logprobs = self.ctx.prompt_logprobs_block(prep.ids, done[min(done)].prompt_logprobs or [])
         return body
 
     async def stream(self, req: ChatCompletionRequest, header_id: str | None) -> AsyncIterator[str]:
@@ -365,16 +382,13 @@ class ChatHandler:
         self, req: ChatCompletionRequest, prep: Prepared, public_id: str, deltas: AsyncGenerator[Delta, None]
     ) -> AsyncIterator[str]:
         created = int(time.time())
+        model = self.ctx.served_model_name
         streams: dict[int, ChoiceStream] = {}
         finished: list[Choice] = []
 
-        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, lp: Any = None, extra: dict[str, Any] | None = None) -> str:
-            body = self._base(public_id, created, "chat.completion.chunk")
-            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            if extra:
-                choice.update(extra)
-            body["choices"] = [choice]
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        def chunk(choice: ChatCompletionStreamChoice) -> str:
+            return sse_event(ChatCompletionChunk(id=public_id, object="chat.completion.chunk", created=created,
+                                                 model=model, choices=[choice]), ensure_ascii=False)
 
         try:
             async for d in deltas:
@@ -382,27 +396,34 @@ class ChatHandler:
                 cs = streams.get(c.index)
                 if cs is None:
                     cs = streams[c.index] = self._choice_stream(req, prep)
-                    yield chunk(c.index, {"role": "assistant", "content": ""})
+                    yield chunk(ChatCompletionStreamChoice(index=c.index, delta=ChatDelta(role="assistant", content=""),
+                                                           logprobs=None, finish_reason=None))
                 lp = chat_logprobs(self.ctx, d.logprobs) if (req.logprobs and d.logprobs) else None
                 pieces = cs.feed(d.text)
                 if d.finished:
                     pieces += cs.finish(c.finish_reason)
                 if lp is not None and not pieces:
-                    pieces = [{"content": ""}]
+                    pieces = [ChatDelta(content="")]
                 for k, piece in enumerate(pieces):
-                    yield chunk(c.index, piece, lp=lp if k == 0 else None)
+                    yield chunk(ChatCompletionStreamChoice(index=c.index, delta=piece, logprobs=lp if k == 0 else None,
+                                                           finish_reason=None))
                 if d.finished:
                     finished.append(c)
-                    reason = "tool_calls" if (cs.tool_calls and c.finish_reason == "stop") else c.finish_reason
-                    yield chunk(c.index, {}, reason, extra={"stop_reason": c.stop_reason})
+                    yield chunk(ChatCompletionStreamChoice(
+                        index=c.index, delta=ChatDelta(), logprobs=None,
+                        finish_reason=_finish_reason(bool(cs.tool_calls), c.finish_reason), stop_reason=c.stop_reason))
             if req.stream_options and req.stream_options.include_usage:
-                body = self._base(public_id, created, "chat.completion.chunk")
-                body["choices"] = []
-                body["usage"] = usage([len(prep.ids)], finished, req.n)
-                yield f"data: {json.dumps(body)}\n\n"
+                yield sse_event(ChatCompletionChunk(id=public_id, object="chat.completion.chunk", created=created,
+                                                    model=model, choices=[], usage=usage([len(prep.ids)], finished, req.n)))
             yield "data: [DONE]\n\n"
         finally:
             await deltas.aclose()
+
+
+def _finish_reason(has_tool_calls: bool, engine_reason: FinishReason | None) -> FinishReason | None:
+    """A choice that stopped on its own with tool calls finishes with ``tool_calls``; one
+    cut by ``max_tokens`` keeps ``length``."""
+    return "tool_calls" if has_tool_calls and engine_reason == "stop" else engine_reason
 
 
 def required_calls(text: str, parser_name: str) -> list[ToolCall]:
@@ -456,21 +477,27 @@ class ArrayElements:
 
 class ChoiceStream:
     """One streamed choice's parsers: reasoning first, then tool calls. ``feed`` and
-    ``finish`` return the chat-completion-chunk ``delta`` objects to send, in order."""
+    ``finish`` return the chat-completion-chunk deltas to send, in order; the tool-call
+    parser's delta objects (:class:`~kvpilot.engine.server.tool_parsers.ToolCallStreamer`)
+    become :class:`ChatDelta` models here.
 
-    def __init__(self, reasoning: Any, include_reasoning: bool, tool_mode: str | None, tool_streamer: Any,
-                 parser_name: str) -> None:
+    Attributes:
+        tool_calls: the header (first) delta of every call streamed so far.
+    """
+
+    def __init__(self, reasoning: ReasoningStreamer | None, include_reasoning: bool, tool_mode: str | None,
+                 tool_streamer: ToolCallStreamer | None, parser_name: str) -> None:
         self.reasoning = reasoning
         self.include_reasoning = include_reasoning
         self.tool_mode = tool_mode
         self.tool_streamer = tool_streamer
         self.parser_name = parser_name
-        self.tool_calls: list[Any] = []
+        self.tool_calls: list[ToolCallDelta] = []
         self._elements = ArrayElements() if tool_mode == "required" else None
         self._named_id: str | None = None
         self._answer = ""
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
+    def feed(self, text: str) -> list[ChatDelta]:
         if not text:
             return []
         if self.reasoning is None:
@@ -478,36 +505,46 @@ class ChoiceStream:
         think, answer = self.reasoning.feed(text)
         return self._reasoning_delta(think) + self._answer_deltas(answer)
 
-    def finish(self, finish_reason: str | None) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
+    def finish(self, finish_reason: str | None) -> list[ChatDelta]:
+        out: list[ChatDelta] = []
         if self.reasoning is not None:
             think, answer = self.reasoning.finish()
             out += self._reasoning_delta(think) + self._answer_deltas(answer)
         if self.tool_streamer is not None:
             out += self._track(self.tool_streamer.finish())
         if self.tool_mode == "required" and not self.tool_calls and self._answer:
-            out.append({"content": self._answer})  # cut before any call completed: as content, like the
-            # non-streamed answer
+            # cut before any call completed: as content, like the non-streamed answer
+            out.append(ChatDelta(content=self._answer))
         return out
 
-    def _reasoning_delta(self, think: str) -> list[dict[str, Any]]:
-        return [{"reasoning_content": think}] if think and self.include_reasoning else []
+    def _reasoning_delta(self, think: str) -> list[ChatDelta]:
+        return [ChatDelta(reasoning_content=think)] if think and self.include_reasoning else []
 
-    def _track(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        for d in deltas:
-            for call in d.get("tool_calls", ()):
-                if "id" in call:
-                    self.tool_calls.append(call)
-        return deltas
+    def _track(self, deltas: list[dict[str, Any]]) -> list[ChatDelta]:
+        out = [ChatDelta.model_validate(d) for d in deltas]
+        for delta in out:
+            self.tool_calls.extend(call for call in delta.tool_calls or () if call.id is not None)
+        return out
 
-    def _answer_deltas(self, text: str) -> list[dict[str, Any]]:
+    def _head(self, index: int, name: str, call_id: str) -> ChatDelta:
+        head = ToolCallDelta(index=index, id=call_id, type="function",
+                             function=FunctionCallDelta(name=name, arguments=""))
+        self.tool_calls.append(head)
+        return ChatDelta(tool_calls=[head])
+
+    @staticmethod
+    def _arguments(index: int, arguments: str) -> ChatDelta:
+        return ChatDelta(tool_calls=[ToolCallDelta(index=index, function=FunctionCallDelta(arguments=arguments))])
+
+    def _answer_deltas(self, text: str) -> list[ChatDelta]:
         if not text:
             return []
         self._answer += text
         mode = self.tool_mode
         if mode is None:
-            return [{"content": text}]
+            return [ChatDelta(content=text)]
         if mode == "auto":
+            assert self.tool_streamer is not None
             return self._track(self.tool_streamer.feed(text))
         if mode == "required":
             assert self._elements is not None
@@ -515,19 +552,13 @@ class ChoiceStream:
             for element in self._elements.feed(text):
                 call = json.loads(element)
                 index = len(self.tool_calls)
-                head = {"index": index, "id": new_tool_call_id(self.parser_name), "type": "function",
-                        "function": {"name": call["name"], "arguments": ""}}
-                self.tool_calls.append(head)
-                out.append({"tool_calls": [head]})
-                args = json.dumps(call["parameters"], ensure_ascii=False)
-                out.append({"tool_calls": [{"index": index, "function": {"arguments": args}}]})
+                out.append(self._head(index, call["name"], new_tool_call_id(self.parser_name)))
+                out.append(self._arguments(index, json.dumps(call["parameters"], ensure_ascii=False)))
             return out
         # a named function: the answer is its arguments, streamed as they come
         out = []
         if self._named_id is None:
             self._named_id = new_tool_call_id(self.parser_name)
-            head = {"index": 0, "id": self._named_id, "type": "function", "function": {"name": mode, "arguments": ""}}
-            self.tool_calls.append(head)
-            out.append({"tool_calls": [head]})
-        out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
+            out.append(self._head(0, mode, self._named_id))
+        out.append(self._arguments(0, text))
         return out

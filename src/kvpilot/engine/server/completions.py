@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import dataclasses
-import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -13,7 +12,15 @@ from typing import Any
 from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.outputs import TokenLogprob
 from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.server.protocol import CompletionRequest
+from kvpilot.engine.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    Usage,
+)
+from kvpilot.engine.server.responses import sse_event
 from kvpilot.engine.server.serving import (
     Choice,
     Delta,
@@ -52,7 +59,7 @@ def parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[list[int]
 
 
 def logprobs_block(ctx: ServingContext, lps: list[TokenLogprob], text_offset: int,
-                   decoder: codecs.IncrementalDecoder | None = None) -> tuple[dict[str, Any], int]:
+                   decoder: codecs.IncrementalDecoder | None = None) -> tuple[CompletionLogprobs, int]:
     """OpenAI's completions ``logprobs``. ``text_offset`` is the character where each token
     starts in the text: tokens are fed as bytes through a UTF-8 decoder, so a token that
     is part of a character starts where that character does. Pass the same ``decoder``
@@ -67,7 +74,7 @@ def logprobs_block(ctx: ServingContext, lps: list[TokenLogprob], text_offset: in
         tops.append({ctx.token_label(t): v for t, v in lp.top})
         offsets.append(pos)
         pos += len(decoder.decode(ctx.token_bytes(lp.token_id)))
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, pos
+    return CompletionLogprobs(tokens=tokens, token_logprobs=token_lps, top_logprobs=tops, text_offset=offsets), pos
 
 
 class CompletionHandler:
@@ -105,7 +112,7 @@ class CompletionHandler:
         params = req.to_sampling_params(max_tokens, req.logprobs)
         return dataclasses.replace(params, structured_outputs=so) if so is not None else params
 
-    async def create(self, req: CompletionRequest, header_id: str | None) -> dict[str, Any] | AsyncIterator[str]:
+    async def create(self, req: CompletionRequest, header_id: str | None) -> CompletionResponse | AsyncIterator[str]:
         """The one entry of ``POST /v1/completions``: the whole body, or with ``stream``
         the SSE events (validation errors raise before the stream starts)."""
         if req.stream:
@@ -130,23 +137,19 @@ class CompletionHandler:
             self.ctx.llm.check_request(ids, params)
         return [(ids, params) for ids in prompts]
 
-    def _base(self, public_id: str, created: int) -> dict[str, Any]:
-        return {"id": public_id, "object": "text_completion", "created": created, "model": self.ctx.served_model_name}
-
-    def _echo_only(self, req: CompletionRequest, prompts: list[list[int]], public_id: str) -> dict[str, Any]:
+    def _echo_only(self, req: CompletionRequest, prompts: list[list[int]], public_id: str) -> CompletionResponse:
         """``echo`` with ``max_tokens=0``: the prompt back, nothing generated."""
         choices = []
         for p_idx, ids in enumerate(prompts):
             text = self.ctx.tokenizer.decode(ids)
             for k in range(req.n):
-                choices.append({"index": p_idx * req.n + k, "text": text, "logprobs": None, "finish_reason": "length"})
+                choices.append(CompletionChoice(index=p_idx * req.n + k, text=text, logprobs=None, finish_reason="length"))
         n_prompt = sum(len(ids) for ids in prompts)
-        body = self._base(public_id, int(time.time()))
-        body["choices"] = choices
-        body["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
-        return body
+        return CompletionResponse(
+            id=public_id, object="text_completion", created=int(time.time()), model=self.ctx.served_model_name,
+            choices=choices, usage=Usage(prompt_tokens=n_prompt, completion_tokens=0, total_tokens=n_prompt))
 
-    async def complete(self, req: CompletionRequest, header_id: str | None) -> dict[str, Any]:
+    async def complete(self, req: CompletionRequest, header_id: str | None) -> CompletionResponse:
         prompts, max_tokens = await self.prepare(req)
         so, grammar = await self.constraint(req)
         public_id, internal_id = new_request_id("cmpl", header_id)
@@ -161,20 +164,19 @@ class CompletionHandler:
         for idx in sorted(done):
             c = done[idx]
             prefix = self.ctx.tokenizer.decode(prompts[c.prompt_index]) if req.echo else ""
-            choices.append({
-                "index": idx,
-                "text": prefix + c.text,
-                "logprobs": logprobs_block(self.ctx, c.logprobs, len(prefix))[0] if req.logprobs is not None else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            })
+            choice = CompletionChoice(
+                index=idx,
+                text=prefix + c.text,
+                logprobs=logprobs_block(self.ctx, c.logprobs, len(prefix))[0] if req.logprobs is not None else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
             if req.prompt_logprobs is not None:
-                choices[-1]["prompt_logprobs"] = self.ctx.prompt_logprobs_block(prompts[c.prompt_index],
-                                                                                c.prompt_logprobs or [])
-        body = self._base(public_id, int(time.time()))
-        body["choices"] = choices
-        body["usage"] = usage([len(p) for p in prompts], list(done.values()), req.n)
-        return body
+                choice.prompt_logprobs = self.ctx.prompt_logprobs_block(prompts[c.prompt_index], c.prompt_logprobs or [])
+            choices.append(choice)
+        return CompletionResponse(
+            id=public_id, object="text_completion", created=int(time.time()), model=self.ctx.served_model_name,
+            choices=choices, usage=usage([len(p) for p in prompts], list(done.values()), req.n))
 
     async def stream(self, req: CompletionRequest, header_id: str | None) -> AsyncIterator[str]:
         """Validate first (errors raise before the stream starts), then return the SSE
@@ -192,6 +194,7 @@ class CompletionHandler:
         self, req: CompletionRequest, prompts: list[list[int]], public_id: str, deltas: AsyncGenerator[Delta, None]
     ) -> AsyncIterator[str]:
         created = int(time.time())
+        model = self.ctx.served_model_name
         echoed: set[int] = set()
         # per choice: the logprobs' next text offset and the UTF-8 decoder of its tokens
         offsets: dict[int, tuple[int, codecs.IncrementalDecoder]] = {}
@@ -213,18 +216,17 @@ class CompletionHandler:
                         start, codecs.getincrementaldecoder("utf-8")("replace"))
                     lp, pos = logprobs_block(self.ctx, d.logprobs, pos, decoder)
                     offsets[c.index] = (pos, decoder)
-                choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason if d.finished else None}
+                choice = CompletionChoice(index=c.index, text=text, logprobs=lp,
+                                          finish_reason=c.finish_reason if d.finished else None)
                 if d.finished:
-                    choice["stop_reason"] = c.stop_reason
+                    choice.stop_reason = c.stop_reason
                     finished.append(c)
-                chunk = self._base(public_id, created)
-                chunk["choices"] = [choice]
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield sse_event(CompletionStreamResponse(
+                    id=public_id, object="text_completion", created=created, model=model, choices=[choice]))
             if req.stream_options and req.stream_options.include_usage:
-                chunk = self._base(public_id, created)
-                chunk["choices"] = []
-                chunk["usage"] = usage([len(p) for p in prompts], finished, req.n)
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield sse_event(CompletionStreamResponse(
+                    id=public_id, object="text_completion", created=created, model=model, choices=[],
+                    usage=usage([len(p) for p in prompts], finished, req.n)))
             yield "data: [DONE]\n\n"
         finally:
             await deltas.aclose()

@@ -24,12 +24,13 @@ from kvpilot.engine.errors import (
     RequestFailedError,
 )
 from kvpilot.engine.server.protocol import error_body
+from kvpilot.engine.server.responses import wire
 
 
 def error(status: int, message: str, err_type: str, code: int | str | None = None,
           param: str | None = None) -> JSONResponse:
     """An error response in the OpenAI body (``code`` defaults to the status)."""
-    return JSONResponse(error_body(message, err_type, code if code is not None else status, param),
+    return JSONResponse(wire(error_body(message, err_type, code if code is not None else status, param)),
                         status_code=status)
 
 

@@ -95,11 +95,11 @@ class StructuredOutputsRequest(StrictModel):
     """vLLM's ``structured_outputs``: exactly one of ``json``, ``json_object``,
     ``regex``, ``choice``, ``grammar``."""
 
-    json_: JsonSchema | None = Field(None, alias="json", description="a JSON schema (object, or its JSON text)")
-    json_object: bool | None = Field(None, description="true: any JSON object")
-    regex: str | None = Field(None, description="a regular expression the whole output matches")
-    choice: list[str] | None = Field(None, min_length=1, description="the output is exactly one of these strings")
-    grammar: str | None = Field(None, description="an EBNF (GBNF) grammar whose start rule is `root`")
+    json_: JsonSchema | None = Field(default=None, alias="json", description="a JSON schema (object, or its JSON text)")
+    json_object: bool | None = Field(default=None, description="true: any JSON object")
+    regex: str | None = Field(default=None, description="a regular expression the whole output matches")
+    choice: list[str] | None = Field(default=None, min_length=1, description="the output is exactly one of these strings")
+    grammar: str | None = Field(default=None, description="an EBNF (GBNF) grammar whose start rule is `root`")
     disable_any_whitespace: bool = Field(True, description=(
         "JSON without optional whitespace (the default here; false lets the model put any whitespace "
         "between JSON tokens, as vLLM's default)"))
@@ -110,8 +110,8 @@ class StructuredOutputsRequest(StrictModel):
 class JsonSchemaFormat(StrictModel):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON schema; absent: any JSON object")
-    strict: bool | None = Field(None, description=(
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema", description="the JSON schema; absent: any JSON object")
+    strict: bool | None = Field(default=None, description=(
         "refuse properties the schema does not list; the output is constrained to the schema either way"))
 
     model_config = ConfigDict(populate_by_name=True)
@@ -142,21 +142,21 @@ class SamplingFields(StrictModel):
     """Fields shared by completions and chat completions. Floats must be finite (NaN and
     infinity are refused by name, not compared with a bound)."""
 
-    model: str | None = Field(None, description="the served model name (`GET /v1/models`); any other name is a 404")
+    model: str | None = Field(default=None, description="the served model name (`GET /v1/models`); any other name is a 404")
     n: Int = Field(1, ge=1, le=MAX_N, description="choices to generate for each prompt")
-    temperature: float | None = Field(None, ge=0.0, le=100.0, description=(
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0, description=(
         f"0 is greedy; default 1; values in (0, {MIN_TEMPERATURE}) are raised to {MIN_TEMPERATURE}, as vLLM does"))
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling; default 1 (off)")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="nucleus sampling; default 1 (off)")
     stream: bool = Field(False, description="answer with server-sent events (`text/event-stream`)")
-    stream_options: StreamOptions | None = Field(None, description="only with `stream: true` (400 otherwise)")
+    stream_options: StreamOptions | None = Field(default=None, description="only with `stream: true` (400 otherwise)")
     stop: Annotated[str | list[str] | None, WithJsonSchema(STOP_SCHEMA)] = Field(
         None, description=f"at most {MAX_STOP_STRINGS} non-empty stop strings")
     # The OpenAPI document writes bounds as floats: 2**63 - 1 would read as 2**63, 2**63 is exact.
     seed: Annotated[Annotated[int, Field(ge=0, le=2**63 - 1), INTEGRAL] | None, WithJsonSchema(SEED_SCHEMA)] = (
-        Field(None, description="choice k of n uses seed + k"))
+        Field(default=None, description="choice k of n uses seed + k"))
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    user: str | None = Field(None, description="accepted and ignored")
+    user: str | None = Field(default=None, description="accepted and ignored")
     # vLLM extensions
     top_k: Int = Field(0, ge=-1, description="keep the k most likely tokens; 0 or -1 is off")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -166,25 +166,25 @@ class SamplingFields(StrictModel):
         "EOS and `stop_token_ids` are ignored until this many tokens exist; more than `max_tokens` "
         "(or than the context leaves) is refused (400)"))
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0), INTEGRAL]] | None = Field(None, description=(
+    stop_token_ids: list[Annotated[int, Field(ge=0), INTEGRAL]] | None = Field(default=None, description=(
         "token ids that end a choice; ids at or above the vocabulary size are refused (400)"))
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = Field(None, min_length=1, max_length=256, description=(
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256, description=(
         "requests with different salts never share prefix-cache entries"))
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, description=(
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(default=None, description=(
         "token id (as a string) -> bias added to its logit, in [-100, 100]; ids outside the vocabulary are "
         "refused (400)"))
-    response_format: ResponseFormat | None = Field(None, description=(
+    response_format: ResponseFormat | None = Field(default=None, description=(
         "`json_object` or `json_schema`: the output is constrained to match (xgrammar)"))
-    structured_outputs: StructuredOutputsRequest | None = Field(None, description="vLLM's structured outputs")
-    guided_json: JsonSchema | None = Field(None, description="vLLM's older name for structured_outputs.json")
-    guided_regex: str | None = Field(None, description="vLLM's older name for structured_outputs.regex")
-    guided_choice: list[str] | None = Field(None, min_length=1, description="vLLM's older name for structured_outputs.choice")
-    guided_grammar: str | None = Field(None, description="vLLM's older name for structured_outputs.grammar")
-    guided_decoding_backend: Literal["auto", "xgrammar"] | None = Field(None, description=(
+    structured_outputs: StructuredOutputsRequest | None = Field(default=None, description="vLLM's structured outputs")
+    guided_json: JsonSchema | None = Field(default=None, description="vLLM's older name for structured_outputs.json")
+    guided_regex: str | None = Field(default=None, description="vLLM's older name for structured_outputs.regex")
+    guided_choice: list[str] | None = Field(default=None, min_length=1, description="vLLM's older name for structured_outputs.choice")
+    guided_grammar: str | None = Field(default=None, description="vLLM's older name for structured_outputs.grammar")
+    guided_decoding_backend: Literal["auto", "xgrammar"] | None = Field(default=None, description=(
         "only xgrammar (or auto) is available"))
-    prompt_logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = Field(None, description=(
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = Field(default=None, description=(
         "log probabilities of every prompt token after the first, and this many alternatives (vLLM's "
         "extension); the prompt is then computed in full (no prefix-cache reuse for it); not with `stream` "
         "(400), as in vLLM"))
@@ -272,11 +272,11 @@ class CompletionRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=0), INTEGRAL] | None = Field(16, description=(
         f"tokens to generate at most; null is the rest of the context; 0 only with `echo`; {CONTEXT_RULE}"))
     echo: bool = Field(False, description="prepend the prompt to each choice's text")
-    logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = Field(None, description=(
+    logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = Field(default=None, description=(
         "log probabilities of the sampled token and this many alternatives; not with `echo` (400)"))
     suffix: Annotated[str | None, WithJsonSchema({"anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}]})] = (
-        Field(None, description="not supported: a non-empty suffix is refused (400)"))
-    best_of: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] | None = Field(None, description=(
+        Field(default=None, description="not supported: a non-empty suffix is refused (400)"))
+    best_of: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] | None = Field(default=None, description=(
         "not supported: only null or the value of `n` is accepted (400)"))
 
 
@@ -301,7 +301,7 @@ class ChatMessage(StrictModel):
 class FunctionDefinition(StrictModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
-    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of `type: object`")
+    parameters: dict[str, Any] | None = Field(default=None, description="a JSON schema of `type: object`")
     strict: bool | None = None
 
 
@@ -341,11 +341,11 @@ class ChatCompletionRequest(SamplingFields):
         "sent by vllm-router; only true (with `--reasoning-parser` the reasoning is returned apart, in "
         "`reasoning_content`)"))
     stream_reasoning: Literal[True] = Field(True, description="sent by vllm-router; only true")
-    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
-    tools: list[Tool] | None = Field(None, max_length=128, description=(
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="extra variables for the chat template")
+    tools: list[Tool] | None = Field(default=None, max_length=128, description=(
         "functions the model may call; passed to the chat template (every template receives them)"))
     tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None,
-                           Field(union_mode="left_to_right")] = Field(None, description=(
+                           Field(union_mode="left_to_right")] = Field(default=None, description=(
         "`none`: no calls; `auto` (the default with tools): the model decides, its calls are parsed by "
         "`--tool-call-parser` (needs `--enable-auto-tool-choice`); `required` or a named function: calls "
         "are enforced by constrained decoding, so their arguments always validate"))
@@ -361,9 +361,9 @@ class TokenizeRequest(StrictModel):
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
         {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
     ]})
-    model: str | None = Field(None, description="the served model name; any other name is a 404")
+    model: str | None = Field(default=None, description="the served model name; any other name is a 404")
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, description="rendered with the chat template, then tokenized")
+    messages: list[ChatMessage] | None = Field(default=None, description="rendered with the chat template, then tokenized")
     add_special_tokens: bool = Field(True, description="for `prompt`")
     add_generation_prompt: bool = Field(True, description="for `messages`")
 
@@ -375,7 +375,7 @@ class TokenizeRequest(StrictModel):
 
 
 class DetokenizeRequest(StrictModel):
-    model: str | None = Field(None, description="the served model name; any other name is a 404")
+    model: str | None = Field(default=None, description="the served model name; any other name is a 404")
     tokens: list[Annotated[int, Field(ge=0), INTEGRAL, WithJsonSchema(TOKEN_ID_SCHEMA)]]
 
 
@@ -412,8 +412,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
-    stop_reason: int | str | None = Field(None, description="the stop string or token id that ended the choice")
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(None, description=(
+    stop_reason: int | str | None = Field(default=None, description="the stop string or token id that ended the choice")
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(default=None, description=(
         "with `prompt_logprobs`: null for the first prompt token, then per token its own and the top entries"))
 
 
@@ -466,7 +466,7 @@ class ToolCallOut(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None = Field(description="the answer; null when it is only tool calls")
-    reasoning_content: str | None = Field(None, description="with `--reasoning-parser`: the model's reasoning")
+    reasoning_content: str | None = Field(default=None, description="with `--reasoning-parser`: the model's reasoning")
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
@@ -490,7 +490,7 @@ class ChatCompletionChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
-    stop_reason: int | str | None = Field(None, description="the stop string or token id that ended the choice")
+    stop_reason: int | str | None = Field(default=None, description="the stop string or token id that ended the choice")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -500,7 +500,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(None, description=(
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(default=None, description=(
         "with `prompt_logprobs`: the rendered prompt's, as on completions"))
 
 
@@ -615,7 +615,7 @@ class RenderResponse(BaseModel):
 
     request_id: str
     token_ids: list[int] = Field(description="exactly the prompt token ids generation would use")
-    features: None = Field(None, description="multimodal features: always null (text only)")
+    features: None = Field(default=None, description="multimodal features: always null (text only)")
     sampling_params: dict[str, Any]
     model: str
     stream: bool
@@ -642,6 +642,6 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-def error_body(message: str, err_type: str, code: int | str | None, param: str | None = None) -> dict[str, Any]:
-    """The OpenAI error body (:class:`ErrorResponse`)."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+def error_body(message: str, err_type: str, code: int | str | None, param: str | None = None) -> ErrorResponse:
+    """The OpenAI error body."""
+    return ErrorResponse(error=ErrorDetail(message=message, type=err_type, param=param, code=code))

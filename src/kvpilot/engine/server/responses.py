@@ -12,6 +12,7 @@ from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from kvpilot.engine.errors import (
     EngineDeadError,
@@ -29,7 +30,25 @@ class Handler(Protocol[B]):
     """A generation endpoint's handler (:class:`~kvpilot.engine.server.chat.ChatHandler`,
     :class:`~kvpilot.engine.server.completions.CompletionHandler`)."""
 
-    async def create(self, req: B, header_id: str | None) -> dict[str, Any] | AsyncIterator[str]: ...
+    async def create(self, req: B, header_id: str | None) -> BaseModel | AsyncIterator[str]: ...
+
+
+def wire(body: BaseModel) -> Any:
+    """A response model as the JSON value it is sent as: the fields it was built with
+    (``exclude_unset``: an optional field the handler did not set is absent, not null,
+    as OpenAI and vLLM send them), in the model's field order."""
+    return body.model_dump(exclude_unset=True)
+
+
+def json_response(body: BaseModel, headers: dict[str, str] | None = None) -> JSONResponse:
+    """A whole response body (compact JSON, Starlette's ``JSONResponse`` encoding)."""
+    return JSONResponse(wire(body), headers=headers)
+
+
+def sse_event(body: BaseModel, ensure_ascii: bool = True) -> str:
+    """One server-sent event carrying a response model (``json.dumps`` spacing; chat
+    chunks pass ``ensure_ascii=False`` and keep non-ASCII text as is)."""
+    return f"data: {json.dumps(wire(body), ensure_ascii=ensure_ascii)}\n\n"
 
 
 async def respond(handler: Handler[B], body: B, request: Request) -> Response:
@@ -43,8 +62,8 @@ async def respond(handler: Handler[B], body: B, request: Request) -> Response:
     result = await until_disconnected(request, handler.create(body, header_id))
     if isinstance(result, Response):
         return result
-    if isinstance(result, dict):
-        return JSONResponse(result, headers=headers)
+    if isinstance(result, BaseModel):
+        return json_response(result, headers)
     return StreamingResponse(with_error_event(result), media_type="text/event-stream", headers=headers)
 
 
@@ -56,13 +75,13 @@ async def with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
         async for event in events:
             yield event
     except RequestFailedError as e:
-        yield f"data: {json.dumps(error_body(str(e), 'server_error', 500))}\n\n"
+        yield sse_event(error_body(str(e), "server_error", 500))
         yield "data: [DONE]\n\n"
     except (RequestAbortedError, EngineDeadError) as e:
-        yield f"data: {json.dumps(error_body(str(e), 'service_unavailable', 503))}\n\n"
+        yield sse_event(error_body(str(e), "service_unavailable", 503))
         yield "data: [DONE]\n\n"
     except InvalidRequestError as e:  # the engine ended a choice over what it asked (a dead-end grammar)
-        yield f"data: {json.dumps(error_body(str(e), 'invalid_request_error', 'invalid_value', e.param))}\n\n"
+        yield sse_event(error_body(str(e), "invalid_request_error", "invalid_value", e.param))
         yield "data: [DONE]\n\n"
 
 

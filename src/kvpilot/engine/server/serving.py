@@ -9,12 +9,13 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
 from kvpilot.engine.errors import EngineDeadError, InvalidRequestError, ModelNotFound
 from kvpilot.engine.outputs import RequestOutput, TokenLogprob
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.async_engine import AsyncEngine
+from kvpilot.engine.server.protocol import FinishReason, PromptLogprob, PromptTokensDetails, Usage
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -36,7 +37,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[Any] | None = None
@@ -158,16 +159,16 @@ class ServingContext:
                 return bytes(decoder[ch] for ch in piece)
         return text.encode()
 
-    def prompt_logprobs_block(self, prompt: Sequence[int], entries: list[Any]) -> list[dict[str, Any] | None]:
+    def prompt_logprobs_block(self, prompt: Sequence[int], entries: list[Any]) -> list[dict[str, PromptLogprob] | None]:
         """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token a
-        map token id (as a string) -> ``{"logprob", "rank", "decoded_token"}`` holding the
-        prompt's own token and the top alternatives (ranks 1..k)."""
-        out: list[dict[str, Any] | None] = [None]
+        map token id (as a string) -> :class:`PromptLogprob` holding the prompt's own
+        token and the top alternatives (ranks 1..k)."""
+        out: list[dict[str, PromptLogprob] | None] = [None]
         for pos, (logprob, rank, top) in enumerate(entries, start=1):
-            d = {str(t): {"logprob": v, "rank": r, "decoded_token": self.token_text(t)}
+            d = {str(t): PromptLogprob(logprob=v, rank=r, decoded_token=self.token_text(t))
                  for r, (t, v) in enumerate(top, start=1)}
             tok = prompt[pos]
-            d[str(tok)] = {"logprob": logprob, "rank": rank, "decoded_token": self.token_text(tok)}
+            d[str(tok)] = PromptLogprob(logprob=logprob, rank=rank, decoded_token=self.token_text(tok))
             out.append(d)
         return out
 
@@ -220,7 +221,8 @@ class ServingContext:
                 if item.new_logprobs:
                     choice.logprobs.extend(item.new_logprobs)
                 if item.finished:
-                    choice.finish_reason = item.finish_reason
+                    # the engine's stop, length or abort (RequestOutput.finish_reason)
+                    choice.finish_reason = cast(FinishReason, item.finish_reason)
                     choice.stop_reason = item.stop_reason
                     remaining -= 1
                     self._observe_parent(choice.prompt_index, choices, n)
@@ -262,13 +264,15 @@ def new_request_id(prefix: str, header_id: str | None) -> tuple[str, str]:
     return public, f"{public}-{uuid.uuid4().hex[:8]}"
 
 
-def usage(prompt_lens: Sequence[int], choices: Sequence[Choice], n: int) -> dict[str, Any]:
+def usage(prompt_lens: Sequence[int], choices: Sequence[Choice], n: int) -> Usage:
+    """The ``usage`` of a request: its prompts' tokens, every choice's output tokens, and
+    per prompt the most tokens any of its choices found in the prefix cache."""
     prompt_tokens = sum(prompt_lens)
     completion = sum(len(c.token_ids) for c in choices)
     cached = sum(max((c.num_cached_tokens for c in choices if c.prompt_index == p), default=0) for p in range(len(prompt_lens)))
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from kvpilot.engine.server.chat import render_chat
 from kvpilot.engine.server.openapi import errors, generated
@@ -24,7 +24,7 @@ from kvpilot.engine.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from kvpilot.engine.server.responses import respond
+from kvpilot.engine.server.responses import json_response, respond
 from kvpilot.engine.server.state import app_state
 
 router = APIRouter()
@@ -65,4 +65,4 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     else:
         ids = await asyncio.to_thread(ctx.tokenizer.encode, body.prompt,
                                       add_special_tokens=body.add_special_tokens)
-    return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
+    return json_response(TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids))

@@ -7,12 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpilot.engine.server.error_handlers import error
 from kvpilot.engine.server.openapi import errors
 from kvpilot.engine.server.protocol import HealthResponse, ReadyResponse
+from kvpilot.engine.server.responses import json_response
 from kvpilot.engine.server.state import app_state
 
 router = APIRouter()
@@ -25,7 +26,7 @@ PROMETHEUS_TEXT: dict[str, Any] = {
 async def health(request: Request) -> Response:
     engine = app_state(request).server.engine
     if engine.is_alive:
-        return JSONResponse({"status": "ok"})
+        return json_response(HealthResponse(status="ok"))
     return error(503, f"the engine is not running: {engine.failure}", "service_unavailable", 503)
 
 
@@ -36,7 +37,7 @@ async def ready(request: Request) -> Response:
         return error(503, "draining", "service_unavailable", 503)
     if not state.engine.is_ready:
         return error(503, "loading" if state.engine.is_alive else "engine failed", "service_unavailable", 503)
-    return JSONResponse({"status": "ready"})
+    return json_response(ReadyResponse(status="ready"))
 
 
 @router.get("/metrics", response_class=PlainTextResponse, responses={200: PROMETHEUS_TEXT})

@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from kvpilot import __version__
 from kvpilot.engine.errors import InvalidRequestError
@@ -26,12 +26,15 @@ from kvpilot.engine.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    KVEventSource,
     KVEventSources,
     LoadResponse,
     RenderResponse,
     RenderResponseList,
     ServerInfoResponse,
+    StreamOptions,
 )
+from kvpilot.engine.server.responses import json_response
 from kvpilot.engine.server.state import ServerState, app_state
 
 router = APIRouter()
@@ -42,41 +45,42 @@ EVENTS_OFF: dict[str, Any] = {
     "with `enable_kv_cache_events: true` and the zmq publisher)"}
 
 
-def kv_event_sources_of(state: ServerState) -> dict[str, dict[str, Any]] | None:
+def kv_event_sources_of(state: ServerState) -> KVEventSources | None:
     """``/kv_event_sources``'s body (vLLM's shape, keyed by data-parallel rank), or None
     when events are off. The addresses are the bound ones (a ``:0`` port resolved)."""
     cfg, pub = state.kv_events, state.kv_publisher
     if cfg is None or not cfg.publishes or pub is None or getattr(pub, "endpoint", None) is None:
         return None
-    return {"0": {
-        "endpoint": pub.endpoint,
-        "replay_endpoint": pub.replay_endpoint,
-        "topic": cfg.topic,
-        "hwm": cfg.hwm,
-        "buffer_steps": cfg.buffer_steps,
-        "max_queue_size": cfg.max_queue_size,
-        "publisher": cfg.publisher,
-        "enable_kv_cache_events": True,
-        "encoding": WIRE_ENCODING,
-        "schema_version": WIRE_SCHEMA_VERSION,
-    }}
+    return KVEventSources({"0": KVEventSource(
+        endpoint=pub.endpoint,
+        replay_endpoint=pub.replay_endpoint,
+        topic=cfg.topic,
+        hwm=cfg.hwm,
+        buffer_steps=cfg.buffer_steps,
+        max_queue_size=cfg.max_queue_size,
+        publisher="zmq",  # what `publishes` means
+        enable_kv_cache_events=True,
+        encoding=WIRE_ENCODING,
+        schema_version=WIRE_SCHEMA_VERSION,
+    )})
 
 
 def rendered(prefix: str, ids: list[int], params: SamplingParams | None,
-             body: ChatCompletionRequest | CompletionRequest, served: str) -> dict[str, Any]:
+             body: ChatCompletionRequest | CompletionRequest, served: str) -> RenderResponse:
     """One render result in vLLM's ``GenerateRequest`` shape. ``params`` None is an
     echo-only completion (``max_tokens: 0``: nothing would be sampled)."""
-    return {
-        "request_id": f"{prefix}-{uuid.uuid4().hex}",
-        "token_ids": ids,
-        "features": None,
-        "sampling_params": dataclasses.asdict(params) if params is not None else {"max_tokens": 0},
-        "model": body.model or served,
-        "stream": body.stream,
-        "stream_options": body.stream_options.model_dump() if body.stream_options is not None else None,
-        "cache_salt": body.cache_salt,
-        "priority": 0,
-    }
+    return RenderResponse(
+        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        token_ids=ids,
+        features=None,
+        sampling_params=dataclasses.asdict(params) if params is not None else {"max_tokens": 0},
+        model=body.model or served,
+        stream=body.stream,
+        # every field of the request's stream options, defaults included
+        stream_options=StreamOptions(**body.stream_options.model_dump()) if body.stream_options is not None else None,
+        cache_salt=body.cache_salt,
+        priority=0,
+    )
 
 
 @router.get("/get_server_info", responses={200: {"model": ServerInfoResponse}, **errors(401)})
@@ -104,7 +108,7 @@ async def kv_event_sources(request: Request) -> Response:
         return error(404, "KV cache events are off on this server; start it with --kv-events-config "
                      "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\"}'",
                      "invalid_request_error", "not_found")
-    return JSONResponse(sources)
+    return json_response(sources)
 
 
 @router.get("/get_load", responses={200: {"model": LoadResponse}, **errors(401)})
@@ -125,7 +129,7 @@ async def render_chat_completion(body: ChatCompletionRequest, request: Request) 
     what that endpoint refuses, with the same errors."""
     app = app_state(request)
     ids, params = await app.chat.render(body)
-    return JSONResponse(rendered("chatcmpl", ids, params, body, app.server.served_model_name))
+    return json_response(rendered("chatcmpl", ids, params, body, app.server.served_model_name))
 
 
 @router.post("/v1/completions/render", response_model=None,
@@ -136,7 +140,8 @@ async def render_completion(body: CompletionRequest, request: Request) -> Respon
     and sampling parameters; nothing is generated. Refuses what that endpoint refuses."""
     app = app_state(request)
     runs = await app.completions.render(body)
-    return JSONResponse([rendered("cmpl", ids, params, body, app.server.served_model_name) for ids, params in runs])
+    return json_response(RenderResponseList(
+        [rendered("cmpl", ids, params, body, app.server.served_model_name) for ids, params in runs]))
 
 
 @router.post("/detokenize", response_model=None, responses={200: {"model": DetokenizeResponse}, **TOKENIZE_ERRORS})
@@ -148,4 +153,4 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     bad = [t for t in body.tokens if t >= vocab]
     if bad:
         raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
-    return JSONResponse({"prompt": ctx.tokenizer.decode(body.tokens)})
+    return json_response(DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens)))

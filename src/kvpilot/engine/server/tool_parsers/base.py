@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvpilot.engine.registry import Registry
+from kvpilot.engine.server.protocol import FunctionCall, ToolCallOut
 
 __all__ = [
     "TOOL_PARSERS",
@@ -39,13 +40,9 @@ class ToolCall:
     name: str
     arguments: str
 
-    def to_openai(self) -> dict[str, Any]:
-        """The call as an OpenAI ``message.tool_calls`` entry (a new dict)."""
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
+    def to_openai(self) -> ToolCallOut:
+        """The call as an OpenAI ``message.tool_calls`` entry."""
+        return ToolCallOut(id=self.id, type="function", function=FunctionCall(name=self.name, arguments=self.arguments))
 
 
 @dataclass
