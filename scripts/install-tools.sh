@@ -22,6 +22,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Two runs at once (`make test` beside `make e2e-prepare`, or a machine's own apt job)
+# wait for dpkg's and apt's locks instead of failing at once.
+apt-get() { command apt-get -o DPkg::Lock::Timeout=600 "$@"; }
+
 HELM_VERSION="v3.22.0"
 GGCR_VERSION="v0.22.1"
 MOTO_VERSION="5.2.5"
