@@ -138,9 +138,11 @@ CHAT_FIELDS = ["messages", "max_tokens", "max_completion_tokens", "temperature",
 
 
 def small(body: dict) -> dict:
-    """Keep fuzzed generations short so the run stays bounded."""
+    """Keep fuzzed generations short so the run stays bounded. A drawn ``null`` limit is
+    bounded too: it means the rest of the context (up to 1,022 tokens here), minutes of
+    sampling on a loaded two-core machine (seen: a read timeout at 300 s)."""
     for key in ("max_tokens", "max_completion_tokens"):
-        if isinstance(body.get(key), int) and body[key] > 4:
+        if key in body and (body[key] is None or (isinstance(body[key], int) and body[key] > 4)):
             body[key] = 4
     if isinstance(body.get("n"), int) and body["n"] > 2:
         body["n"] = 2
