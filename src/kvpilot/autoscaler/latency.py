@@ -13,11 +13,14 @@ work (``c``: attention over each request's context, the matrix products' extra r
 a decoding request gets one token per step, so a request's ITL is the step time. The line
 is fitted online by exponentially-forgetting weighted least squares: every read adds one
 sample per pod, ``(num_running, itl.quantile(p))`` over the read window, after the old
-samples' weights were multiplied by :data:`FORGETTING`; a fixed prior (two pseudo-points
-on the benchmark line ``a0 + c0 * b``, at ``b = 0`` and at the benchmark's batch, of
-weight ``PRIOR.weight / 2`` each) keeps the fit defined before the first sample and
-when every pod runs the same batch (the level is then the data's, the slope mostly the
-prior's). The fitted slope is clamped at 0 (a bigger batch is never faster; the level is
+samples' weights were multiplied by :data:`FORGETTING`; a prior (two pseudo-points on
+the benchmark line ``a0 + c0 * b``, at ``b = 0`` and at the benchmark's batch, of weight
+``PRIOR.weight / 2`` each) keeps the fit defined before the first sample and when every
+pod runs the same batch (the level is then the data's, the slope mostly the prior's).
+The prior's weight fades by :data:`FORGETTING` per informing read, down to
+:data:`PRIOR_FLOOR`, so a fleet that has been measured for a while is fitted on its own
+numbers (a fixed prior would bias the line towards the benchmark by its share of the
+weight for ever). The fitted slope is clamped at 0 (a bigger batch is never faster; the level is
 then the weighted mean).
 
 This is the profile-based sizing of NVIDIA Dynamo's SLA planner (pre-deployment profiling
@@ -70,7 +73,10 @@ MIN_WINDOW_OBSERVATIONS = 50
 MIN_INFORMED_READS = 4
 # The pooled TTFT histogram needs this many first tokens in the window to be read.
 MIN_TTFT_OBSERVATIONS = 10
-# The informing-read count saturates here (it only has to pass MIN_INFORMED_READS).
+# The prior's weight fades by FORGETTING per informing read down to this floor, which
+# keeps the 2x2 system regular when every sample sits at one batch.
+PRIOR_FLOOR = 0.05
+# The informing-read count saturates here (the prior has faded to its floor long before).
 _READS_CAP = 1000
 
 
@@ -193,7 +199,7 @@ class LatencyModel:
         ``a`` the weighted mean of y), a < 0 to 0. Never raises: the prior's points at
         two batches keep the system regular.
         """
-        w = prior.weight / 2.0
+        w = max(prior.weight * FORGETTING ** self.informed_reads, PRIOR_FLOOR) / 2.0
         points = ((0.0, prior.a), (prior.batch, prior.a + prior.c * prior.batch))
         s0, sb, sy, sbb, sby = self.s0, self.sb, self.sy, self.sbb, self.sby
         for b, y in points:
