@@ -381,7 +381,10 @@ def latency(view: LatencyView | None, current: int, spec: AutoscalingSpec) -> Ca
             line = (f"TTFT {label} {_ms(t.observed)} observed ({_ms(t.base)} base +"
                     f" {t.waiting_tokens:.0f} queued tokens at {rate} per replica)")
             n = t.replicas_for(target)
-            if n is None:
+            if n is None and t.prefill_rate is None:
+                notes.append(f"{line}; no prefill rate (no ITL mean or token budget): the"
+                             " queue wait cannot be sized")
+            elif n is None:
                 notes.append(f"{line}; the target {_ms(target)} is missed without a queue:"
                              " more replicas do not help")
             else:
