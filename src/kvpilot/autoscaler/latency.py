@@ -412,16 +412,15 @@ class LatencyView:
 
     def itl_replicas(self, target: float) -> int | None:
         """Fewest replicas whose predicted ITL is within ``target`` at ``requests``; None
-        without a fit or when even an empty batch misses it."""
+        without a fit or when even one request per replica misses it (more replicas than
+        requests cannot help)."""
         if self.fit is None:
             return None
         cap = self.fit.max_batch(target)
-        if cap is None:
+        if cap is None or cap < 1.0:
             return None
         if self.max_num_seqs is not None:
             cap = min(cap, float(self.max_num_seqs))
-        if cap <= 0:
-            return None
         if math.isinf(cap) or self.requests <= 0:
             return 1
         return max(1, math.ceil(self.requests / cap - 1e-9))

@@ -332,7 +332,7 @@ def latency(view: LatencyView | None, current: int, spec: AutoscalingSpec) -> Ca
     predicted-latency scaling (scale on the latency a model of live samples predicts);
     the model is :mod:`kvpilot.autoscaler.latency`. HPA's tolerance band: while the
     prediction at ``current`` is within ``tolerance`` of a target, that target asks for
-    ``current``. A target that no replica count meets (ITL at an empty batch, or TTFT
+    ``current``. A target that no replica count meets (ITL at one request per replica, or TTFT
     without its queue wait, already above it) gives no opinion and says so: more
     replicas would not help, so they are not bought. Signal ``itl_pNN`` or ``ttft_pNN``
     (whichever asks for more), value its prediction at ``current`` in seconds.
@@ -364,8 +364,9 @@ def latency(view: LatencyView | None, current: int, spec: AutoscalingSpec) -> Ca
                 f" ({view.requests:.0f} requests{grown})")
         n = view.itl_replicas(target)
         if n is None:
-            notes.append(f"{line}; the target {_ms(target)} is below an empty batch's"
-                         f" {_ms(fit.a)}: more replicas do not help")
+            notes.append(f"{line}; the target {_ms(target)} is below the"
+                         f" {_ms(fit.predict(1.0))} of one request per replica: more replicas"
+                         " do not help")
         else:
             if abs(predicted / target - 1.0) <= tol:
                 n = current

@@ -123,8 +123,8 @@ def latency_blocker(view: LatencyView | None, fewer: int, spec: AutoscalingSpec)
       no latency to measure and none the other checks do not cover: no hold.
     * TTFT: the prediction at ``fewer`` (its queue wait grows as 1/``fewer``).
 
-    A target no count meets (ITL at an empty batch, TTFT's base already over it) does not
-    hold the fleet: keeping replicas that cannot help is no protection. No SLO, or no
+    A target no count meets (ITL at one request per replica, TTFT's base already over it)
+    does not hold the fleet: keeping replicas that cannot help is no protection. No SLO, or no
     latency histograms (the fallback to saturation): None.
     """
     slo = spec.slo
@@ -135,7 +135,7 @@ def latency_blocker(view: LatencyView | None, fewer: int, spec: AutoscalingSpec)
     fit = view.fit
     if slo.itl_seconds is not None and fit is not None:
         ceiling = slo.itl_seconds * keep
-        if fit.a < ceiling:
+        if fit.predict(1.0) < ceiling:  # else no count meets it: nothing to protect
             if fit.trusted:
                 batch = view.batch(fewer)
                 predicted = fit.predict(batch)
