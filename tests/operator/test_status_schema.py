@@ -268,8 +268,11 @@ def test_c14_every_declared_status_field_is_written():
     # An empty list of objects (no candidates on missing data) is one leaf, "candidates".
     declared = declared_paths(STATUS_SCHEMA)
     lists = {d.split("[]")[0] for d in declared if "[]" in d}
-    assert loop_written - declared - lists == set(), "the loop writes undeclared fields"
-    written |= loop_written - lists
+    # A declared object written as null (policyState.latency without an SLO: the merge
+    # patch removes a model an earlier SLO left) is one leaf too.
+    objects = {d.rsplit(".", 1)[0] for d in declared if "." in d}
+    assert loop_written - declared - lists - objects == set(), "the loop writes undeclared fields"
+    written |= loop_written - lists - objects
     assert declared - written == set(), "declared but never written"
     assert written - declared == set(), "written but not declared"
 
