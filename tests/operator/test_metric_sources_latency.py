@@ -168,3 +168,27 @@ def test_latency_window_refuses_what_is_not_a_histogram():
     assert latency_window({0.1: float("nan"), INF: 2.0}, 0.3) is None
     assert latency_window({0.1: 1.0, INF: 2.0}, -1.0) is None
     assert latency_window(None, 1.0) is None
+
+
+def test_the_engines_own_page_parses_into_the_slo_signals():
+    """The engine's registry, written as the server writes /metrics, read by the pods
+    source's parser: the names and shapes agree end to end."""
+    from prometheus_client import generate_latest
+
+    from kvpilot.engine.server.metrics import EngineMetrics
+
+    metrics = EngineMetrics("m")
+    for itl in (0.03, 0.05, 0.3):
+        metrics.itl.observe(itl)
+    metrics.ttft.observe(1.2)
+    for tokens in (64, 16):
+        metrics.iteration_tokens.observe(tokens)
+    sample_ = parse_engine_metrics(generate_latest(metrics.registry).decode(), EngineMetricNames())
+    assert sample_.itl is not None and sample_.itl.count == 3
+    assert sample_.itl.sum == pytest.approx(0.38)
+    assert sample_.ttft is not None and sample_.ttft.count == 1
+    assert sample_.iteration_tokens == (80.0, 2.0)
+    window = histogram_increase(HistogramSample(tuple((b, 0.0) for b, _ in sample_.itl.buckets), 0.0),
+                                sample_.itl)
+    # buckets 0.04 and 0.06 hold 0.03 and 0.05: the median interpolates to 0.05
+    assert window is not None and window.quantile(0.5) == pytest.approx(0.05)
