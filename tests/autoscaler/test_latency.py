@@ -366,3 +366,27 @@ def test_a_new_percentile_starts_the_model_over_and_no_slo_drops_it():
     assert d.latency["percentile"] == "p99"
     d = decide(FleetSignals(pods, max_num_seqs=64), d.state, AutoscalingSpec(max_replicas=5), 15.0)
     assert d.state.latency is None
+
+
+def test_before_the_fit_is_trusted_an_itl_observed_over_the_band_holds():
+    """Thin traffic (30 ITL observations: not enough to inform the fit) but the ITL the
+    fleet gives now, 190 ms p90, is over 180 ms: one replica fewer is not faster."""
+    spec = AutoscalingSpec(max_replicas=20, scale_down_stabilization_seconds=0,
+                           slo=SloSpec(itl_seconds=0.2))
+    pods = tuple(pod(f"p{k}", running=1, usage=0.05, itl=window_at(0.19, count=10))
+                 for k in range(3))
+    d = decide(FleetSignals(pods, max_num_seqs=64), PolicyState(), spec, 0.0)
+    assert d.direction == "hold"
+    assert "the ITL p90 observed with 3 replicas, 190 ms, is already over 180 ms" in d.reason
+
+
+def test_with_too_little_traffic_to_measure_the_other_checks_decide():
+    """A nearly idle fleet (5 ITL observations in the window): no latency to protect, so
+    the untrusted prior does not hold the step the KV and batch checks allow."""
+    spec = AutoscalingSpec(max_replicas=20, scale_down_stabilization_seconds=0,
+                           slo=SloSpec(itl_seconds=0.2))
+    pods = tuple(pod(f"p{k}", running=1, usage=0.05, itl=window_at(0.05, count=5))
+                 for k in range(3))
+    d = decide(FleetSignals(pods, max_num_seqs=64), PolicyState(), spec, 0.0)
+    assert (d.direction, d.desired_replicas) == ("down", 2)
+    assert d.latency["trusted"] is False
