@@ -28,10 +28,11 @@ def test_simulate_compares_policies_and_writes_json_and_png(tmp_path, capsys):
         == 0
     )
     table = capsys.readouterr().out
-    for policy in ("kvpilot", "hpa", "kpa"):
+    for policy in ("kvpilot", "hpa", "kpa", "kpa_concurrency", "saturation"):
         assert policy in table
     data = json.loads(out_json.read_text())
-    assert {r["policy"] for r in data["results"]} == {"kvpilot", "hpa", "kpa"}
+    assert {r["policy"] for r in data["results"]} == {"kvpilot", "hpa", "kpa", "kpa_concurrency",
+                                                      "saturation"}
     assert len(data["results"][0]["timeline"]["time"]) > 10
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
