@@ -18,7 +18,7 @@ most 0.5x the HPA-style policy's, at no more than 1.1x its replica-hours. Every 
 the same requests (same trace seed); results are summed over the seeds. Results are in
 benchmarks/README-autoscaler.md.
 
-``--slo`` (issue 31) instead runs every trace (``TRACES``, the two compute-bound ones
+``--slo`` instead runs every trace (``TRACES``, the two compute-bound ones
 included) under our policy and the baselines (HPA on KV, KPA on concurrency, llm-d WVA's
 saturation analyzer; ``--slo-policies``), with the replica model ``--replica-model``
 (default here ``h200-llama3-8b``) and the SLO targets of its profile, and writes
@@ -254,7 +254,7 @@ def main() -> int:
     parser.add_argument("--traces", nargs="+", default=None,
                         help="default: burst ramp agentic (with --slo: every trace)")
     parser.add_argument("--slo", action="store_true",
-                        help="the SLO comparison of issue 31 instead (see the module doc)")
+                        help="the SLO comparison instead (see the module doc)")
     parser.add_argument("--slo-policies", nargs="+", default=SLO_POLICIES)
     parser.add_argument("--slo-goal", type=float, default=0.99)
     parser.add_argument("--slo-ratio", type=float, default=1.1)

@@ -1,5 +1,5 @@
 """Engine step time over decode batch sizes and prefill chunk sizes, and the simulator's
-compute model fitted to it (issue 31).
+compute model fitted to it.
 
     .venv/bin/python benchmarks/step_time_sweep.py              # ~2-3 min on 2 shared cores
     .venv/bin/python benchmarks/step_time_sweep.py --decodes 1 8 --chunks 0 256 --reps 2

@@ -1,4 +1,4 @@
-"""The simulator's compute model (issue 31): step times, TTFT and ITL per request, the
+"""The simulator's compute model: step times, TTFT and ITL per request, the
 SLO attainment, the latency windows the policy reads, the compute-bound traces and the
 saturation baseline."""
 

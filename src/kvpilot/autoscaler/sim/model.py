@@ -41,7 +41,7 @@ from kvpilot.autoscaler.sim.nodes import NodeModel
 ROUTINGS = ("kv_aware", "session_affine", "random", "p2c_kv")
 DEFAULT_ROUTING = "kv_aware"
 
-# Benchmark SLO targets per hardware profile (issue 31): (TTFT, mean ITL) in seconds.
+# Benchmark SLO targets per hardware profile: (TTFT, mean ITL) in seconds.
 SLO_PROFILES: dict[str, tuple[float, float]] = {"gpu": (1.0, 0.05), "cpu": (10.0, 0.5)}
 
 
