@@ -18,7 +18,7 @@ writes ``benchmarks/results/step_time_cpu.json`` with the grid, the fit, its res
 and, under ``replica_model``, the simulator's :class:`ReplicaModel` fields
 (``prefill_tokens_per_second = 1 / per_token``), which ``kvpilot simulate --calibration``
 reads as is. The decode rows' contexts are short (64 prompt tokens plus what they
-generated during the sweep, under ~300), so per_seq is the cost of a short-context row;
+generated during the sweep, under ~150), so per_seq is the cost of a short-context row;
 attention over long contexts costs more.
 """
 
@@ -45,7 +45,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget", type=int, default=2048, help="--max-num-batched-tokens")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB")
+    ap.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB")
     ap.add_argument("--kv-capacity-tokens", type=int, default=23_296,
                     help="the serving engine's pool, for replica_model (kvpilot serve on CPU)")
     ap.add_argument("--startup-seconds", type=float, default=20.0,
@@ -74,7 +74,7 @@ def main() -> int:
         loaded=loaded,
     )
     rng = random.Random(0)
-    long_run = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    long_run = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     clock = time.process_time
     rows: list[dict[str, float]] = []

@@ -101,7 +101,7 @@ def test_agentic_contexts_grow_and_reuse_their_prefix():
 
 
 def test_unknown_trace_and_bad_sizes_are_refused():
-    with pytest.raises(ValueError, match="trace must be one of ramp, burst, agentic; got 'x'"):
+    with pytest.raises(ValueError, match="trace must be one of ramp, burst, agentic, steady_high_concurrency, prefill_heavy; got 'x'"):
         make_trace("x")
     with pytest.raises(ValueError, match="peak_replicas must be > 0; got 0"):
         make_trace("ramp", peak_replicas=0)

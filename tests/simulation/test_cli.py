@@ -39,7 +39,7 @@ def test_simulate_compares_policies_and_writes_json_and_png(tmp_path, capsys):
 
 def test_simulate_refuses_an_unknown_policy(capsys):
     assert main(["simulate", "--policies", "kvpilot,vpa", "--duration", "600"]) == 2
-    assert "--policies must name kvpilot, hpa, kpa; got 'vpa'" in capsys.readouterr().err
+    assert "--policies must name kvpilot, hpa, kpa, kpa_concurrency, saturation; got 'vpa'" in capsys.readouterr().err
 
 
 def test_simulate_refuses_bad_numbers_with_the_flag_and_value(capsys):

@@ -18,10 +18,11 @@ generator, so a million requests cost no memory until they arrive.
   if the turn lands where its session's earlier turns ran); sessions start faster and
   faster over the first half (a ramp in session starts), then hold.
 - ``steady_high_concurrency``: a constant rate of short-prompt requests (prompts of about
-  128 tokens, outputs of about 512), so that a replica sized for it runs a large batch
-  (on the H200 preset about 60% of ``max_num_seqs``; steps slow down with the rows) while
-  the KV stays low (under 10% of the pool: ~150 x ~400 tokens). The fleet starts at the
-  peak's size; minReplicas is a quarter of it.
+  128 tokens, outputs of about 512): compute binds, not KV. At the size it is made for
+  the KV stays under 10% of the pool; a fleet short of it fills every batch to
+  ``max_num_seqs`` and queues while the KV is still under 20% (256 x ~400 tokens on the
+  GPU presets), so a KV-usage policy sees nothing to do. The fleet starts at the peak's
+  size; minReplicas is a quarter of it.
 - ``prefill_heavy``: the ramp's shape with long prompts (mean 6,000 tokens) and short
   outputs (mean 64): compute goes to prefill, so TTFT and the ITL of the decodes that
   share prefill steps bind before the KV does.
