@@ -217,14 +217,16 @@ def gpu_model_from(m: GpuEngineRun) -> ReplicaModel:
     )
 
 
-# benchmarks/step_time_sweep.py on the project's CPU machine (SmolLM2-135M fp32, one torch
-# thread): least-squares fit of step seconds = base + per_seq x decode rows + prefill
-# tokens / rate over its grid; see benchmarks/results/step_time_cpu.json.
+# benchmarks/step_time_sweep.py on the project's CPU machine, 2026-12-07 (SmolLM2-135M
+# fp32, one torch thread, process CPU time; decode rows 1-64 x prefill chunks 0-1,024):
+# least-squares fit (relative errors) of step seconds = base + per_seq x decode rows +
+# prefill tokens / rate: 23.77 ms + 1.660 ms x rows + 1.5124 ms x tokens, worst residual
+# 27%; see benchmarks/results/step_time_cpu.json. KV pool and start-up: kvpilot serve.
 CPU_STEP_FIT = ReplicaModel(
     kv_capacity_tokens=23_296,
-    prefill_tokens_per_second=445.6,
-    decode_step_base_seconds=0.109,
-    decode_step_per_seq_seconds=0.0052,
+    prefill_tokens_per_second=661.2,
+    decode_step_base_seconds=0.02377,
+    decode_step_per_seq_seconds=0.00166,
     max_num_seqs=256,
     max_num_batched_tokens=2048,
     startup_seconds=20.0,
