@@ -32,7 +32,9 @@ replica-hours to the cheapest baseline reaching ``--slo-goal`` (0.99) attainment
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import platform
 import subprocess
@@ -177,6 +179,20 @@ def speed(args: argparse.Namespace, model: ReplicaModel) -> dict:
 SLO_POLICIES = ["kvpilot", "hpa", "kpa_concurrency", "saturation"]
 
 
+class Static:
+    """A reference, not a policy: ``n`` replicas all along (is the SLO reachable, and at
+    what cost, with the fleet never resized)."""
+
+    interval_seconds = 15.0
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.name = f"static-{n}"
+
+    def decide(self, now: float, ready: object, pending: int) -> int:
+        return self.n
+
+
 def slo_comparison(args: argparse.Namespace, model: ReplicaModel, profile: str) -> dict:
     """Every trace x policy under the SLO targets of ``profile``; see the module doc."""
     from kvpilot.autoscaler.sim.model import SLO_PROFILES
@@ -192,7 +208,7 @@ def slo_comparison(args: argparse.Namespace, model: ReplicaModel, profile: str) 
     wall = time.perf_counter()
     for seed in args.seeds:
         scenario = Scenario(peak_replicas=args.peak, duration_seconds=args.duration, seed=seed,
-                            slo_ttft_seconds=ttft, slo_itl_seconds=itl)
+                            slo_ttft_seconds=ttft, slo_itl_seconds=itl, max_factor=args.max_factor)
         for r in compare(traces, args.slo_policies, scenario, model, routings=[args.routing]):
             print(f"  seed {seed} {r.trace:24} {r.policy:16} SLO {100 * r.slo_attainment:7.3f}%"
                   f"  replica-h {r.replica_hours:7.2f}  starvation {r.starvation_seconds:12,.0f} s"
@@ -209,6 +225,24 @@ def slo_comparison(args: argparse.Namespace, model: ReplicaModel, profile: str) 
             t["ttft_p90_worst"] = max(t["ttft_p90_worst"], r.ttft_p90_seconds)
             t["itl_p90_worst"] = max(t["itl_p90_worst"], r.itl_p90_seconds)
             t["peak_replicas"] = max(t["peak_replicas"], r.peak_replicas)
+    # Reference: the smallest fleet that, never resized, reaches the goal (first seed).
+    static: dict[str, dict[str, float] | None] = {}
+    scenario = Scenario(peak_replicas=args.peak, duration_seconds=args.duration, seed=args.seeds[0],
+                        slo_ttft_seconds=ttft, slo_itl_seconds=itl, max_factor=args.max_factor)
+    for name in traces:
+        trace = make_trace(name, args.peak, args.duration, args.seeds[0], model)
+        low, high = scenario.bounds(trace)
+        static[name] = None
+        for n in range(max(1, math.ceil(args.peak)), high + 1):
+            config = dataclasses.replace(scenario.config(trace, args.routing), initial_replicas=n,
+                                         min_replicas=min(low, n))
+            r = simulate(trace, Static(n), model, config)
+            print(f"  static {name:24} {n:3d} replicas  SLO {100 * r.slo_attainment:7.3f}%"
+                  f"  replica-h {r.replica_hours:7.2f}", flush=True)
+            if r.slo_attainment >= args.slo_goal:
+                static[name] = {"replicas": n, "slo_attainment": r.slo_attainment,
+                                "replica_hours": r.replica_hours}
+                break
     rows, verdicts = [], {}
     print(f"\n{'trace':24} {'policy':16} {'SLO %':>8} {'replica-h':>10} {'starvation s':>13}"
           f" {'TTFT p90':>9} {'ITL p90 ms':>10}")
@@ -230,6 +264,7 @@ def slo_comparison(args: argparse.Namespace, model: ReplicaModel, profile: str) 
         met = bool(ours and ours["slo_attainment"] >= args.slo_goal
                    and (ratio is None or ratio <= args.slo_ratio))
         verdicts[trace] = {"best_baseline": best, "replica_hours_ratio": ratio,
+                           "static_reference": static[trace],
                            "kvpilot_slo_attainment": ours["slo_attainment"] if ours else None,
                            "met": met}
     print()
@@ -240,6 +275,7 @@ def slo_comparison(args: argparse.Namespace, model: ReplicaModel, profile: str) 
               f" replica-hours {ratio} of the best baseline reaching it ({v['best_baseline']}):"
               f" {'MET' if v['met'] else 'MISSED'}")
     return {"slo_ttft_seconds": ttft, "slo_itl_seconds": itl, "goal_attainment": args.slo_goal,
+            "max_factor": args.max_factor,
             "goal_replica_hours_ratio": args.slo_ratio, "peak_replicas": args.peak,
             "duration_seconds": args.duration, "seeds": args.seeds, "routing": args.routing,
             "rows": rows, "verdicts": verdicts, "wall_seconds": time.perf_counter() - wall}
@@ -257,6 +293,9 @@ def main() -> int:
                         help="the SLO comparison instead (see the module doc)")
     parser.add_argument("--slo-policies", nargs="+", default=SLO_POLICIES)
     parser.add_argument("--slo-goal", type=float, default=0.99)
+    parser.add_argument("--max-factor", type=float, default=2.5,
+                        help="with --slo: maxReplicas = ceil(factor x --peak) + 1 (room for a"
+                        " latency target: a fleet sized on KV or at 75%% compute is too small)")
     parser.add_argument("--slo-ratio", type=float, default=1.1)
     parser.add_argument("--slo-ttft", type=float, help="seconds (default: the profile's)")
     parser.add_argument("--slo-itl", type=float, help="seconds (default: the profile's)")
