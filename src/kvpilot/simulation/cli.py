@@ -180,6 +180,19 @@ def _model(args: argparse.Namespace) -> ReplicaModel:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "startup_seconds": args.startup_seconds,
     }
+    # Counts must be >= 1, rates and step costs > 0 (per-row cost and start-up >= 0).
+    for flag, value, allow_zero in (
+        ("--kv-capacity-tokens", args.kv_capacity_tokens, False),
+        ("--prefill-tokens-per-second", args.prefill_tokens_per_second, False),
+        ("--decode-step-base-ms", args.decode_step_base_ms, False),
+        ("--decode-step-per-seq-ms", args.decode_step_per_seq_ms, True),
+        ("--max-num-seqs", args.max_num_seqs, False),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens, False),
+        ("--startup-seconds", args.startup_seconds, True),
+    ):
+        if value is not None and not (math.isfinite(value) and (value >= 0 if allow_zero else value > 0)):
+            allowed = ">= 0" if allow_zero else "> 0"
+            raise ValueError(f"{flag} must be finite and {allowed}; got {value!r}")
     return replace(model, **{k: v for k, v in flags.items() if v is not None})
 
 
