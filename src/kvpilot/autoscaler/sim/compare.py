@@ -21,7 +21,8 @@ class Scenario:
 
     Attributes:
         peak_replicas: replicas the trace's peak needs at the target usage (sizes the load).
-        duration_seconds / seed / warmup_seconds / slo_wait_seconds: see SimConfig.
+        duration_seconds / seed / warmup_seconds / slo_wait_seconds / slo_ttft_seconds /
+            slo_itl_seconds: see SimConfig.
         max_factor: maxReplicas = ceil(max_factor x peak_replicas) + 1 (room to overshoot).
         target_cache_usage / target_queue_depth: shared targets (HPA uses the first, KPA
             the second, ours both).
@@ -32,6 +33,8 @@ class Scenario:
     seed: int = 0
     warmup_seconds: float = 300.0
     slo_wait_seconds: float = 2.0
+    slo_ttft_seconds: float = 1.0
+    slo_itl_seconds: float = 0.05
     max_factor: float = 1.5
     target_cache_usage: float = float(DEFAULTS["targetCacheUsage"])
     target_queue_depth: float = float(DEFAULTS["targetQueueDepth"])
@@ -41,6 +44,8 @@ class Scenario:
             ("peak_replicas", self.peak_replicas, 0 < self.peak_replicas <= 100_000, "in (0, 100000]"),
             ("max_factor", self.max_factor, 1 <= self.max_factor <= 100, "in [1, 100]"),
             ("slo_wait_seconds", self.slo_wait_seconds, self.slo_wait_seconds > 0, "> 0"),
+            ("slo_ttft_seconds", self.slo_ttft_seconds, self.slo_ttft_seconds > 0, "> 0"),
+            ("slo_itl_seconds", self.slo_itl_seconds, self.slo_itl_seconds > 0, "> 0"),
             ("duration_seconds", self.duration_seconds, self.duration_seconds > 0, "> 0"),
             ("warmup_seconds", self.warmup_seconds,
              0 <= self.warmup_seconds < self.duration_seconds, "in [0, duration)"),
@@ -68,10 +73,13 @@ class Scenario:
 
     def config(self, trace: Trace, routing: str = DEFAULT_ROUTING) -> SimConfig:
         low, high = self.bounds(trace)
-        start = min(high, max(low, round(trace.base_replicas)))
+        initial = trace.base_replicas if trace.initial_replicas is None else trace.initial_replicas
+        start = min(high, max(low, round(initial)))
         return SimConfig(
             duration_seconds=self.duration_seconds,
             slo_wait_seconds=self.slo_wait_seconds,
+            slo_ttft_seconds=self.slo_ttft_seconds,
+            slo_itl_seconds=self.slo_itl_seconds,
             min_replicas=low,
             max_replicas=high,
             initial_replicas=start,
