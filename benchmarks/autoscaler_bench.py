@@ -208,7 +208,8 @@ def slo_comparison(args: argparse.Namespace, model: ReplicaModel, profile: str) 
     wall = time.perf_counter()
     for seed in args.seeds:
         scenario = Scenario(peak_replicas=args.peak, duration_seconds=args.duration, seed=seed,
-                            slo_ttft_seconds=ttft, slo_itl_seconds=itl, max_factor=args.max_factor)
+                            slo_ttft_seconds=ttft, slo_itl_seconds=itl, max_factor=args.max_factor,
+                            slo_profile=profile)
         for r in compare(traces, args.slo_policies, scenario, model, routings=[args.routing]):
             print(f"  seed {seed} {r.trace:24} {r.policy:16} SLO {100 * r.slo_attainment:7.3f}%"
                   f"  replica-h {r.replica_hours:7.2f}  starvation {r.starvation_seconds:12,.0f} s"
@@ -228,7 +229,8 @@ def slo_comparison(args: argparse.Namespace, model: ReplicaModel, profile: str) 
     # Reference: the smallest fleet that, never resized, reaches the goal (first seed).
     static: dict[str, dict[str, float] | None] = {}
     scenario = Scenario(peak_replicas=args.peak, duration_seconds=args.duration, seed=args.seeds[0],
-                        slo_ttft_seconds=ttft, slo_itl_seconds=itl, max_factor=args.max_factor)
+                        slo_ttft_seconds=ttft, slo_itl_seconds=itl, max_factor=args.max_factor,
+                            slo_profile=profile)
     for name in traces:
         trace = make_trace(name, args.peak, args.duration, args.seeds[0], model)
         low, high = scenario.bounds(trace)

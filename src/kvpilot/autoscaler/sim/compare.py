@@ -12,7 +12,7 @@ from kvpilot.autoscaler.sim.fleet import simulate
 from kvpilot.autoscaler.sim.model import DEFAULT_ROUTING, ReplicaModel, SimConfig
 from kvpilot.autoscaler.sim.report import SimResult
 from kvpilot.autoscaler.sim.traces import TRACES, Trace, make_trace
-from kvpilot.autoscaler.spec import DEFAULTS, AutoscalingSpec
+from kvpilot.autoscaler.spec import DEFAULTS, AutoscalingSpec, SloSpec
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,10 @@ class Scenario:
         max_factor: maxReplicas = ceil(max_factor x peak_replicas) + 1 (room to overshoot).
         target_cache_usage / target_queue_depth: shared targets (HPA uses the first, KPA
             the second, ours both).
+        slo_profile: ``cpu`` or ``gpu``: our policy is given ``spec.autoscaling.slo``
+            with the scenario's targets (its latency model starting from that profile's
+            prior), as a user who states an SLO would; None (the default) runs it without
+            one, as the starvation comparisons do. The baselines never read it.
     """
 
     peak_replicas: float = 8.0
@@ -38,6 +42,7 @@ class Scenario:
     max_factor: float = 1.5
     target_cache_usage: float = float(DEFAULTS["targetCacheUsage"])
     target_queue_depth: float = float(DEFAULTS["targetQueueDepth"])
+    slo_profile: str | None = None
 
     def __post_init__(self) -> None:
         checks = (
@@ -69,6 +74,8 @@ class Scenario:
             target_cache_usage=self.target_cache_usage,
             target_queue_depth=self.target_queue_depth,
             startup_seconds=model.startup_seconds,
+            slo=None if self.slo_profile is None else SloSpec(
+                ttft_seconds=self.slo_ttft_seconds, itl_seconds=self.slo_itl_seconds, profile=self.slo_profile),
         )
 
     def config(self, trace: Trace, routing: str = DEFAULT_ROUTING) -> SimConfig:
