@@ -37,6 +37,17 @@ CASES = {
     "keda-threshold-under-a-thousandth": (
         {"autoscaling": _autoscaling(engine="keda", targetQueueDepth=0.0001, metrics=PROMETHEUS)},
         "KEDA reads its thresholds in thousandths"),
+    # Latency targets (issue 31): the schema's bounds and the CEL rules, in the API server.
+    "slo-zero-itl": ({"autoscaling": _autoscaling(slo={"itlSeconds": 0})}, "itlSeconds"),
+    "slo-negative-ttft": ({"autoscaling": _autoscaling(slo={"ttftSeconds": -1})}, "ttftSeconds"),
+    "slo-over-a-day": ({"autoscaling": _autoscaling(slo={"ttftSeconds": 90000})}, "ttftSeconds"),
+    "slo-not-a-number": ({"autoscaling": _autoscaling(slo={"itlSeconds": "fast"})}, "itlSeconds"),
+    "slo-percentile-one": ({"autoscaling": _autoscaling(slo={"itlSeconds": 0.5, "percentile": 1})},
+                           "percentile"),
+    "slo-without-target": ({"autoscaling": _autoscaling(slo={"percentile": 0.9})},
+                           "autoscaling.slo needs ttftSeconds or itlSeconds"),
+    "slo-with-keda": ({"autoscaling": _autoscaling(engine="keda", metrics=PROMETHEUS, slo={"itlSeconds": 0.5})},
+                      "autoscaling.engine keda cannot take autoscaling.slo"),
 }
 
 
@@ -71,6 +82,16 @@ def test_keda_mode_with_integer_targets_is_admitted(cluster):
     assert result.returncode == 0, result.stderr
     gone = cluster.kubectl("get", "infd", "keda-admitted", check=False)
     assert "NotFound" in gone.stderr
+
+
+def test_slo_is_admitted(cluster):
+    """A latency target within bounds passes the API server (server-side dry run)."""
+    doc = h.small_infd("slo-admitted", autoscaling=_autoscaling(
+        slo={"ttftSeconds": 10, "itlSeconds": 0.5, "percentile": 0.9}))
+    doc["spec"].pop("replicas", None)
+    result = cluster.kubectl("apply", "--dry-run=server", "-n", "default", "-f", "-",
+                             input=yaml.safe_dump(doc), check=False)
+    assert result.returncode == 0, result.stderr
 
 
 def test_scale_refused_with_autoscaling(cluster):

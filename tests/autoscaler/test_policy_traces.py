@@ -147,6 +147,7 @@ def test_decision_to_dict_is_plain_json():
         "queue_drain",
         "forecast",
         "starvation",
+        "latency",  # no opinion without an SLO, listed all the same
     }
     assert data["desiredReplicas"] == d.desired_replicas
 

@@ -101,11 +101,11 @@ def test_agentic_contexts_grow_and_reuse_their_prefix():
 
 
 def test_unknown_trace_and_bad_sizes_are_refused():
-    with pytest.raises(ValueError, match="trace must be one of ramp, burst, agentic; got 'x'"):
+    with pytest.raises(ValueError, match="trace must be one of ramp, burst, agentic, steady_high_concurrency, prefill_heavy; got 'x'"):
         make_trace("x")
     with pytest.raises(ValueError, match="peak_replicas must be > 0; got 0"):
         make_trace("ramp", peak_replicas=0)
-    with pytest.raises(ValueError, match="policy must be one of kvpilot, hpa, kpa; got 'vpa'"):
+    with pytest.raises(ValueError, match="policy must be one of kvpilot, hpa, kpa, kpa_concurrency, saturation; got 'vpa'"):
         make_policy("vpa", AutoscalingSpec())
 
 
@@ -268,4 +268,5 @@ def test_replica_kv_is_the_aggregate_of_its_requests():
     assert r.n_dec == 3 and r.prefilling is None
     expected = sum(q.ctx + (r.v - q.v_start) for q in r.running)
     assert r.kv_tokens(now) == pytest.approx(expected)
-    assert expected == pytest.approx(6000 + sum(r.v - q.v_start for q in r.running))
+    # Each context is its prompt plus the token its last prefill step yielded.
+    assert expected == pytest.approx(6003 + sum(r.v - q.v_start for q in r.running))

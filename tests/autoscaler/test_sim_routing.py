@@ -66,8 +66,9 @@ def test_three_replicas_random_below_kv_aware_at_most_session_affine(agentic):
     for r in runs.values():
         assert r.prompt_tokens > 0 and r.hit_tokens == pytest.approx(
             r.prefix_hit_rate * r.prompt_tokens)
-    # Fewer hits, more prefill: random routing queues longer on the same fleet.
-    assert runs["random"].p99_queue_seconds > runs["kv_aware"].p99_queue_seconds
+    # Fewer hits, more prefill: random routing waits longer for first tokens on the same
+    # fleet (prefill shares the steps, so it shows in TTFT before any queue forms).
+    assert runs["random"].ttft_p90_seconds > runs["kv_aware"].ttft_p90_seconds
 
 
 def test_kv_aware_spreads_sessions_over_the_replicas(agentic):

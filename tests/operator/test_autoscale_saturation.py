@@ -55,3 +55,30 @@ def test_the_spec_target_is_the_one_the_policy_reads():
 
 def test_the_default_target_is_the_crds():
     assert _spec(8).autoscaling.target_saturation == 0.75
+
+
+def test_an_slo_reaches_the_policy_with_the_crs_token_budget():
+    """spec.autoscaling.slo through the operator's plan: the TTFT model's prefill rate is
+    the CR's engine.maxNumBatchedTokens over the step time (the ITL mean), and the
+    latency view lands in status.autoscaler.lastDecision."""
+    import math
+
+    from kvpilot.autoscaler import LatencyWindow
+
+    spec = parse_spec({"model": {"uri": "embedded://smollm2-135m-instruct"},
+                       "engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 512},
+                       "autoscaling": {"minReplicas": 1, "maxReplicas": 8,
+                                       "slo": {"ttftSeconds": 2.0}}})
+    itl = LatencyWindow(((0.25, 90), (1.0, 100), (math.inf, 100)), 25.0)  # mean 250 ms
+    ttft = LatencyWindow(((6.0, 18), (24.0, 20), (math.inf, 20)), 100.0)  # p90 6 s
+    pod = EnginePod("p0", "10.0.0.1")
+    reading = MetricsReading("pods", (PodSignals(
+        "p0", kv_usage=0.2, num_waiting=2.0, waiting_tokens=8192.0, num_running=4.0,
+        preemption_rate=0.0, kv_capacity_tokens=50000.0, itl=itl, ttft=ttft),))
+    plan = plan_autoscale(FleetObservation(1, (pod,), 0), reading, PolicyState(), spec, (), NOW)
+    latency = plan.status["autoscaler"]["lastDecision"]["latency"]
+    assert latency["prefillRate"] == 2048.0  # 512 tokens per 0.25 s step
+    # 8,192 queued tokens are 4 s of the 6 s p90: base 2 s, so no count meets 2 s...
+    assert latency["ttftBase"] == 2.0
+    candidate = next(c for c in plan.decision.candidates if c.rule == "latency")
+    assert candidate.replicas is None and "more replicas do not help" in candidate.detail

@@ -218,6 +218,30 @@ REFUSED = [
     ("saturation-above-one", {"model": EMBEDDED,
                               "autoscaling": {"maxReplicas": 2, "targetSaturation": 1.5}},
      "above maximum 1"),
+    ("slo-ttft-zero", {"model": EMBEDDED, "autoscaling": {"maxReplicas": 2,
+                                                         "slo": {"ttftSeconds": 0}}},
+     "below minimum 0"),
+    ("slo-itl-negative", {"model": EMBEDDED, "autoscaling": {"maxReplicas": 2,
+                                                            "slo": {"itlSeconds": -1}}},
+     "below minimum 0"),
+    ("slo-itl-above-a-day", {"model": EMBEDDED, "autoscaling": {
+        "maxReplicas": 2, "slo": {"itlSeconds": 86400.5}}}, "above maximum 86400"),
+    ("slo-itl-text", {"model": EMBEDDED, "autoscaling": {"maxReplicas": 2,
+                                                        "slo": {"itlSeconds": "fast"}}},
+     "spec.autoscaling.slo.itlSeconds"),
+    ("slo-percentile-one", {"model": EMBEDDED, "autoscaling": {
+        "maxReplicas": 2, "slo": {"itlSeconds": 0.1, "percentile": 1}}}, "above maximum 1"),
+    ("slo-percentile-zero", {"model": EMBEDDED, "autoscaling": {
+        "maxReplicas": 2, "slo": {"ttftSeconds": 2, "percentile": 0}}}, "below minimum 0"),
+    ("slo-without-target", {"model": EMBEDDED, "autoscaling": {
+        "maxReplicas": 2, "slo": {"percentile": 0.5}}},
+     "autoscaling.slo needs ttftSeconds or itlSeconds"),
+    ("keda-with-slo",
+     {"model": EMBEDDED, "autoscaling": {"maxReplicas": 3, "engine": "keda",
+                                         "slo": {"itlSeconds": 0.1},
+                                         "metrics": {"source": "prometheus",
+                                                     "url": "http://prom:9090"}}},
+     "autoscaling.engine keda cannot take autoscaling.slo"),
     ("prometheus-without-url", {"model": EMBEDDED, "autoscaling": {
         "maxReplicas": 2, "metrics": {"source": "prometheus"}}},
      "autoscaling.metrics.url is required"),
@@ -417,3 +441,25 @@ def test_condition_types_are_open_but_well_formed(crd):
         assert validate(schema, status(ok)) == [], ok
     for bad in ("not a type", "Ready!", ""):
         assert validate(schema, status(bad)), bad
+
+
+@pytest.mark.parametrize("slo", [
+    {"itlSeconds": 0.001}, {"ttftSeconds": 86400}, {"itlSeconds": 1e-6, "ttftSeconds": 0.5},
+    {"itlSeconds": 0.05, "percentile": 0.5}, {"ttftSeconds": 2, "percentile": 0.999},
+])
+def test_slo_edges_the_crd_admits_parse_and_default_to_p90(crd, slo):
+    stored, errors = admit(crd, obj({"model": EMBEDDED,
+                                     "autoscaling": {"maxReplicas": 3, "slo": slo}}))
+    assert errors == []
+    assert stored["spec"]["autoscaling"]["slo"]["percentile"] == slo.get("percentile", 0.9)
+    parsed = parse_spec(stored["spec"]).autoscaling.slo
+    assert parsed.percentile == slo.get("percentile", 0.9)
+    assert parsed.itl_seconds == slo.get("itlSeconds")
+    assert parsed.ttft_seconds == slo.get("ttftSeconds")
+    assert parsed.profile == "cpu"
+
+
+def test_slo_on_a_gpu_pod_starts_from_the_gpu_prior():
+    spec = {"model": EMBEDDED, "autoscaling": {"maxReplicas": 3, "slo": {"itlSeconds": 0.05}},
+            "resources": {"limits": {"nvidia.com/gpu": 1}}}
+    assert parse_spec(spec).autoscaling.slo.profile == "gpu"

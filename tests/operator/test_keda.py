@@ -56,6 +56,7 @@ def test_engine_defaults_to_kvpilot_and_keda_is_accepted():
      "prometheus is required when autoscaling.engine is keda"),
     ({"minReplicas": 0}, "autoscaling.minReplicas", "autoscaling.engine is keda"),
     ({"nodeStartupSeconds": 300}, "autoscaling.nodeStartupSeconds", "autoscaling.engine is keda"),
+    ({"slo": {"itlSeconds": 0.05}}, "autoscaling.slo", "KEDA's HPA cannot run the latency model"),
 ])
 def test_refused_with_the_field_named(autoscaling, field, words):
     with pytest.raises(SpecError) as info:
@@ -421,3 +422,18 @@ def test_thresholds_are_thousandths_and_the_address_has_no_trailing_slash():
     triggers = {t["name"]: t["metadata"] for t in obj["spec"]["triggers"]}
     assert triggers["saturation"]["threshold"] == "1"  # 3 x 0.3333 = 0.9999 -> 1.000
     assert {t["serverAddress"] for t in triggers.values()} == {PROM}
+
+
+def test_the_builder_refuses_an_slo_the_parser_let_through():
+    """Belt and braces: a spec built around the parser (a test, a future caller) with an
+    SLO in KEDA mode gets no ScaledObject that silently drops the latency targets."""
+    import dataclasses
+
+    from kvpilot.autoscaler import SloSpec
+
+    parsed = parse_spec(keda_spec())
+    assert parsed.autoscaling is not None
+    with_slo = dataclasses.replace(parsed, autoscaling=dataclasses.replace(
+        parsed.autoscaling, slo=SloSpec(itl_seconds=0.05)))
+    with pytest.raises(ValueError, match="slo is not allowed in KEDA mode"):
+        build_scaled_object(Owner("chat", "llm", "uid-chat").reference(), "llm", "chat", with_slo)

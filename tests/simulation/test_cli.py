@@ -28,17 +28,18 @@ def test_simulate_compares_policies_and_writes_json_and_png(tmp_path, capsys):
         == 0
     )
     table = capsys.readouterr().out
-    for policy in ("kvpilot", "hpa", "kpa"):
+    for policy in ("kvpilot", "hpa", "kpa", "kpa_concurrency", "saturation"):
         assert policy in table
     data = json.loads(out_json.read_text())
-    assert {r["policy"] for r in data["results"]} == {"kvpilot", "hpa", "kpa"}
+    assert {r["policy"] for r in data["results"]} == {"kvpilot", "hpa", "kpa", "kpa_concurrency",
+                                                      "saturation"}
     assert len(data["results"][0]["timeline"]["time"]) > 10
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_simulate_refuses_an_unknown_policy(capsys):
     assert main(["simulate", "--policies", "kvpilot,vpa", "--duration", "600"]) == 2
-    assert "--policies must name kvpilot, hpa, kpa; got 'vpa'" in capsys.readouterr().err
+    assert "--policies must name kvpilot, hpa, kpa, kpa_concurrency, saturation; got 'vpa'" in capsys.readouterr().err
 
 
 def test_simulate_refuses_bad_numbers_with_the_flag_and_value(capsys):

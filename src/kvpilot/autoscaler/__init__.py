@@ -18,7 +18,7 @@ from kvpilot.autoscaler.signals import (
     aggregate,
     counter_rate,
 )
-from kvpilot.autoscaler.spec import AutoscalingSpec, MetricsSourceSpec
+from kvpilot.autoscaler.spec import AutoscalingSpec, MetricsSourceSpec, SloSpec
 from kvpilot.autoscaler.state import PolicyState, Recommendation
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "PodSignals",
     "PolicyState",
     "Recommendation",
+    "SloSpec",
     "aggregate",
     "counter_rate",
     "decide",

@@ -5,7 +5,9 @@ stamp the last-scale times in the next state."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from kvpilot.autoscaler.rules import Candidate
 from kvpilot.autoscaler.signals import FleetLoad
@@ -52,6 +54,9 @@ class Decision:
         metrics_available: False when no ready pod reported KV usage (MetricsAvailable).
         missing_pods: ready pods with at least one missing signal.
         state: the history to pass to the next call.
+        latency: with ``spec.autoscaling.slo``, the latency model's view of this interval
+            (:meth:`kvpilot.autoscaler.latency.LatencyView.to_dict`: fitted ITL line,
+            trust, observed ITL/TTFT, the load sized for); None without an SLO.
     """
 
     desired_replicas: int
@@ -67,10 +72,12 @@ class Decision:
     metrics_available: bool
     missing_pods: tuple[str, ...]
     state: PolicyState
+    latency: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, object]:
-        """JSON-ready summary (without the state) for status and logs."""
-        return {
+        """JSON-ready summary (without the state) for status and logs; ``latency`` only
+        with an SLO."""
+        out: dict[str, object] = {
             "desiredReplicas": self.desired_replicas,
             "currentReplicas": self.current_replicas,
             "direction": self.direction,
@@ -83,6 +90,9 @@ class Decision:
             "missingPods": list(self.missing_pods),
             "candidates": [c.to_dict() for c in self.candidates],
         }
+        if self.latency is not None:
+            out["latency"] = dict(self.latency)
+        return out
 
 
 def bound(

@@ -23,11 +23,12 @@ Decision table (first row that applies wins; ``current`` = ready + pending)::
     run of recommendations < current
   settling after the last step     -> hold (the next step waits for the load to move)
   consolidation check fails        -> hold (current - 1 would not absorb the load under target:
-                                      KV usage, batch saturation, queue, forecast, alarm)
+                                      KV usage, batch saturation, queue, forecast, alarm,
+                                      and with an SLO the predicted ITL/TTFT)
   otherwise                        -> scale DOWN by one
   finally                          -> clamp to [min, max]; report which bound limited it
 
-``reactive`` is the highest of headroom, saturation and queue drain; with
+``reactive`` is the highest of headroom, saturation, queue drain and latency; with
 ``scaleUpStabilizationSeconds`` > 0 it is the lowest such value over that window (HPA's
 scale-up stabilization). Missing pods count as zero load, as HPA counts pods without
 metrics on a scale-up, so partial data can justify a scale-up but never a scale-down.
@@ -41,7 +42,15 @@ from dataclasses import dataclass, replace
 from kvpilot.autoscaler import rules, zero
 from kvpilot.autoscaler.decision import Decision, Proposal, bound
 from kvpilot.autoscaler.forecast import Trend, fit_trend, still_rising
-from kvpilot.autoscaler.rules import Candidate
+from kvpilot.autoscaler.latency import (
+    PRIORS,
+    LatencyModel,
+    LatencyView,
+    itl_samples,
+    observed_itl,
+    ttft_view,
+)
+from kvpilot.autoscaler.rules import NO_HISTOGRAMS, Candidate
 from kvpilot.autoscaler.signals import FleetLoad, FleetSignals, aggregate
 from kvpilot.autoscaler.spec import AutoscalingSpec
 from kvpilot.autoscaler.state import PolicyState, Recommendation
@@ -78,6 +87,7 @@ def decide(
         proposal = propose_up(interval, spec) or propose_hold_or_down(interval, spec)
         decision = bound(proposal, interval.current, interval.candidates, load, interval.state,
                          spec, now)
+        decision = with_latency(decision, interval.latency, spec)
     if spec.scale_to_zero:
         return zero.after_decision(decision, signals, load, spec, now)
     return decision
@@ -93,8 +103,10 @@ class Interval:
         load: the fleet's load (:func:`~kvpilot.autoscaler.signals.aggregate`).
         trend: KV demand's least-squares trend over the settled window, or None.
         latest_demand: this interval's demand (replica-equivalents), None if incomplete.
-        candidates: headroom, saturation, queue drain, forecast, starvation (this order).
+        candidates: headroom, saturation, queue drain, forecast, starvation, latency (this
+            order).
         state: the history with this interval's demand and recommendation recorded.
+        latency: what the latency rule and check read (None without an SLO).
     """
 
     now: float
@@ -105,6 +117,7 @@ class Interval:
     latest_demand: float | None
     candidates: tuple[Candidate, ...]
     state: PolicyState
+    latency: LatencyView | None = None
 
     def rule(self, name: str) -> Candidate:
         return next(c for c in self.candidates if c.rule == name)
@@ -119,7 +132,8 @@ class Interval:
 
     @property
     def reactive(self) -> Candidate | None:
-        return _highest(self.rule("headroom"), self.rule("saturation"), self.rule("queue_drain"))
+        return _highest(self.rule("headroom"), self.rule("saturation"), self.rule("queue_drain"),
+                        self.rule("latency"))
 
 
 def observe(
@@ -164,20 +178,26 @@ def assess(
             state = replace(state, starvation_base_replicas=ready)
     elif state.starvation_base_replicas is not None:
         state = replace(state, starvation_base_replicas=None)
+    forecast = rules.forecast(trend, latest_demand, current, spec, drain.replicas is not None,
+                              rising)
+    view, state = observe_latency(signals, load, state, spec, forecast, trend, latest_demand)
     candidates = (
         rules.headroom(load, current, spec),
         rules.saturation(load, current, spec),
         drain,
-        rules.forecast(trend, latest_demand, current, spec, drain.replicas is not None, rising),
+        forecast,
         rules.starvation(load, ready, current, spec, state.starvation_base_replicas),
+        rules.latency(view, current, spec),
     )
-    interval = Interval(now, current, ready, load, trend, latest_demand, candidates, state)
+    interval = Interval(now, current, ready, load, trend, latest_demand, candidates, state, view)
     # The scale-down window remembers what the sizing rules asked for (headroom, saturation,
-    # forecast): busy batches keep their replicas as a full KV cache does.
+    # forecast, latency): busy batches keep their replicas as a full KV cache does, and so
+    # does a latency the smaller fleet would miss.
     # A queue or a full pod is pressure to answer now, not load to keep capacity for once
     # gone: while either lasts, its candidate holds the count and the consolidation check
     # refuses to step down.
-    held = _highest(interval.rule("headroom"), interval.rule("saturation"), interval.rule("forecast"))
+    held = _highest(interval.rule("headroom"), interval.rule("saturation"), interval.rule("forecast"),
+                    interval.rule("latency"))
     reactive = interval.reactive
     state = _record(
         state,
@@ -186,6 +206,69 @@ def assess(
         reactive.replicas if reactive else None,
     )
     return replace(interval, state=state)
+
+
+def observe_latency(
+    signals: FleetSignals,
+    load: FleetLoad,
+    state: PolicyState,
+    spec: AutoscalingSpec,
+    forecast: Candidate,
+    trend: Trend | None,
+    latest_demand: float | None,
+) -> tuple[LatencyView | None, PolicyState]:
+    """Feed this read's ITL samples to the model and gather what the latency rule reads.
+
+    No SLO: no view, and a model left from an earlier SLO is dropped. A new percentile
+    starts the model over (its samples were read at the old one). No pod with a latency
+    histogram: the model is not touched (nothing to learn, nothing to forget) and the view
+    says so. The load the ITL is sized for is running plus waiting requests (the
+    router's held ones included), times the KV forecast's growth at the horizon while
+    the forecast rule triggers (its noise guards apply).
+    """
+    slo = spec.slo
+    if slo is None:
+        return None, (replace(state, latency=None) if state.latency is not None else state)
+    model = state.latency
+    if model is None or model.percentile != slo.percentile:
+        model = LatencyModel(slo.percentile)
+    pods = signals.pods
+    histograms = any(p.itl is not None or p.ttft is not None for p in pods)
+    if histograms:
+        samples, observations = itl_samples(pods, slo.percentile)
+        model = model.update(samples, observations)
+    state = replace(state, latency=model)
+    growth = 1.0
+    if forecast.replicas is not None and trend is not None and latest_demand:
+        growth = max(1.0, trend.at(spec.forecast_horizon_seconds) / latest_demand)
+    itl_now, itl_count = observed_itl(pods, slo.percentile)
+    view = LatencyView(
+        percentile_label=slo.quantile_label,
+        histograms=histograms,
+        fit=model.fit(PRIORS[slo.profile]) if slo.itl_seconds is not None else None,
+        observed_itl=itl_now,
+        ttft=(ttft_view(pods, load, slo.percentile, signals.max_num_batched_tokens)
+              if slo.ttft_seconds is not None else None),
+        requests=(load.num_running + load.num_waiting) * growth,
+        growth=growth,
+        max_num_seqs=signals.max_num_seqs,
+        itl_observations=itl_count,
+        ready=signals.ready_replicas,
+    )
+    return view, state
+
+
+def with_latency(decision: Decision, view: LatencyView | None, spec: AutoscalingSpec
+                 ) -> Decision:
+    """The decision with the latency view attached (``Decision.latency``) and, for a fleet
+    with an SLO whose engines export no latency histogram, the reason saying it is sized
+    on saturation (:data:`~kvpilot.autoscaler.rules.NO_HISTOGRAMS`)."""
+    if spec.slo is None or view is None:
+        return decision
+    reason = decision.reason
+    if not view.histograms:
+        reason = f"{reason} ({NO_HISTOGRAMS})"
+    return replace(decision, reason=reason, latency=view.to_dict())
 
 
 def propose_up(interval: Interval, spec: AutoscalingSpec) -> Proposal | None:
@@ -268,7 +351,7 @@ def settling(interval: Interval, spec: AutoscalingSpec) -> Proposal | None:
 
 def consolidation_blocked(interval: Interval, spec: AutoscalingSpec) -> Proposal | None:
     blocker = consolidation_blocker(interval.load, interval.trend, interval.latest_demand,
-                                    interval.current - 1, spec)
+                                    interval.current - 1, spec, interval.latency)
     return _hold(interval, f"consolidation check: {blocker}") if blocker else None
 
 

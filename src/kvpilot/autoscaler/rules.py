@@ -1,4 +1,4 @@
-"""The five candidate rules. Each turns the fleet's load into a replica count (or no
+"""The six candidate rules. Each turns the fleet's load into a replica count (or no
 opinion) with the signal and value behind it; :func:`kvpilot.autoscaler.policy.decide`
 takes the highest.
 
@@ -16,8 +16,13 @@ import math
 from dataclasses import dataclass
 
 from kvpilot.autoscaler.forecast import Trend, seconds_to_exhaustion
+from kvpilot.autoscaler.latency import MIN_INFORMED_READS, LatencyView
 from kvpilot.autoscaler.signals import FleetLoad
 from kvpilot.autoscaler.spec import AutoscalingSpec
+
+# What a fleet with an SLO but no latency histogram (an older engine) is told, in the
+# latency candidate and appended to the decision's reason.
+NO_HISTOGRAMS = "no latency histograms: sizing on saturation"
 
 # A hair below 1 so ceil(3.0000000001) from float noise stays 3.
 _EPS = 1e-9
@@ -33,8 +38,8 @@ class Candidate:
     """One rule's answer.
 
     Attributes:
-        rule: ``headroom``, ``saturation``, ``queue_drain``, ``forecast`` or
-            ``starvation``.
+        rule: ``headroom``, ``saturation``, ``queue_drain``, ``forecast``,
+            ``starvation`` or ``latency``.
         replicas: the total it asks for, or ``None`` for no opinion (not triggered or no
             data).
         signal: the metric it read.
@@ -311,3 +316,88 @@ def starvation(
         load.max_usage if load.usage_reported else None,
         "no preemptions and no pod near a full KV cache",
     )
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def latency(view: LatencyView | None, current: int, spec: AutoscalingSpec) -> Candidate:
+    """Size the fleet for ``spec.autoscaling.slo``: the fewest replicas whose predicted ITL
+    and TTFT at the SLO's percentile are within their targets at the load the fleet has
+    (running plus waiting requests, grown by the KV forecast when that rule triggers).
+
+    Sources: NVIDIA Dynamo's SLA planner (replicas = predicted load / the largest
+    per-replica load that meets the ITL target, from a profile) and llm-d's
+    predicted-latency scaling (scale on the latency a model of live samples predicts);
+    the model is :mod:`kvpilot.autoscaler.latency`. HPA's tolerance band: while the
+    prediction at ``current`` is within ``tolerance`` of a target, that target asks for
+    ``current``. A target that no replica count meets (ITL at one request per replica, or TTFT
+    without its queue wait, already above it) gives no opinion and says so: more
+    replicas would not help, so they are not bought. Signal ``itl_pNN`` or ``ttft_pNN``
+    (whichever asks for more), value its prediction at ``current`` in seconds.
+
+    No SLO: no opinion. An SLO but no pod exporting a latency histogram (an engine older
+    than these metrics): no opinion, detail :data:`NO_HISTOGRAMS`; the fleet is sized on
+    the saturation rules, never on a guess. Before the ITL fit is trusted the answer comes
+    from the prior (:data:`kvpilot.autoscaler.latency.PRIORS`) and says so; it may scale
+    up or hold, and the consolidation check never lets it scale down.
+    """
+    slo = spec.slo
+    if slo is None:
+        return Candidate("latency", None, "latency", None, "no SLO (spec.autoscaling.slo unset)")
+    label = slo.quantile_label
+    if view is None or not view.histograms:
+        signal = f"itl_{label}" if slo.itl_seconds is not None else f"ttft_{label}"
+        return Candidate("latency", None, signal, None, NO_HISTOGRAMS)
+    asks: list[tuple[int, str, float, str]] = []
+    notes: list[str] = []
+    tol = spec.tolerance
+    grown = f", x{view.growth:.2f} forecast growth" if view.growth > 1.0 else ""
+    if slo.itl_seconds is not None and view.fit is not None:
+        target, fit = slo.itl_seconds, view.fit
+        predicted = fit.predict(view.batch(current))
+        source = ("fitted" if fit.trusted else
+                  f"prior ({fit.informed_reads} of {MIN_INFORMED_READS} informed reads)")
+        line = (f"ITL {label} {_ms(fit.a)} + {fit.c * 1000:.2f} ms/request ({source}): "
+                f"{_ms(predicted)} at {view.batch(current):.1f} requests per replica"
+                f" ({view.requests:.0f} requests{grown})")
+        n = view.itl_replicas(target)
+        if n is None:
+            notes.append(f"{line}; the target {_ms(target)} is below the"
+                         f" {_ms(fit.predict(1.0))} of one request per replica: more replicas"
+                         " do not help")
+        else:
+            if abs(predicted / target - 1.0) <= tol:
+                n = current
+            asks.append((n, f"itl_{label}", predicted,
+                         f"{line} vs target {_ms(target)}: {n} replicas"))
+    if slo.ttft_seconds is not None:
+        target, t = slo.ttft_seconds, view.ttft
+        if t is None:
+            notes.append("TTFT: too few first tokens in the window to read")
+        else:
+            predicted = t.predict(current)
+            rate = "unknown" if t.prefill_rate is None else f"{t.prefill_rate:.0f} tok/s"
+            line = (f"TTFT {label} {_ms(t.observed)} observed ({_ms(t.base)} base +"
+                    f" {t.waiting_tokens:.0f} queued tokens at {rate} per replica)")
+            n = t.replicas_for(target)
+            if n is None and t.prefill_rate is None:
+                notes.append(f"{line}; no prefill rate (no ITL mean or token budget): the"
+                             " queue wait cannot be sized")
+            elif n is None:
+                notes.append(f"{line}; the target {_ms(target)} is missed without a queue:"
+                             " more replicas do not help")
+            else:
+                if abs(predicted / target - 1.0) <= tol:
+                    n = current
+                asks.append((n, f"ttft_{label}", predicted,
+                             f"{line} vs target {_ms(target)}: {n} replicas"))
+    if not asks:
+        signal = f"itl_{label}" if slo.itl_seconds is not None else f"ttft_{label}"
+        value = view.observed_itl if slo.itl_seconds is not None else (
+            view.ttft.observed if view.ttft else None)
+        return Candidate("latency", None, signal, value, "; ".join(notes) or "no latency data")
+    replicas, signal, value, _ = max(asks, key=lambda a: a[0])
+    detail = "; ".join([a[3] for a in asks] + notes)
+    return Candidate("latency", replicas, signal, value, detail)

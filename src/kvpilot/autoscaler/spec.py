@@ -37,6 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "activationTimeoutSeconds": 300,
     "metrics.source": "pods",
     "engine": "kvpilot",
+    "slo.percentile": 0.9,
 }
 METRIC_SOURCES = ("prometheus", "pods")
 # Who scales the fleet: ``kvpilot`` (the operator's own loop, this policy) or ``keda`` (the
@@ -46,6 +47,11 @@ AUTOSCALING_ENGINES = ("kvpilot", "keda")
 STARVATION_USAGE = 0.95
 # What maxReplicas is when a caller (the simulator, a test) does not say.
 UNSET_MAX_REPLICAS = 10
+# The longest latency target an SLO may name (seconds): a day. Longer is a typo.
+MAX_SLO_SECONDS = 86400.0
+# The latency model's priors (kvpilot.autoscaler.latency.PRIORS): which benchmark's
+# step times a fleet starts from before it has measured its own.
+LATENCY_PROFILES = ("cpu", "gpu")
 
 # CRD camelCase name -> dataclass field, for from_crd()/to_crd() and error messages.
 _CRD_NAMES = {
@@ -91,6 +97,83 @@ class MetricsSourceSpec:
             )
         if self.source == "prometheus" and not self.url:
             raise ValueError("metrics.url is required when metrics.source is prometheus")
+
+
+@dataclass(frozen=True)
+class SloSpec:
+    """``spec.autoscaling.slo``: latency targets the fleet is sized for
+    (:mod:`kvpilot.autoscaler.latency`, the ``latency`` rule).
+
+    Attributes:
+        ttft_seconds: time to first token the ``percentile`` of requests must stay under
+            (seconds, in (0, 86400]), or None for no TTFT target.
+        itl_seconds: inter-token latency the ``percentile`` of tokens must stay under
+            (seconds, in (0, 86400]), or None for no ITL target.
+        percentile: which quantile of the engines' histograms is held to the targets, in
+            (0, 1) exclusive (0.9 = p90).
+        profile: which benchmark prior the ITL model starts from, one of
+            :data:`LATENCY_PROFILES` (the CRD does not expose it: the operator sets ``gpu``
+            when the engine pod asks for GPUs, else ``cpu``).
+
+    Raises:
+        ValueError: a target that is not a number, zero, negative, non-finite or above a
+            day; a percentile outside (0, 1); neither target set (an SLO without a target
+            would be silently ignored); an unknown profile. The message names the field
+            (camelCase, under ``slo.``), the value and what is allowed.
+    """
+
+    ttft_seconds: float | None = None
+    itl_seconds: float | None = None
+    percentile: float = float(DEFAULTS["slo.percentile"])
+    profile: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name, crd in (("ttft_seconds", "ttftSeconds"), ("itl_seconds", "itlSeconds")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or not 0.0 < value <= MAX_SLO_SECONDS):
+                raise ValueError(f"slo.{crd} must be a number in (0, {MAX_SLO_SECONDS:g}]"
+                                 f" seconds; got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.ttft_seconds is None and self.itl_seconds is None:
+            raise ValueError("slo needs ttftSeconds or itlSeconds (or both); got neither")
+        p = self.percentile
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p < 1.0:
+            raise ValueError(f"slo.percentile must be a number in (0, 1), e.g. 0.9; got {p!r}")
+        object.__setattr__(self, "percentile", float(p))
+        if self.profile not in LATENCY_PROFILES:
+            raise ValueError(f"slo profile must be one of {', '.join(LATENCY_PROFILES)};"
+                             f" got {self.profile!r}")
+
+    @property
+    def quantile_label(self) -> str:
+        """``p90`` for 0.9, ``p99.5`` for 0.995: how reasons and signals name it."""
+        return f"p{self.percentile * 100:g}"
+
+    @classmethod
+    def from_crd(cls, slo: Mapping[str, Any]) -> SloSpec:
+        """From ``spec.autoscaling.slo`` (camelCase); an absent percentile takes 0.9.
+
+        Raises:
+            ValueError: as the constructor; ``slo`` not a mapping.
+        """
+        if not isinstance(slo, Mapping):
+            raise ValueError(f"slo must be an object; got {slo!r}")
+        percentile = slo.get("percentile")
+        return cls(ttft_seconds=slo.get("ttftSeconds"), itl_seconds=slo.get("itlSeconds"),
+                   percentile=DEFAULTS["slo.percentile"] if percentile is None else percentile)
+
+    def to_crd(self) -> dict[str, float]:
+        """The CRD's camelCase form (targets left out when unset; ``profile`` is not in
+        the CRD)."""
+        out = {"percentile": self.percentile}
+        if self.ttft_seconds is not None:
+            out["ttftSeconds"] = self.ttft_seconds
+        if self.itl_seconds is not None:
+            out["itlSeconds"] = self.itl_seconds
+        return out
 
 
 @dataclass(frozen=True)
@@ -140,6 +223,9 @@ class AutoscalingSpec:
         activation_timeout_seconds: with ``min_replicas`` 0, how long the router holds a
             request while no engine serves before answering 503 (> 0; the operator turns
             it into the router's retry schedule, the policy does not read it).
+        slo: latency targets (:class:`SloSpec`), or None: the ``latency`` rule and the
+            latency part of the consolidation check are then off and the fleet is sized
+            on KV usage, batch saturation and the queue alone.
     """
 
     min_replicas: int = DEFAULTS["minReplicas"]
@@ -160,10 +246,15 @@ class AutoscalingSpec:
     scale_to_zero_after_seconds: float = float(DEFAULTS["scaleToZeroAfterSeconds"])
     activation_timeout_seconds: float = float(DEFAULTS["activationTimeoutSeconds"])
     engine: str = DEFAULTS["engine"]
+    slo: SloSpec | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "slo":
+                if value is not None and not isinstance(value, SloSpec):
+                    raise ValueError(f"slo must be a SloSpec or None; got {value!r}")
+                continue
             if f.name == "engine":
                 if value not in AUTOSCALING_ENGINES:
                     raise ValueError(f"engine must be one of {', '.join(AUTOSCALING_ENGINES)};"
@@ -269,9 +360,16 @@ class AutoscalingSpec:
             )
         if "engine" in autoscaling:
             kwargs["engine"] = autoscaling["engine"]
+        if autoscaling.get("slo") is not None:
+            kwargs["slo"] = SloSpec.from_crd(autoscaling["slo"])
         return cls(**kwargs)
 
-    def to_crd(self) -> dict[str, float | int]:
+    def to_crd(self) -> dict[str, Any]:
         """The policy's CRD fields, camelCase (``metrics`` and ``engine`` left out: the
-        policy does not read them). ``from_crd(spec.to_crd())`` equals a spec with the default metrics and engine."""
-        return {crd: getattr(self, name) for crd, name in _CRD_NAMES.items()}
+        policy does not read them; ``slo`` only when set, without its ``profile``).
+        ``from_crd(spec.to_crd())`` equals a spec with the default metrics, engine and
+        profile."""
+        out: dict[str, Any] = {crd: getattr(self, name) for crd, name in _CRD_NAMES.items()}
+        if self.slo is not None:
+            out["slo"] = self.slo.to_crd()
+        return out

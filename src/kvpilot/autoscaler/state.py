@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvpilot.autoscaler.latency import LatencyModel
+
 SCHEMA_VERSION = 1
 
 
@@ -55,6 +57,10 @@ class PolicyState:
             only; ``None`` = not idle at the last decision).
         requests_finished: the engines' finished-request count at the last decision
             (scale to zero only: a change is traffic).
+        latency: the ITL model's fitted sums (:class:`~kvpilot.autoscaler.latency.
+            LatencyModel`; ``spec.autoscaling.slo`` only, None without an SLO or before
+            the first decision with one). Added in schema version 1 as an optional key:
+            a state written by an older operator reads as None (the prior).
     """
 
     demand: tuple[tuple[float, float], ...] = ()
@@ -64,6 +70,7 @@ class PolicyState:
     starvation_base_replicas: int | None = None
     idle_since: float | None = None
     requests_finished: float | None = None
+    latency: LatencyModel | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serializable form (inverse of :meth:`from_dict`)."""
@@ -76,6 +83,7 @@ class PolicyState:
             "starvationBaseReplicas": self.starvation_base_replicas,
             "idleSince": self.idle_since,
             "requestsFinished": self.requests_finished,
+            "latency": None if self.latency is None else self.latency.to_dict(),
         }
 
     @classmethod
@@ -99,12 +107,15 @@ class PolicyState:
             starvation_base = _opt_int(data.get("starvationBaseReplicas"))
             idle_since = _opt_float(data.get("idleSince"))
             finished = _opt_float(data.get("requestsFinished"))
+            raw_latency = data.get("latency")
+            latency = None if raw_latency is None else LatencyModel.from_dict(raw_latency)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"malformed policy state {dict(data)!r}: {exc}") from exc
         for t, d in demand:
             if not (math.isfinite(t) and math.isfinite(d)):
                 raise ValueError(f"malformed policy state: non-finite demand sample {(t, d)}")
-        return cls(demand, recs, last_time, last_down, starvation_base, idle_since, finished)
+        return cls(demand, recs, last_time, last_down, starvation_base, idle_since, finished,
+                   latency)
 
     def pruned(self, now: float, demand_window: float, rec_window: float) -> PolicyState:
         """Drop what no window can use any more. Entries from the future (a clock that

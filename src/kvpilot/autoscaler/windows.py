@@ -5,6 +5,7 @@ forecast's settling after a step down, and the consolidation check."""
 from __future__ import annotations
 
 from kvpilot.autoscaler.forecast import Trend
+from kvpilot.autoscaler.latency import MIN_INFORMED_READS, MIN_WINDOW_OBSERVATIONS, LatencyView
 from kvpilot.autoscaler.rules import Candidate
 from kvpilot.autoscaler.signals import FleetLoad
 from kvpilot.autoscaler.spec import AutoscalingSpec
@@ -67,12 +68,14 @@ def consolidation_blocker(
     latest_demand: float | None,
     fewer: int,
     spec: AutoscalingSpec,
+    latency: LatencyView | None = None,
 ) -> str | None:
     """Why ``fewer`` replicas could not absorb the load under target, or ``None``.
 
     Source: llm-d WVA simulates the worst case before removing a replica; ours checks the
     KV usage, the batch saturation, the queue, the forecast at the horizon and the alarm
-    against ``fewer``.
+    against ``fewer``, and with ``spec.autoscaling.slo`` the predicted latency
+    (:func:`latency_blocker`).
     """
     if fewer < 1:
         return "cannot go below one replica"
@@ -103,4 +106,56 @@ def consolidation_blocker(
                 f"the {spec.forecast_horizon_seconds:.0f} s forecast ({ahead:.2f} replica-eq)"
                 f" would exceed {spec.target_cache_usage:.0%} of {fewer} replicas"
             )
+    return latency_blocker(latency, fewer, spec)
+
+
+def latency_blocker(view: LatencyView | None, fewer: int, spec: AutoscalingSpec) -> str | None:
+    """Why ``fewer`` replicas would miss ``spec.autoscaling.slo``, or ``None``.
+
+    Each target must hold with the tolerance band to spare (``target x (1 - tolerance)``),
+    as the KV and saturation checks do:
+
+    * ITL, trusted fit: the prediction at ``fewer``'s batch.
+    * ITL, fit not trusted yet: the prior never lets the fleet go. An ITL observed now
+      over the band holds (fewer replicas are not faster). While the window holds
+      enough observations to learn from (``MIN_WINDOW_OBSERVATIONS``), the step down
+      waits until the fit is trusted (a few reads). With less traffic than that there is
+      no latency to measure and none the other checks do not cover: no hold.
+    * TTFT: the prediction at ``fewer`` (its queue wait grows as 1/``fewer``).
+
+    A target no count meets (ITL at one request per replica, TTFT's base already over it)
+    does not hold the fleet: keeping replicas that cannot help is no protection. No SLO, or no
+    latency histograms (the fallback to saturation): None.
+    """
+    slo = spec.slo
+    if slo is None or view is None or not view.histograms or fewer < 1:
+        return None
+    keep = 1.0 - spec.tolerance
+    label = view.percentile_label
+    fit = view.fit
+    if slo.itl_seconds is not None and fit is not None:
+        ceiling = slo.itl_seconds * keep
+        if fit.predict(1.0) < ceiling:  # else no count meets it: nothing to protect
+            if fit.trusted:
+                batch = view.batch(fewer)
+                predicted = fit.predict(batch)
+                if predicted > ceiling:
+                    return (f"{fewer} replicas would run {batch:.1f} requests each at a"
+                            f" predicted ITL {label} of {predicted * 1000:.0f} ms >"
+                            f" {ceiling * 1000:.0f} ms (the SLO less the tolerance band)")
+            elif view.observed_itl is not None and view.observed_itl > ceiling:
+                return (f"the ITL {label} observed with {view.ready} replicas,"
+                        f" {view.observed_itl * 1000:.0f} ms, is already over"
+                        f" {ceiling * 1000:.0f} ms (the SLO less the tolerance band)")
+            elif view.itl_observations >= MIN_WINDOW_OBSERVATIONS:
+                return (f"the ITL model has {fit.informed_reads} of {MIN_INFORMED_READS}"
+                        " informed reads: the prior never scales down")
+    ttft = view.ttft
+    if slo.ttft_seconds is not None and ttft is not None:
+        ceiling = slo.ttft_seconds * keep
+        predicted = ttft.predict(fewer)
+        if ttft.base < ceiling and predicted > ceiling:
+            return (f"{fewer} replicas would queue {ttft.waiting_tokens:.0f} prompt tokens to a"
+                    f" predicted TTFT {label} of {predicted * 1000:.0f} ms >"
+                    f" {ceiling * 1000:.0f} ms (the SLO less the tolerance band)")
     return None

@@ -5,6 +5,8 @@
     kvpilot simulate --replica-model cpu-smollm2-135m   # our engine as measured on CPU
     kvpilot simulate --calibration my-gpu.json          # ReplicaModel fields from a file
     kvpilot simulate --trace agentic --routing kv_aware,session_affine,random
+    kvpilot simulate --trace steady_high_concurrency --replica-model h200-llama3-8b \
+        --policies kvpilot,hpa,kpa_concurrency,saturation --json out.json
 
 The replica model is a preset (``--replica-model``, default the GPU-class
 ``h100-llama3-8b``), then a ``--calibration`` file, then any single-parameter flag, each
@@ -16,19 +18,32 @@ rows of the table differ only by those. ``--routing`` says where requests land (
 each, and the table's ``hit %`` (the fleet's prefix hit rate) and ``max share`` (the
 busiest replica's share of the requests) compare them. See docs/autoscaling.md for how to
 read it.
+
+SLO: a request meets it when its TTFT is at most ``--slo-ttft`` and its mean inter-token
+latency at most ``--slo-itl`` (defaults by the preset's hardware profile: GPU 1 s and
+0.05 s, CPU 10 s and 0.5 s). ``--json`` writes per policy ``slo_attainment``,
+``starvation_seconds`` and ``replica_hours`` (under ``summary``), every result in full,
+and the calibration used (preset, file, profile, the replica model's fields).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import fields, replace
 
 from kvpilot.autoscaler.sim import ReplicaModel, Scenario, compare
-from kvpilot.autoscaler.sim.calibration import DEFAULT_PRESET, PRESETS, load_calibration, preset
+from kvpilot.autoscaler.sim.calibration import (
+    DEFAULT_PRESET,
+    PRESETS,
+    PROFILES,
+    load_calibration,
+    preset,
+)
 from kvpilot.autoscaler.sim.controllers import POLICIES
-from kvpilot.autoscaler.sim.model import DEFAULT_ROUTING, ROUTINGS
+from kvpilot.autoscaler.sim.model import DEFAULT_ROUTING, ROUTINGS, SLO_PROFILES
 from kvpilot.autoscaler.sim.report import SimResult, comparison_table
 from kvpilot.autoscaler.sim.traces import TRACES
 
@@ -92,6 +107,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.slo_wait_seconds,
         help=f"queueing delay a request tolerates (default {d.slo_wait_seconds:g})",
     )
+    parser.add_argument(
+        "--slo-ttft",
+        dest="slo_ttft_seconds",
+        metavar="SECONDS",
+        type=float,
+        help="TTFT target of a request (default by profile: GPU 1, CPU 10)",
+    )
+    parser.add_argument(
+        "--slo-itl",
+        dest="slo_itl_seconds",
+        metavar="SECONDS",
+        type=float,
+        help="mean inter-token latency target of a request (default by profile: GPU 0.05,"
+        " CPU 0.5)",
+    )
     parser.add_argument("--target-cache-usage", type=float, default=d.target_cache_usage)
     parser.add_argument("--target-queue-depth", type=float, default=d.target_queue_depth)
     parser.add_argument(
@@ -115,13 +145,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-step-base-ms", type=float)
     parser.add_argument("--decode-step-per-seq-ms", type=float)
     parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
     parser.add_argument("--json", metavar="PATH", help="write results (with timelines) as JSON")
     parser.add_argument("--plot", metavar="PNG", help="write a timeline plot (needs matplotlib)")
 
 
 def scenario_from_args(args: argparse.Namespace) -> Scenario:
-    """The :class:`Scenario` of the parsed flags; raises ValueError on a bad value."""
-    return Scenario(**{f.name: getattr(args, f.name) for f in fields(Scenario)})
+    """The :class:`Scenario` of the parsed flags; the SLO targets default to the replica
+    model preset's profile. Raises ValueError on a bad value, naming the flag."""
+    ttft, itl = SLO_PROFILES[PROFILES.get(getattr(args, "replica_model", DEFAULT_PRESET), "gpu")]
+    for flag, name in (("--slo-ttft", "slo_ttft_seconds"), ("--slo-itl", "slo_itl_seconds")):
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} must be a finite number of seconds > 0; got {value!r}")
+    values = {f.name: getattr(args, f.name, None) for f in fields(Scenario)}
+    values["slo_ttft_seconds"] = ttft if values["slo_ttft_seconds"] is None else values["slo_ttft_seconds"]
+    values["slo_itl_seconds"] = itl if values["slo_itl_seconds"] is None else values["slo_itl_seconds"]
+    return Scenario(**{k: v for k, v in values.items() if v is not None})
 
 
 def _model(args: argparse.Namespace) -> ReplicaModel:
@@ -137,15 +177,30 @@ def _model(args: argparse.Namespace) -> ReplicaModel:
         "decode_step_per_seq_seconds": None if args.decode_step_per_seq_ms is None
         else args.decode_step_per_seq_ms / 1e3,
         "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         "startup_seconds": args.startup_seconds,
     }
+    # Counts must be >= 1, rates and step costs > 0 (per-row cost and start-up >= 0).
+    for flag, value, allow_zero in (
+        ("--kv-capacity-tokens", args.kv_capacity_tokens, False),
+        ("--prefill-tokens-per-second", args.prefill_tokens_per_second, False),
+        ("--decode-step-base-ms", args.decode_step_base_ms, False),
+        ("--decode-step-per-seq-ms", args.decode_step_per_seq_ms, True),
+        ("--max-num-seqs", args.max_num_seqs, False),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens, False),
+        ("--startup-seconds", args.startup_seconds, True),
+    ):
+        if value is not None and not (math.isfinite(value) and (value >= 0 if allow_zero else value > 0)):
+            allowed = ">= 0" if allow_zero else "> 0"
+            raise ValueError(f"{flag} must be finite and {allowed}; got {value!r}")
     return replace(model, **{k: v for k, v in flags.items() if v is not None})
 
 
 def _progress(result: SimResult) -> None:
     print(
         f"  {result.trace:8} {result.routing:14} {result.policy:8} {result.requests:>9,}"
-        f" requests  {result.events:>10,} events in {result.wall_seconds:6.1f} s",
+        f" requests  SLO {100 * result.slo_attainment:6.2f}%"
+        f"  {result.events:>10,} events in {result.wall_seconds:6.1f} s",
         file=sys.stderr,
     )
 
@@ -190,6 +245,18 @@ def run(args: argparse.Namespace) -> int:
             "scenario": vars(scenario),
             "routings": routings,
             "model": vars(model),
+            "calibration": {
+                "preset": args.replica_model,
+                "file": args.calibration,
+                "profile": PROFILES.get(args.replica_model, "gpu"),
+                "replica_model": vars(model),
+            },
+            "summary": [
+                {"trace": r.trace, "routing": r.routing, "policy": r.policy,
+                 "slo_attainment": r.slo_attainment, "starvation_seconds": r.starvation_seconds,
+                 "replica_hours": r.replica_hours}
+                for r in results
+            ],
             "results": [r.to_dict(timeline=True) for r in results],
         }
         with open(args.json, "w") as f:

@@ -202,6 +202,9 @@ def test_engine_run_moves_every_vllm_series_by_the_right_amounts(run):
     # One observation per step that computed something: prompts + every decode.
     assert v("vllm:iteration_tokens_total_count") == steps
     assert v("vllm:iteration_tokens_total_sum") == done_prompt + itl_count
+    # kvpilot's own name for the same observations (the autoscaler's step_tokens).
+    assert k("kvpilot:iteration_tokens_total_count") == steps
+    assert k("kvpilot:iteration_tokens_total_sum") == done_prompt + itl_count
     # The per-parent histograms stay empty: the engine never sees n.
     assert v("vllm:request_params_n_count") is None and v("vllm:request_max_num_generation_tokens_count") is None
     # Cache config as vLLM formats it.

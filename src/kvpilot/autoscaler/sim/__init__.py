@@ -1,10 +1,12 @@
 """Discrete-event fleet simulator (standard library only).
 
-A fleet of engine replicas (KV capacity, prefill and decode rates, start-up delay,
-preemption when the KV is full, a prefix cache each) behind a router (``kv_aware``,
-``session_affine``, ``random``, ``p2c_kv``) serves a seedable trace while a scaling policy
-(ours, an HPA-style one, a KPA-style one) resizes it; :func:`simulate` reports starvation,
-queueing delay, replica-hours, the fleet's prefix hit rate and the requests per replica.
+A fleet of engine replicas (KV capacity, engine steps whose time grows with the decode
+rows and the prefill chunk, a start-up delay, preemption when the KV is full, a prefix
+cache each) behind a router (``kv_aware``, ``session_affine``, ``random``, ``p2c_kv``)
+serves a seedable trace while a scaling policy (ours, HPA-style on KV, KPA-style on the
+queue or on concurrency, llm-d WVA's saturation analyzer) resizes it; :func:`simulate`
+reports SLO attainment (TTFT and mean ITL per request), starvation, queueing delay,
+replica-hours, the fleet's prefix hit rate and the requests per replica.
 See docs/autoscaling.md for the model and its assumptions.
 """
 
@@ -13,6 +15,7 @@ from kvpilot.autoscaler.sim.controllers import (
     HpaStylePolicy,
     KpaStylePolicy,
     KvPilotPolicy,
+    SaturationPolicy,
     make_policy,
 )
 from kvpilot.autoscaler.sim.fleet import simulate
@@ -29,6 +32,7 @@ __all__ = [
     "KvPilotPolicy",
     "ReplicaModel",
     "Request",
+    "SaturationPolicy",
     "Scenario",
     "SimConfig",
     "SimResult",

@@ -12,7 +12,7 @@ from kvpilot.autoscaler.sim.fleet import simulate
 from kvpilot.autoscaler.sim.model import DEFAULT_ROUTING, ReplicaModel, SimConfig
 from kvpilot.autoscaler.sim.report import SimResult
 from kvpilot.autoscaler.sim.traces import TRACES, Trace, make_trace
-from kvpilot.autoscaler.spec import DEFAULTS, AutoscalingSpec
+from kvpilot.autoscaler.spec import DEFAULTS, AutoscalingSpec, SloSpec
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,15 @@ class Scenario:
 
     Attributes:
         peak_replicas: replicas the trace's peak needs at the target usage (sizes the load).
-        duration_seconds / seed / warmup_seconds / slo_wait_seconds: see SimConfig.
+        duration_seconds / seed / warmup_seconds / slo_wait_seconds / slo_ttft_seconds /
+            slo_itl_seconds: see SimConfig.
         max_factor: maxReplicas = ceil(max_factor x peak_replicas) + 1 (room to overshoot).
         target_cache_usage / target_queue_depth: shared targets (HPA uses the first, KPA
             the second, ours both).
+        slo_profile: ``cpu`` or ``gpu``: our policy is given ``spec.autoscaling.slo``
+            with the scenario's targets (its latency model starting from that profile's
+            prior), as a user who states an SLO would; None (the default) runs it without
+            one, as the starvation comparisons do. The baselines never read it.
     """
 
     peak_replicas: float = 8.0
@@ -32,15 +37,20 @@ class Scenario:
     seed: int = 0
     warmup_seconds: float = 300.0
     slo_wait_seconds: float = 2.0
+    slo_ttft_seconds: float = 1.0
+    slo_itl_seconds: float = 0.05
     max_factor: float = 1.5
     target_cache_usage: float = float(DEFAULTS["targetCacheUsage"])
     target_queue_depth: float = float(DEFAULTS["targetQueueDepth"])
+    slo_profile: str | None = None
 
     def __post_init__(self) -> None:
         checks = (
             ("peak_replicas", self.peak_replicas, 0 < self.peak_replicas <= 100_000, "in (0, 100000]"),
             ("max_factor", self.max_factor, 1 <= self.max_factor <= 100, "in [1, 100]"),
             ("slo_wait_seconds", self.slo_wait_seconds, self.slo_wait_seconds > 0, "> 0"),
+            ("slo_ttft_seconds", self.slo_ttft_seconds, self.slo_ttft_seconds > 0, "> 0"),
+            ("slo_itl_seconds", self.slo_itl_seconds, self.slo_itl_seconds > 0, "> 0"),
             ("duration_seconds", self.duration_seconds, self.duration_seconds > 0, "> 0"),
             ("warmup_seconds", self.warmup_seconds,
              0 <= self.warmup_seconds < self.duration_seconds, "in [0, duration)"),
@@ -64,14 +74,19 @@ class Scenario:
             target_cache_usage=self.target_cache_usage,
             target_queue_depth=self.target_queue_depth,
             startup_seconds=model.startup_seconds,
+            slo=None if self.slo_profile is None else SloSpec(
+                ttft_seconds=self.slo_ttft_seconds, itl_seconds=self.slo_itl_seconds, profile=self.slo_profile),
         )
 
     def config(self, trace: Trace, routing: str = DEFAULT_ROUTING) -> SimConfig:
         low, high = self.bounds(trace)
-        start = min(high, max(low, round(trace.base_replicas)))
+        initial = trace.base_replicas if trace.initial_replicas is None else trace.initial_replicas
+        start = min(high, max(low, round(initial)))
         return SimConfig(
             duration_seconds=self.duration_seconds,
             slo_wait_seconds=self.slo_wait_seconds,
+            slo_ttft_seconds=self.slo_ttft_seconds,
+            slo_itl_seconds=self.slo_itl_seconds,
             min_replicas=low,
             max_replicas=high,
             initial_replicas=start,

@@ -232,7 +232,8 @@ def simulate(
     """
     model = model or ReplicaModel()
     config = config or SimConfig(duration_seconds=trace.duration_seconds)
-    stats = Stats(config.slo_wait_seconds, config.warmup_seconds)
+    stats = Stats(config.slo_wait_seconds, config.warmup_seconds, config.slo_ttft_seconds,
+                  config.slo_itl_seconds)
     fleet = _Fleet(model, config, stats)
     end = config.duration_seconds
     wall = time.perf_counter()
@@ -345,18 +346,37 @@ def _result(
     stats, end = fleet.stats, config.duration_seconds
     waits = stats.waits
     open_reqs: list[Req] = list(fleet.held)
-    for r in fleet.ready + fleet.draining:
-        open_reqs.extend(r.waiting)
-        running = list(r.running) + ([r.prefilling] if r.prefilling is not None else [])
-        waits.extend(req.waited for req in running if req.arrival >= config.warmup_seconds)
     warm = config.warmup_seconds
+    # Requests still open at the end are judged on what is known: one already past a
+    # target has missed (counted), one still within both is left out of the attainment.
+    missed_open = 0
+    for r in fleet.ready + fleet.draining:
+        r.observe(end)
+        open_reqs.extend(r.waiting)
+        running = list(r.running) + list(r.prefills)
+        waits.extend(req.waited for req in running if req.arrival >= warm)
+        for req in r.running:
+            if req.arrival < warm:
+                continue
+            tokens = req.generated + r.v - req.v_start
+            if (req.first_token - req.arrival > stats.slo_ttft or (tokens > 1 and
+                    (end - req.first_token) / (tokens - 1) > stats.slo_itl)):
+                missed_open += 1
+        missed_open += sum(1 for req in r.prefills if req.arrival >= warm and (
+            (req.first_token < 0 and end - req.arrival > stats.slo_ttft)
+            or (req.first_token >= 0 and req.first_token - req.arrival > stats.slo_ttft)))
     for req in open_reqs:
         if req.arrival < warm:
             continue
         stint = end - req.enqueued
         stats.starvation += max(0.0, stint - stats.slo) if req.first else stint
         waits.append(req.waited + stint)
+        ttft = (req.first_token if req.first_token >= 0 else end) - req.arrival
+        missed_open += ttft > stats.slo_ttft or (req.first_token >= 0 and req.generated > 1 and (
+            end - req.first_token) / (req.generated - 1) > stats.slo_itl)
+    judged = stats.finished + rejected + missed_open
     waits.sort()
+    ttfts, itls = sorted(stats.ttft), sorted(stats.itl)
     admitted = sum(stats.admitted.values())
     return SimResult(
         policy=policy.name,
@@ -391,4 +411,12 @@ def _result(
         peak_nodes=fleet.pool.peak_nodes if fleet.pool is not None else 0,
         nodes_requested=fleet.pool.nodes_requested if fleet.pool is not None else 0,
         placeholder_hours=fleet.placeholder_seconds / 3600.0,
+        slo_attainment=stats.slo_met / judged if judged else 1.0,
+        slo_judged=judged,
+        slo_ttft_seconds=config.slo_ttft_seconds,
+        slo_itl_seconds=config.slo_itl_seconds,
+        ttft_p50_seconds=percentile(ttfts, 50) if ttfts else 0.0,
+        ttft_p90_seconds=percentile(ttfts, 90) if ttfts else 0.0,
+        itl_p50_seconds=percentile(itls, 50) if itls else 0.0,
+        itl_p90_seconds=percentile(itls, 90) if itls else 0.0,
     )

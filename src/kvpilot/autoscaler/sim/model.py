@@ -4,17 +4,28 @@ The replica defaults describe a Llama-3-8B-class model in bf16 on one H100-80GB 
 ``--gpu-memory-utilization 0.9``; they are placeholders until calibrated from our engine's
 benchmark (``kvpilot bench serve``): pass measured values to :class:`ReplicaModel`.
 
-Service model of one replica (per-request, no per-token events)::
+Service model of one replica: engine steps (per-request events, no per-token events)::
 
-    waiting queue (FIFO) --admit--> prefill (one at a time, prefill_tokens_per_second)
-        --> decode (all decoding requests advance together; one step takes
-            decode_step_base_seconds + decode_step_per_seq_seconds x batch)
-        --> done
+    waiting queue (FIFO) --admit--> prefill (chunked under the step's token budget)
+        --> decode (all decoding requests advance one token per step) --> done
 
-A request is admitted when the prefill slot is free, fewer than ``max_num_seqs`` run, and
-its prompt (plus any tokens generated before a preemption) fits under
-``(1 - admission_watermark)`` of the KV; it then holds that many tokens plus one per
-generated token. When decode growth fills the KV, the newest running request is preempted
+    one step = decode_step_base_seconds
+               + decode_step_per_seq_seconds x decode rows
+               + prefill tokens in the step / prefill_tokens_per_second
+    prefill tokens in the step = min(prefill backlog, max_num_batched_tokens - decode rows)
+
+so prefill slows the decodes that share its steps, a full batch slows every token, and
+TTFT (arrival to the end of the request's last prefill chunk, which yields its first
+token) and ITL (the duration of each step a request decodes in) emerge per request. The
+prefill backlog flows FCFS through the admitted prompts as a fluid of tokens: a prompt's
+prefill ends when its last token has flowed (at most one step's fixed cost early when
+several short prompts share a step).
+
+A request is admitted when the step has token budget left over (the prefill backlog is
+under ``max_num_batched_tokens`` - decode rows, as vLLM schedules waiting requests into
+the budget the running ones leave), fewer than ``max_num_seqs`` run, and its prompt (plus
+any tokens generated before a preemption) fits under ``(1 - admission_watermark)`` of the
+KV; it then holds that many tokens plus one per generated token. When decode growth fills the KV, the newest running request is preempted
 (by recompute: its KV is freed and it re-queues at the head, as vLLM does).
 """
 
@@ -30,6 +41,9 @@ from kvpilot.autoscaler.sim.nodes import NodeModel
 ROUTINGS = ("kv_aware", "session_affine", "random", "p2c_kv")
 DEFAULT_ROUTING = "kv_aware"
 
+# Benchmark SLO targets per hardware profile: (TTFT, mean ITL) in seconds.
+SLO_PROFILES: dict[str, tuple[float, float]] = {"gpu": (1.0, 0.05), "cpu": (10.0, 0.5)}
+
 
 @dataclass(frozen=True)
 class ReplicaModel:
@@ -38,10 +52,14 @@ class ReplicaModel:
     Attributes:
         kv_capacity_tokens: KV pool in tokens (``kvpilot kv-calc --model llama-3-8b
             --gpu H100-80GB`` gives 464,688).
-        prefill_tokens_per_second: prompt tokens processed per second.
-        decode_step_base_seconds: one decode step's fixed cost (weights read).
-        decode_step_per_seq_seconds: added per request in the batch (its KV read).
+        prefill_tokens_per_second: marginal prefill rate: each prefill token in a step adds
+            ``1 / prefill_tokens_per_second`` seconds to it.
+        decode_step_base_seconds: one step's fixed cost (weights read), seconds.
+        decode_step_per_seq_seconds: added per decoding request in the step (its KV read
+            and its row of the products), seconds.
         max_num_seqs: running requests at most (``--max-num-seqs``).
+        max_num_batched_tokens: token budget of one step (``--max-num-batched-tokens``):
+            decode rows plus prefill chunk tokens.
         admission_watermark: share of the KV kept free at admission (vLLM: 1%).
         startup_seconds: pod creation to serving (image pull, weight load, warm-up).
     """
@@ -51,6 +69,7 @@ class ReplicaModel:
     decode_step_base_seconds: float = 0.010
     decode_step_per_seq_seconds: float = 0.00015
     max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
     admission_watermark: float = 0.01
     startup_seconds: float = 120.0
 
@@ -60,6 +79,7 @@ class ReplicaModel:
             "prefill_tokens_per_second",
             "decode_step_base_seconds",
             "max_num_seqs",
+            "max_num_batched_tokens",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
@@ -73,9 +93,16 @@ class ReplicaModel:
                 f"admission_watermark must be in [0, 1); got {self.admission_watermark}"
             )
 
+    def step_seconds(self, decode_rows: int, prefill_tokens: float = 0.0) -> float:
+        """One engine step with ``decode_rows`` decoding requests and ``prefill_tokens``
+        prompt tokens (seconds)."""
+        return (self.decode_step_base_seconds + self.decode_step_per_seq_seconds * decode_rows
+                + prefill_tokens / self.prefill_tokens_per_second)
+
     def decode_rate(self, batch: int) -> float:
-        """Tokens per second each request gets with ``batch`` requests decoding."""
-        return 1.0 / (self.decode_step_base_seconds + self.decode_step_per_seq_seconds * batch)
+        """Tokens per second each request gets with ``batch`` requests decoding (no
+        prefill in the steps)."""
+        return 1.0 / self.step_seconds(batch)
 
     @property
     def admit_limit_tokens(self) -> float:
@@ -95,6 +122,11 @@ class SimConfig:
     Attributes:
         duration_seconds: simulated time; arrivals stop and accounting closes here.
         slo_wait_seconds: queueing delay a request tolerates; time beyond it is starvation.
+        slo_ttft_seconds / slo_itl_seconds: a request meets the SLO when its TTFT (arrival
+            to first token) is at most ``slo_ttft_seconds`` and its mean inter-token latency
+            ((finish - first token) / (output tokens - 1)) at most ``slo_itl_seconds``
+            (defaults: the GPU profile, 1 s and 50 ms; the CPU profile is 10 s and 500 ms,
+            :data:`SLO_PROFILES`).
         min_replicas / max_replicas: the policy's bounds.
         initial_replicas: ready at t=0 (default min_replicas).
         sample_seconds: timeline resolution (for the plot and tables).
@@ -120,6 +152,8 @@ class SimConfig:
 
     duration_seconds: float = 3600.0
     slo_wait_seconds: float = 2.0
+    slo_ttft_seconds: float = 1.0
+    slo_itl_seconds: float = 0.05
     min_replicas: int = 1
     max_replicas: int = 16
     initial_replicas: int | None = None
@@ -162,6 +196,10 @@ class SimConfig:
                 f"duration_seconds and sample_seconds must be > 0; got {self.duration_seconds},"
                 f" {self.sample_seconds}"
             )
+        for name in ("slo_ttft_seconds", "slo_itl_seconds"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be finite and > 0; got {value!r}")
         if self.slo_wait_seconds < 0:
             raise ValueError(f"slo_wait_seconds must be >= 0; got {self.slo_wait_seconds}")
         if not 1 <= self.min_replicas <= self.max_replicas:

@@ -80,6 +80,14 @@ class SimResult:
     peak_nodes: int = 0
     nodes_requested: int = 0
     placeholder_hours: float = 0.0
+    slo_attainment: float = 1.0
+    slo_judged: int = 0
+    slo_ttft_seconds: float = 0.0
+    slo_itl_seconds: float = 0.0
+    ttft_p50_seconds: float = 0.0
+    ttft_p90_seconds: float = 0.0
+    itl_p50_seconds: float = 0.0
+    itl_p90_seconds: float = 0.0
 
     def to_dict(self, timeline: bool = False) -> dict[str, object]:
         d = asdict(self)
@@ -98,6 +106,9 @@ def comparison_table(results: Sequence[SimResult], baseline: str = "hpa") -> str
         "policy",
         "hit %",
         "max share",
+        "SLO %",
+        "TTFT p90",
+        "ITL p90 ms",
         "starv s",
         "x base",
         "preempt",
@@ -122,6 +133,9 @@ def comparison_table(results: Sequence[SimResult], baseline: str = "hpa") -> str
                 r.policy,
                 f"{100 * r.prefix_hit_rate:.1f}",
                 f"{r.max_replica_share:.2f}",
+                f"{100 * r.slo_attainment:.2f}",
+                f"{r.ttft_p90_seconds:.2f}",
+                f"{1e3 * r.itl_p90_seconds:.1f}",
                 f"{r.starvation_seconds:,.0f}",
                 starv_ratio,
                 f"{r.preemptions:,}",

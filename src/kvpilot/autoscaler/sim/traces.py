@@ -17,6 +17,15 @@ generator, so a million requests cost no memory until they arrive.
   tokens, so contexts grow turn by turn (all but the new tokens can be prefix-cache hits,
   if the turn lands where its session's earlier turns ran); sessions start faster and
   faster over the first half (a ramp in session starts), then hold.
+- ``steady_high_concurrency``: a constant rate of short-prompt requests (prompts of about
+  128 tokens, outputs of about 512): compute binds, not KV. At the size it is made for
+  the KV stays under 10% of the pool; a fleet short of it fills every batch to
+  ``max_num_seqs`` and queues while the KV is still under 20% (256 x ~400 tokens on the
+  GPU presets), so a KV-usage policy sees nothing to do. The fleet starts at the peak's
+  size; minReplicas is a quarter of it.
+- ``prefill_heavy``: the ramp's shape with long prompts (mean 4,000 tokens, at most
+  10,240) and short outputs (mean 64): compute goes to prefill, so TTFT and the ITL of the decodes that
+  share prefill steps bind before the KV does.
 """
 
 from __future__ import annotations
@@ -96,6 +105,7 @@ class Trace:
         peak_rate: requests per second at the peak (estimate for agentic).
         base_replicas / peak_replicas: replicas the trough and the peak need at target.
         requests: a factory for a fresh iterator (same seed -> same requests).
+        initial_replicas: replicas ready at the start (None: ``base_replicas``).
     """
 
     name: str
@@ -105,6 +115,7 @@ class Trace:
     base_replicas: float
     peak_replicas: float
     requests: Callable[[], Iterator[Request]]
+    initial_replicas: float | None = None
 
 
 def requests_per_replica_second(
@@ -114,16 +125,24 @@ def requests_per_replica_second(
     usage: float,
     prefill_mean: float | None = None,
 ) -> float:
-    """Little's law estimate of the request rate one replica sustains at ``usage``: KV
-    concurrency = usage x capacity / mean tokens held (prompt + half the output), residence
-    = prefill + output x decode step at that batch; and the prefill slot busy at most
-    ``usage`` of the time (``prefill_mean`` = tokens actually prefilled, default all)."""
+    """The request rate one replica sustains at ``usage``, the lesser of:
+
+    * KV (Little's law): concurrency = usage x capacity / mean tokens held (prompt + half
+      the output), at most ``max_num_seqs``; residence = prefill + output x the step time
+      at that batch;
+    * compute: the engine busy ``usage`` of the time, a request costing its prefill
+      tokens (``prefill_mean`` tokens actually prefilled, default all) at the marginal
+      prefill rate plus ``output`` decode rows, each ``decode_step_per_seq_seconds`` plus
+      its share of the step's fixed cost at that concurrency.
+    """
     prefill_mean = prompt_mean if prefill_mean is None else prefill_mean
     held = prompt_mean + output_mean / 2.0
-    conc = min(usage * model.kv_capacity_tokens / held, float(model.max_num_seqs))
+    conc = max(1.0, min(usage * model.kv_capacity_tokens / held, float(model.max_num_seqs)))
     prefill_s = prefill_mean / model.prefill_tokens_per_second
     residence = prefill_s + output_mean / model.decode_rate(round(conc))
-    return min(conc / residence, usage / max(prefill_s, 1e-9))
+    compute = prefill_s + output_mean * (model.decode_step_per_seq_seconds
+                                         + model.decode_step_base_seconds / conc)
+    return min(conc / residence, usage / compute)
 
 
 def _thinned(
@@ -180,6 +199,8 @@ def _simple(
     model: ReplicaModel,
     usage: float,
     lengths: Lengths,
+    base_share: float | None = None,
+    initial_share: float | None = None,
 ) -> Trace:
     per_replica = requests_per_replica_second(
         model, lengths.prompt_mean, lengths.output_mean, usage
@@ -193,8 +214,10 @@ def _simple(
             p, o = lengths.sample(lengths_rng)
             yield Request(t, p, o)
 
-    base = min(shape(t * duration / 100) for t in range(100))
-    return Trace(name, description, duration, peak, peak_replicas * base, peak_replicas, requests)
+    base = min(shape(t * duration / 100) for t in range(100)) if base_share is None else base_share
+    initial = None if initial_share is None else peak_replicas * initial_share
+    return Trace(name, description, duration, peak, peak_replicas * base, peak_replicas, requests,
+                 initial)
 
 
 def _session_turns(rng: random.Random, s: Session) -> list[tuple[float, int, int, int]]:
@@ -278,7 +301,15 @@ def agentic(
     )
 
 
-TRACES = ("ramp", "burst", "agentic")
+TRACES = ("ramp", "burst", "agentic", "steady_high_concurrency", "prefill_heavy")
+# Short requests: a full batch holds little KV.
+SHORT = Lengths(prompt_mean=128, prompt_sigma=0.3, output_mean=512, output_sigma=0.3,
+                prompt_max=1024, output_max=2048)
+# Long prompts, short answers (retrieval, summarising).
+# The cap keeps the longest prompt's prefill alone (5 steps of 2,048 tokens, ~0.73 s on the
+# H200 preset) under the GPU profile's 1 s TTFT target, so 99% attainment is reachable.
+PREFILL_HEAVY = Lengths(prompt_mean=4000, prompt_sigma=0.4, output_mean=64, output_sigma=0.5,
+                        prompt_max=10_240, output_max=512)
 
 
 def make_trace(
@@ -322,4 +353,30 @@ def make_trace(
         )
     if name == "agentic":
         return agentic(peak_replicas, duration_seconds, seed, model, usage)
+    if name == "steady_high_concurrency":
+        return _simple(
+            "steady_high_concurrency",
+            "constant rate of short requests: full batches, low KV",
+            lambda t: 1.0,
+            peak_replicas,
+            duration_seconds,
+            seed,
+            model,
+            usage,
+            SHORT,
+            base_share=0.25,
+            initial_share=1.0,
+        )
+    if name == "prefill_heavy":
+        return _simple(
+            "prefill_heavy",
+            "compressed diurnal day of long prompts and short outputs",
+            ramp_shape(duration_seconds),
+            peak_replicas,
+            duration_seconds,
+            seed,
+            model,
+            usage,
+            PREFILL_HEAVY,
+        )
     raise ValueError(f"trace must be one of {', '.join(TRACES)}; got {name!r}")

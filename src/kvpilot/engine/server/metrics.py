@@ -109,6 +109,13 @@ class EngineMetrics:
         self.itl = histogram("kvpilot:inter_token_latency_seconds", "Time between consecutive tokens of a request.", ITL_BUCKETS)
         self.e2e = histogram("kvpilot:e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
         self.queue_time = histogram("kvpilot:request_queue_time_seconds", "Arrival to first scheduling.", REQUEST_BUCKETS)
+        # One observation per engine step: the operator's autoscaler reads _sum / _count
+        # over its window as the mean tokens scheduled per step (the SLO's TTFT model).
+        self.iteration_tokens = histogram(
+            "kvpilot:iteration_tokens_total",
+            "Tokens scheduled in one engine step (prefill chunks plus one per decoding request), one observation per step.",
+            VLLM_ITERATION_TOKEN_BUCKETS,
+        )
         self.capacity = gauge("kvpilot:kv_cache_capacity_tokens", "KV cache capacity: blocks x block size.")
         self.integrity_checks = counter(
             "kvpilot:kv_cache_integrity_checks",
@@ -348,6 +355,7 @@ class EngineMetrics:
             if v:
                 c.inc(v)
         if it.num_batched_tokens:  # a step ran (while idle nothing is observed)
+            self.iteration_tokens.observe(it.num_batched_tokens)
             self.v_iteration_tokens.observe(it.num_batched_tokens)
         for ttft in it.time_to_first_token:
             self.ttft.observe(ttft)

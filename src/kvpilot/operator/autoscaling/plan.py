@@ -159,11 +159,13 @@ def plan_autoscale(observation: FleetObservation, reading: MetricsReading, state
         raise ValueError("spec.autoscaling is not set: nothing to autoscale")
     # Requests held at the router join the waiting count; unknown (no router) counts as 0.
     held = reading.router_queued if reading.router_queued is not None else 0.0
-    # The engines run at most spec.engine.maxNumSeqs requests each: the operator sets that
-    # flag on every pod (a managed flag), so the spec is the truth for saturation.
+    # The engines run at most spec.engine.maxNumSeqs requests each and schedule at most
+    # spec.engine.maxNumBatchedTokens per step: the operator sets both flags on every pod
+    # (managed flags), so the spec is the truth for saturation and the TTFT model's budget.
     decision = decide(FleetSignals(reading.pods, observation.pending_replicas, held,
                                    reading.requests_without_engine, reading.requests_finished,
-                                   max_num_seqs=spec.engine.max_num_seqs),
+                                   max_num_seqs=spec.engine.max_num_seqs,
+                                   max_num_batched_tokens=spec.engine.max_num_batched_tokens),
                       state, auto, now.timestamp())
     requested = None
     if (decision.direction != "hold"

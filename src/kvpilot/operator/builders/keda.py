@@ -21,6 +21,12 @@ replicas = the KV used, so ``ceil(used / target)``, the headroom rule) and an
 per replica against ``maxNumSeqs x targetSaturation``, the saturation rule), and takes the
 highest. ``ignoreNullValues: "false"``: an empty answer is an error for KEDA, not zero, so
 a series that matches nothing never scales the fleet down (the policy's rule too).
+
+Latency targets (``spec.autoscaling.slo``) are not translated: a trigger on
+``histogram_quantile`` would scale on the latency after it is missed, size nothing ahead
+of the load and never hold a scale-down for the latency the smaller fleet would give.
+The spec parser and the CRD's CEL refuse ``slo`` in KEDA mode by name
+(docs/autoscaling.md, "KEDA mode").
 """
 
 from __future__ import annotations
@@ -76,11 +82,15 @@ def build_scaled_object(owner_reference: dict[str, Any], namespace: str, name: s
 
     Raises:
         ValueError: ``spec`` is not in KEDA mode (no autoscaling, or ``engine`` is not
-            ``keda``), or its metrics source has no Prometheus URL.
+            ``keda``), its metrics source has no Prometheus URL, or it sets ``slo`` (the
+            parser refuses that first; KEDA mode cannot run the latency model).
     """
     auto = spec.autoscaling
     if auto is None or not auto.keda:
         raise ValueError("a ScaledObject is built only for spec.autoscaling.engine keda")
+    if auto.slo is not None:
+        raise ValueError("spec.autoscaling.slo is not allowed in KEDA mode: KEDA's HPA cannot"
+                         " run the latency model")
     url = auto.metrics.url
     if auto.metrics.source != "prometheus" or not url:
         raise ValueError("KEDA mode needs spec.autoscaling.metrics.source prometheus and its url")

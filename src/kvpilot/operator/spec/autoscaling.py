@@ -8,10 +8,12 @@ from typing import Any
 
 from kvpilot.autoscaler.spec import (
     AUTOSCALING_ENGINES,
+    MAX_SLO_SECONDS,
     METRIC_SOURCES,
     STARVATION_USAGE,
     AutoscalingSpec,
     MetricsSourceSpec,
+    SloSpec,
 )
 from kvpilot.operator.spec.defaults import DEFAULTS
 from kvpilot.operator.spec.fields import FieldReader, SpecError
@@ -33,7 +35,8 @@ def parse_autoscaling(raw: Any) -> AutoscalingSpec:
     prometheus`` (KEDA's triggers query that Prometheus), ``minReplicas`` >= 1 (scale
     to zero is the operator's own, through its router; KEDA mode does not do it) and
     ``nodeStartupSeconds`` 0 (node headroom follows the policy's forecast) and each target
-    at least :data:`KEDA_MIN_THRESHOLD` (KEDA's thresholds are milli-quantities).
+    at least :data:`KEDA_MIN_THRESHOLD` (KEDA's thresholds are milli-quantities), and no
+    ``slo`` (:func:`parse_slo`: KEDA's HPA cannot run the latency model).
 
     Raises:
         SpecError: a field out of range or not allowed with another, named by its path.
@@ -78,6 +81,7 @@ def parse_autoscaling(raw: Any) -> AutoscalingSpec:
                 raise SpecError(f"autoscaling.{field}", value,
                                 f">= {KEDA_MIN_THRESHOLD} when autoscaling.engine is keda (KEDA"
                                 " reads its thresholds in thousandths)")
+    slo = parse_slo(r.raw.get("slo"), engine)
     try:
         return AutoscalingSpec(
             min_replicas=min_replicas,
@@ -95,8 +99,46 @@ def parse_autoscaling(raw: Any) -> AutoscalingSpec:
             activation_timeout_seconds=r.integer("activationTimeoutSeconds", 1, 3600),
             metrics=MetricsSourceSpec(source, url),
             engine=engine,
+            slo=slo,
         )
     except ValueError as exc:
         if isinstance(exc, SpecError):
             raise
         raise SpecError("autoscaling", dict(r.raw), str(exc)) from None
+
+
+def parse_slo(raw: Any, engine: str) -> SloSpec | None:
+    """``spec.autoscaling.slo`` -> :class:`~kvpilot.autoscaler.spec.SloSpec`, or None when
+    absent. ``ttftSeconds`` and ``itlSeconds`` are numbers in (0, 86400] (a day), at least
+    one of them set; ``percentile`` is in (0, 1), default 0.9. The profile of the
+    latency prior is ``cpu`` here; :func:`kvpilot.operator.spec.parse_spec` sets ``gpu``
+    for pods that ask for GPUs.
+
+    KEDA mode refuses an SLO by name: KEDA's HPA scales on one PromQL value per trigger
+    against a fixed threshold, and the latency rule needs the fitted model, the forecast
+    load and the consolidation check, which only the operator's own loop runs (a
+    ``histogram_quantile`` trigger would scale on the latency measured, after it is
+    missed, and never hold a scale-down; docs/autoscaling.md, "KEDA mode").
+
+    Raises:
+        SpecError: a field out of range (named ``spec.autoscaling.slo.FIELD``), an SLO
+            with neither target, or any SLO with ``engine: keda``.
+    """
+    if raw is None:
+        return None
+    s = FieldReader(raw, "autoscaling.slo", DEFAULTS)
+    if engine == "keda":
+        raise SpecError("autoscaling.slo", dict(s.raw),
+                        "not allowed when autoscaling.engine is keda: KEDA's HPA cannot run"
+                        " the latency model (use engine kvpilot for latency targets)")
+    ttft = s.optional_number("ttftSeconds", 0.0, MAX_SLO_SECONDS, lo_open=True)
+    itl = s.optional_number("itlSeconds", 0.0, MAX_SLO_SECONDS, lo_open=True)
+    if ttft is None and itl is None:
+        raise SpecError("autoscaling.slo", dict(s.raw),
+                        "ttftSeconds or itlSeconds (or both) is required: an SLO without a"
+                        " target would be ignored")
+    percentile = s.number("percentile", 0.0, 1.0, lo_open=True, hi_open=True)
+    try:
+        return SloSpec(ttft_seconds=ttft, itl_seconds=itl, percentile=percentile)
+    except ValueError as exc:  # NaN passes the range checks above; SloSpec refuses it
+        raise SpecError("autoscaling.slo", dict(s.raw), str(exc)) from None

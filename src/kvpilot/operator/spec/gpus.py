@@ -55,7 +55,7 @@ def nonzero_quantity(quantity: object) -> bool:
     return str(quantity).strip() not in ("0", "0.0", "")
 
 
-def _mig_slices(resources: Mapping[str, Any]) -> list[str]:
+def mig_slices(resources: Mapping[str, Any]) -> list[str]:
     """The MIG slice resources the pod asks for at least one of."""
     return sorted(name for name, (_, qty) in _asked_resources(resources).items()
                   if name.startswith(MIG_RESOURCE_PREFIX) and nonzero_quantity(qty))
@@ -77,7 +77,7 @@ def resolve_tensor_parallel(engine: EngineSpec, resources: Mapping[str, Any]) ->
                         f"a divisor of the pod's {gpus} GPUs ({gpu_names}): "
                         f"{', '.join(map(str, divisors))}; one engine runs over"
                         " tensorParallelSize GPUs (leave it unset to use them all)")
-    mig = _mig_slices(resources)
+    mig = mig_slices(resources)
     if tp > 1 and mig:
         raise SpecError("engine.tensorParallelSize", tp,
                         f"1 on MIG slices ({', '.join(mig)}): a process sees one MIG device,"

@@ -6,6 +6,7 @@ runs)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,7 @@ from kvpilot.operator.spec.autoscaling import MAX_REPLICAS, parse_autoscaling
 from kvpilot.operator.spec.defaults import DEFAULTS
 from kvpilot.operator.spec.engine import KV_EVENTS_FLAG, EngineSpec, parse_engine
 from kvpilot.operator.spec.fields import FieldReader, SpecError
-from kvpilot.operator.spec.gpus import resolve_tensor_parallel
+from kvpilot.operator.spec.gpus import gpu_count, mig_slices, resolve_tensor_parallel
 from kvpilot.operator.spec.model import parse_model
 from kvpilot.operator.spec.pod import PodSettings, parse_pod
 from kvpilot.operator.spec.router import RouterSpec, parse_router
@@ -85,6 +86,11 @@ def parse_spec(raw: Any, name: str | None = None) -> InferenceSpec:
                         " starts")
     replicas = r.optional_integer("replicas", 0, MAX_REPLICAS)
     pod = parse_pod(r)
+    if scaling is not None and scaling.slo is not None and (
+            gpu_count(pod.resources) > 0 or mig_slices(pod.resources)):
+        # The latency model's prior: the H200 benchmark's step times for a GPU pod.
+        scaling = dataclasses.replace(scaling, slo=dataclasses.replace(scaling.slo,
+                                                                       profile="gpu"))
     spec = InferenceSpec(
         model=source,
         engine=resolve_tensor_parallel(engine, pod.resources),

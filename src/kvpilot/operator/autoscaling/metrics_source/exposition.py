@@ -14,12 +14,78 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.autoscaler import LatencyWindow
 from kvpilot.operator.autoscaling.metrics_source.names import EngineMetricNames, RouterMetricNames
 from kvpilot.operator.autoscaling.metrics_source.reading import fleet_kv_window, parse_kv_window
 
 
 class ExpositionError(ValueError):
     """The page is not in the Prometheus text format."""
+
+
+@dataclass(frozen=True)
+class HistogramSample:
+    """One scrape of a histogram's lifetime counters.
+
+    Attributes:
+        buckets: ``(upper_bound, cumulative_count)``, bounds increasing, the last
+            ``math.inf``.
+        sum: the ``_sum`` counter.
+    """
+
+    buckets: tuple[tuple[float, float], ...]
+    sum: float
+
+    @property
+    def count(self) -> float:
+        return self.buckets[-1][1]
+
+
+def histogram_increase(before: HistogramSample | None, after: HistogramSample | None
+                       ) -> LatencyWindow | None:
+    """What a histogram gained between two scrapes, as a
+    :class:`~kvpilot.autoscaler.LatencyWindow`; None when either scrape lacks it (the
+    first scrape of a pod has no window yet).
+
+    A reset (the pod restarted: the count, the sum or any bucket went down, or the bucket
+    bounds changed with a new engine) makes the window the new values themselves, the
+    increase since the reset, as PromQL's ``increase()`` assumes.
+    """
+    if before is None or after is None:
+        return None
+    same_bounds = [b for b, _ in before.buckets] == [b for b, _ in after.buckets]
+    reset = (not same_bounds or after.sum < before.sum
+             or any(a < b for (_, a), (_, b) in zip(after.buckets, before.buckets)))
+    if reset:
+        buckets, total = after.buckets, after.sum
+    else:
+        buckets = tuple((bound, a - b) for (bound, a), (_, b) in zip(after.buckets, before.buckets))
+        total = after.sum - before.sum
+    # Differences of cumulative counters are cumulative unless the scrape was torn
+    # between series; keep them monotonic as PromQL's histogram_quantile does.
+    fixed, top = [], 0.0
+    for bound, count in buckets:
+        top = max(top, count)
+        fixed.append((bound, top))
+    try:
+        return LatencyWindow(tuple(fixed), total)
+    except ValueError:
+        return None
+
+
+def mean_increase(before: tuple[float, float] | None, after: tuple[float, float] | None
+                  ) -> float | None:
+    """``increase(_sum) / increase(_count)`` of a histogram between two scrapes (its mean
+    observation over the window), resets as in :func:`histogram_increase`; None when a
+    scrape lacks it or nothing was observed in between."""
+    if before is None or after is None:
+        return None
+    (sum_b, count_b), (sum_a, count_a) = before, after
+    if count_a < count_b or sum_a < sum_b:
+        total, count = sum_a, count_a
+    else:
+        total, count = sum_a - sum_b, count_a - count_b
+    return total / count if count > 0 else None
 
 
 @dataclass(frozen=True)
@@ -35,6 +101,9 @@ class EngineSample:
         kv_window_tokens: the ``sliding_window`` label of the cache-config info series
             (the window behind which the engine frees KV blocks); None when the series
             or the label is absent (an older engine), ``"None"`` or not a positive integer.
+        itl / ttft: the latency histograms' lifetime counters (None: absent, an engine
+            older than them, or malformed).
+        iteration_tokens: ``(_sum, _count)`` of the tokens-per-step histogram, or None.
     """
 
     kv_usage: float | None
@@ -47,6 +116,9 @@ class EngineSample:
     prompt_tokens: float | None
     requests_finished: float | None
     kv_window_tokens: int | None = None
+    itl: HistogramSample | None = None
+    ttft: HistogramSample | None = None
+    iteration_tokens: tuple[float, float] | None = None
 
 
 # Samples by name: (labels, value) for each series of that name.
@@ -77,6 +149,34 @@ def _counter(by_name: SamplesByName, name: str) -> float | None:
     if not values or not all(math.isfinite(v) and v >= 0 for v in values):
         return None
     return sum(values)
+
+
+def _histogram(by_name: SamplesByName, name: str) -> HistogramSample | None:
+    """``name``'s buckets (summed per ``le`` over its series) and ``_sum``; None when the
+    page has no ``_bucket`` sample, no ``+Inf`` bucket or a sample that is no counter
+    value (a partial histogram would fake a reset)."""
+    per_le: dict[float, float] = {}
+    for labels, value in by_name.get(f"{name}_bucket", ()):
+        try:
+            bound = float(labels["le"])
+        except (KeyError, ValueError):
+            return None
+        if math.isnan(bound) or not math.isfinite(value) or value < 0:
+            return None
+        per_le[bound] = per_le.get(bound, 0.0) + value
+    total = _counter(by_name, f"{name}_sum")
+    if not per_le or math.inf not in per_le or total is None:
+        return None
+    buckets, top = [], 0.0
+    for bound in sorted(per_le):
+        top = max(top, per_le[bound])
+        buckets.append((bound, top))
+    return HistogramSample(tuple(buckets), total)
+
+
+def _sum_count(by_name: SamplesByName, name: str) -> tuple[float, float] | None:
+    total, count = _counter(by_name, f"{name}_sum"), _counter(by_name, f"{name}_count")
+    return None if total is None or count is None else (total, count)
 
 
 def _capacity_from_info(by_name: SamplesByName, name: str) -> float | None:
@@ -118,6 +218,9 @@ def parse_engine_metrics(text: str, names: EngineMetricNames) -> EngineSample:
         prompt_tokens=_counter(by_name, names.prompt_tokens),
         requests_finished=_counter(by_name, names.requests_finished),
         kv_window_tokens=_window_from_info(by_name, names.cache_config),
+        itl=_histogram(by_name, names.itl),
+        ttft=_histogram(by_name, names.ttft),
+        iteration_tokens=_sum_count(by_name, names.iteration_tokens),
     )
 
 

@@ -32,6 +32,12 @@ class EngineMetricNames:
             absent: no window).
         generation_tokens / prompt_tokens: counters, tokens.
         requests_finished: counter, finished requests (label ``finished_reason``; summed).
+        itl / ttft: histograms (the base name: the samples are ``_bucket`` with ``le``,
+            ``_sum`` and ``_count``), inter-token latency and time to first token in
+            seconds; absent on engines older than them (the SLO then falls back to
+            saturation).
+        iteration_tokens: histogram of the tokens scheduled per engine step (its ``_sum``
+            and ``_count`` give the mean per step).
     """
 
     kv_usage: str = "kvpilot:gpu_cache_usage_factor"
@@ -44,6 +50,9 @@ class EngineMetricNames:
     generation_tokens: str = "kvpilot:generation_tokens_total"
     prompt_tokens: str = "kvpilot:prompt_tokens_total"
     requests_finished: str = "kvpilot:request_success_total"
+    itl: str = "kvpilot:inter_token_latency_seconds"
+    ttft: str = "kvpilot:time_to_first_token_seconds"
+    iteration_tokens: str = "kvpilot:iteration_tokens_total"
 
     def __post_init__(self) -> None:
         for f in fields(self):

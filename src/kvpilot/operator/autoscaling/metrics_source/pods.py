@@ -7,7 +7,15 @@ from the previous scrape of the same pod, kept in memory:
 
 * ``preemption_rate`` = :func:`kvpilot.autoscaler.counter_rate` of
   ``kvpilot:num_preemptions_total`` between the last two reads (resets handled);
-* generated tokens/s, the same on ``kvpilot:generation_tokens_total``.
+* generated tokens/s, the same on ``kvpilot:generation_tokens_total``;
+* ``itl`` / ``ttft``: what the ``kvpilot:inter_token_latency_seconds`` and
+  ``kvpilot:time_to_first_token_seconds`` histograms gained between the two scrapes
+  (:func:`.exposition.histogram_increase`; a reset makes it the value since the reset);
+* ``step_tokens``: the increase of ``kvpilot:iteration_tokens_total``'s ``_sum`` over
+  that of its ``_count`` (None when no step ran in between).
+
+An engine without these histograms (older than them) reports them as None, never 0:
+an SLO then sizes the fleet on saturation.
 
 The first read of a pod (a new pod, or every pod after an operator restart) has no
 previous sample, so its rates are missing for one interval: the policy then holds (it
@@ -34,6 +42,9 @@ from kvpilot.operator.autoscaling.metrics_source.episodes import EpisodeLog
 from kvpilot.operator.autoscaling.metrics_source.exposition import (
     EngineSample,
     ExpositionError,
+    HistogramSample,
+    histogram_increase,
+    mean_increase,
     parse_engine_metrics,
     parse_router_in_flight,
 )
@@ -60,6 +71,9 @@ class _Previous:
     time: float
     preemptions: float | None
     generation_tokens: float | None
+    itl: HistogramSample | None = None
+    ttft: HistogramSample | None = None
+    iteration_tokens: tuple[float, float] | None = None
 
 
 class PodScrapeSource:
@@ -180,16 +194,22 @@ class PodScrapeSource:
             finished_each.append(result.requests_finished)
             key = (pod.name, pod.ip)
             before = previous.get(key)
-            self._previous[key] = _Previous(now, result.preemptions, result.generation_tokens)
-            preemption_rate = gen_rate = None
-            if before is not None:
+            self._previous[key] = _Previous(now, result.preemptions, result.generation_tokens,
+                                            result.itl, result.ttft, result.iteration_tokens)
+            preemption_rate = gen_rate = step_tokens = None
+            itl = ttft = None
+            if before is not None and now > before.time:
                 preemption_rate = counter_rate(before.preemptions, before.time,
                                                result.preemptions, now)
                 gen_rate = counter_rate(before.generation_tokens, before.time,
                                         result.generation_tokens, now)
+                itl = histogram_increase(before.itl, result.itl)
+                ttft = histogram_increase(before.ttft, result.ttft)
+                step_tokens = mean_increase(before.iteration_tokens, result.iteration_tokens)
             signals.append(pod_signals(pod.name, result.kv_usage, result.num_waiting,
                                        result.waiting_tokens, result.num_running,
-                                       preemption_rate, result.kv_capacity_tokens))
+                                       preemption_rate, result.kv_capacity_tokens,
+                                       itl, ttft, step_tokens))
             if signals[-1].kv_capacity_tokens is not None:
                 windows.append(result.kv_window_tokens)
             rates.append(gen_rate)

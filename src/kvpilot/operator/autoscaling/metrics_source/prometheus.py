@@ -7,6 +7,12 @@ sample in a query's answer has that signal missing (``None``), never zero (case 
 transport error (connection refused, timeout) ends the read: every value left is missing
 and, if nothing was answered at all, the reading is unreachable (case C15).
 
+The SLO's signals (per-pod ITL and TTFT histograms over the rate window, tokens per
+step) come from the same loop: bucket answers are grouped per pod and ``le`` into a
+:class:`~kvpilot.autoscaler.LatencyWindow` with the ``_sum`` answer (None when a pod has
+no ``+Inf`` bucket or no sum); an empty answer is an engine without them, left out of
+``problem``.
+
 Last, within the same budget, :func:`.promql.router_query` reads the router pods'
 in-flight requests per engine; :func:`.reading.router_queued` turns them into the demand
 held at the router. Its failure or an empty answer leaves ``router_queued`` None (counted
@@ -16,6 +22,7 @@ as 0) and does not make the engine signals missing.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,10 +31,13 @@ import requests
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
 from urllib3.util.retry import Retry
 
+from kvpilot.autoscaler import LatencyWindow
 from kvpilot.operator.autoscaling.metrics_source.episodes import EpisodeLog
 from kvpilot.operator.autoscaling.metrics_source.names import EngineMetricNames, RouterMetricNames
 from kvpilot.operator.autoscaling.metrics_source.promql import (
+    BUCKET_SIGNALS,
     DEFAULT_RATE_WINDOW,
+    OPTIONAL_SIGNALS,
     SeriesSelector,
     router_query,
     signal_queries,
@@ -47,6 +57,47 @@ from kvpilot.operator.logs import ObjectLog
 QUERY_BUDGET_SECONDS = 5.0
 _log = logging.getLogger(__name__)
 PodValues = dict[str, dict[str, float]]  # signal -> pod -> value
+PodBuckets = dict[str, dict[str, dict[float, float]]]  # signal -> pod -> le -> value
+
+
+def _per_pod_le(result: list[Mapping[str, Any]], pod_label: str) -> dict[str, dict[float, float]]:
+    """``{pod: {le: value}}`` from a bucket answer; samples without a pod or a numeric
+    ``le``, or with a value that is not a number, are left out."""
+    out: dict[str, dict[float, float]] = {}
+    for item in result:
+        labels = item.get("metric") or {}
+        pod = labels.get(pod_label)
+        if not isinstance(pod, str) or not pod:
+            continue
+        try:
+            bound, value = float(labels["le"]), float(item["value"][1])
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+        out.setdefault(pod, {})[bound] = value
+    return out
+
+
+def latency_window(buckets: Mapping[float, float] | None, total: float | None
+                   ) -> LatencyWindow | None:
+    """A pod's histogram increase from its ``{le: increase}`` answer and its ``_sum``
+    increase; None when either is missing, there is no ``+Inf`` bucket, or a value is not
+    a finite number >= 0. ``increase()`` extrapolates each bucket on its own, so the
+    counts are made monotonic (running maximum) as ``histogram_quantile`` does."""
+    if not buckets or total is None or math.inf not in buckets:
+        return None
+    if not math.isfinite(total) or total < 0:
+        return None
+    fixed, top = [], 0.0
+    for bound in sorted(buckets):
+        value = buckets[bound]
+        if math.isnan(bound) or not math.isfinite(value) or value < 0:
+            return None
+        top = max(top, value)
+        fixed.append((bound, top))
+    try:
+        return LatencyWindow(tuple(fixed), total)
+    except ValueError:
+        return None
 
 
 def _cache_configs(result: list[Mapping[str, Any]], pod_label: str
@@ -125,11 +176,13 @@ class PrometheusSource:
     def close(self) -> None:
         self._client.close()
 
-    def _run_queries(self) -> tuple[PodValues, list[str], list[str], bool]:
-        """(values, failed query notes, empty signals, any answer at all); the routers'
-        in-flight requests per worker, when answered, under ``values["router_in_flight"]``,
-        and the pods' KV windows under ``values["kv_window"]``."""
+    def _run_queries(self) -> tuple[PodValues, list[str], list[str], bool, PodBuckets]:
+        """(values, failed query notes, empty signals, any answer at all, histogram
+        buckets); the routers' in-flight requests per worker, when answered, under
+        ``values["router_in_flight"]``, and the pods' KV windows under
+        ``values["kv_window"]``."""
         values: PodValues = {}
+        buckets: PodBuckets = {}
         failed: list[str] = []
         empty: list[str] = []
         answered = down = False
@@ -153,9 +206,11 @@ class PrometheusSource:
             answered = True
             if signal == "cache_config":
                 values[signal], values["kv_window"] = _cache_configs(result, pod)
+            elif signal in BUCKET_SIGNALS:
+                buckets[signal] = _per_pod_le(result, pod)
             else:
                 values[signal] = _per_pod(result, pod)
-            if not result and signal != "cache_config":
+            if not result and signal != "cache_config" and signal not in OPTIONAL_SIGNALS:
                 empty.append(signal)
         left = deadline - time.monotonic()
         if answered and not down and left > 0:
@@ -166,14 +221,18 @@ class PrometheusSource:
                 self._log.debug("router query %s failed: %s", self.router_query, exc)
             else:
                 values["router_in_flight"] = _per_pod(result, self.router_names.worker_label)
-        return values, failed, empty, answered
+        return values, failed, empty, answered, buckets
 
     def read(self, pods: Sequence[EnginePod], now: float,
              routers: Sequence[EnginePod] = ()) -> MetricsReading:
-        values, failed, empty, answered = self._run_queries()
+        values, failed, empty, answered, buckets = self._run_queries()
 
         def get(signal: str, name: str) -> float | None:
             return values.get(signal, {}).get(name)
+
+        def latency(signal: str, name: str) -> LatencyWindow | None:
+            return latency_window(buckets.get(f"{signal}_buckets", {}).get(name),
+                                  get(f"{signal}_sum", name))
 
         signals, rates = [], []
         prompt = generated = finished = 0.0
@@ -184,7 +243,8 @@ class PrometheusSource:
             signals.append(pod_signals(p.name, get("kv_usage", p.name),
                                        get("num_waiting", p.name), get("waiting_tokens", p.name),
                                        get("num_running", p.name), get("preemption_rate", p.name),
-                                       capacity))
+                                       capacity, latency("itl", p.name), latency("ttft", p.name),
+                                       get("step_tokens", p.name)))
             if signals[-1].kv_capacity_tokens is not None:
                 window = get("kv_window", p.name)
                 windows.append(int(window) if window is not None else None)

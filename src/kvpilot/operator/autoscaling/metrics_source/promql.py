@@ -21,7 +21,20 @@ prompt_tokens          ``max by (pod) (kvpilot:prompt_tokens_total{S})``
 generation_tokens      ``max by (pod) (kvpilot:generation_tokens_total{S})``
 requests_finished      ``sum by (pod) (max by (pod, finished_reason)
                        (kvpilot:request_success_total{S}))``
+itl_buckets            ``max by (pod, le) (increase(
+                       kvpilot:inter_token_latency_seconds_bucket{S}[W]))``
+itl_sum                ``max by (pod) (increase(
+                       kvpilot:inter_token_latency_seconds_sum{S}[W]))``
+ttft_buckets           the same on ``kvpilot:time_to_first_token_seconds_bucket``
+ttft_sum               the same on ``kvpilot:time_to_first_token_seconds_sum``
+step_tokens            ``max by (pod) (increase(kvpilot:iteration_tokens_total_sum{S}[W]))
+                       / max by (pod) (increase(kvpilot:iteration_tokens_total_count{S}[W]))``
 =====================  ==========================================================
+
+The last five are the SLO's (:mod:`kvpilot.autoscaler.latency`): each pod's latency
+histograms over the window W, read like ``histogram_quantile`` reads them, and its mean
+tokens per engine step. They are optional: an engine older than these series answers
+nothing, which is not reported as a problem (the policy falls back to saturation).
 
 ``max by (pod)`` keeps one sample per pod even when two scrape jobs collect the same
 target (duplicates are equal; a sum would double them). An empty vector for a pod is
@@ -118,7 +131,21 @@ def signal_queries(names: EngineMetricNames, selector: SeriesSelector,
         "generation_tokens": per_pod(f"{names.generation_tokens}{s}"),
         "requests_finished": (f"sum by ({pod}) (max by ({pod}, finished_reason)"
                               f" ({names.requests_finished}{s}))"),
+        "itl_buckets": f"max by ({pod}, le) (increase({names.itl}_bucket{s}[{rate_window}]))",
+        "itl_sum": per_pod(f"increase({names.itl}_sum{s}[{rate_window}])"),
+        "ttft_buckets": f"max by ({pod}, le) (increase({names.ttft}_bucket{s}[{rate_window}]))",
+        "ttft_sum": per_pod(f"increase({names.ttft}_sum{s}[{rate_window}])"),
+        "step_tokens": (per_pod(f"increase({names.iteration_tokens}_sum{s}[{rate_window}])")
+                        + " / "
+                        + per_pod(f"increase({names.iteration_tokens}_count{s}[{rate_window}])")),
     }
+
+
+# The SLO's signals: an empty answer is an engine without them, not a problem to report.
+OPTIONAL_SIGNALS = frozenset({"itl_buckets", "itl_sum", "ttft_buckets", "ttft_sum",
+                              "step_tokens"})
+# Signals answered per (pod, le): histogram buckets.
+BUCKET_SIGNALS = frozenset({"itl_buckets", "ttft_buckets"})
 
 
 def router_query(names: RouterMetricNames, selector: SeriesSelector) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from kvpilot.autoscaler import PodSignals
+from kvpilot.autoscaler import LatencyWindow, PodSignals
 from kvpilot.operator.constants import ENGINE_PORT, METRICS_PATH
 
 
@@ -129,8 +129,11 @@ def valid(value: float | None, upper: float | None = None) -> float | None:
 
 def pod_signals(name: str, kv_usage: float | None, num_waiting: float | None,
                 waiting_tokens: float | None, num_running: float | None,
-                preemption_rate: float | None, kv_capacity_tokens: float | None) -> PodSignals:
-    """A :class:`PodSignals` from raw readings, each validated by :func:`valid`."""
+                preemption_rate: float | None, kv_capacity_tokens: float | None,
+                itl: LatencyWindow | None = None, ttft: LatencyWindow | None = None,
+                step_tokens: float | None = None) -> PodSignals:
+    """A :class:`PodSignals` from raw readings, each number validated by :func:`valid`
+    (the latency windows are validated when built)."""
     capacity = valid(kv_capacity_tokens)
     return PodSignals(
         name=name,
@@ -140,6 +143,9 @@ def pod_signals(name: str, kv_usage: float | None, num_waiting: float | None,
         num_running=valid(num_running),
         preemption_rate=valid(preemption_rate),
         kv_capacity_tokens=capacity if capacity else None,
+        itl=itl,
+        ttft=ttft,
+        step_tokens=valid(step_tokens),
     )
 
 

@@ -1,0 +1,437 @@
+"""The latency model behind the ``latency`` rule: how many replicas keep a fleet within its
+SLO (``spec.autoscaling.slo``) at the load it has, or will have within a start-up.
+
+Two predictions, both per fleet and at the SLO's percentile ``p``:
+
+**Inter-token latency** as a function of the per-replica batch ``b`` (running requests per
+replica)::
+
+    itl_p(b) = a + c * b          (seconds; a >= 0, c >= 0)
+
+A decode step reads the weights once (``a``: the step's fixed cost) and does per-request
+work (``c``: attention over each request's context, the matrix products' extra rows), and
+a decoding request gets one token per step, so a request's ITL is the step time. The line
+is fitted online by exponentially-forgetting weighted least squares: every read adds one
+sample per pod, ``(num_running, itl.quantile(p))`` over the read window, after the old
+samples' weights were multiplied by :data:`FORGETTING`; a prior (two pseudo-points on
+the benchmark line ``a0 + c0 * b``, at ``b = 0`` and at the benchmark's batch, of weight
+``PRIOR.weight / 2`` each) keeps the fit defined before the first sample and when every
+pod runs the same batch (the level is then the data's, the slope mostly the prior's).
+The prior's weight fades by :data:`FORGETTING` per informing read, down to
+:data:`PRIOR_FLOOR`, so a fleet that has been measured for a while is fitted on its own
+numbers (a fixed prior would bias the line towards the benchmark by its share of the
+weight for ever). The fitted slope is clamped at 0 (a bigger batch is never faster; the level is
+then the weighted mean).
+
+This is the profile-based sizing of NVIDIA Dynamo's SLA planner (pre-deployment profiling
+gives ITL against batch/concurrency per replica; the planner divides the predicted load
+by the largest per-replica load that meets the ITL target) made online, and llm-d's
+predicted-latency scaling (a model trained on live (load, latency) samples predicts the
+latency a pod would give and the autoscaler scales before the SLO is missed). Ours is one
+line per fleet: two numbers in the CR's status, fitted from histograms every engine
+already exports.
+
+**Time to first token** is predicted as the observed base plus a queue wait that more
+replicas shorten::
+
+    ttft_p(n) = base + W / (n * R)
+    base = max(0, ttft_p observed - W / (ready * R))
+
+with ``W`` the prompt tokens waiting (``kvpilot:num_waiting_tokens`` summed over the pods)
+and ``R`` one replica's prefill rate: its token budget per step
+(``--max-num-batched-tokens``, else the observed mean tokens per step) over its step time
+(the mean ITL). The observed TTFT is the pooled histogram's quantile over the window; at
+the current count the prediction equals it, and only the queue part scales with ``n``:
+a TTFT that is long with no queue (long prompts, a slow prefill) is not something more
+replicas fix, and the model says so instead of scaling to ``maxReplicas``.
+
+Trust: a read *informs* the ITL fit when its usable samples add up to at least
+:data:`MIN_WINDOW_OBSERVATIONS` ITL observations (a sample is usable when its pod ran at
+least one request and its window holds at least :data:`MIN_SAMPLE_OBSERVATIONS`). The fit
+is *trusted* after :data:`MIN_INFORMED_READS` informing reads; before that it leans on the
+prior, which may scale the fleet up but never down (the consolidation check then uses the
+observed ITL only). Standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvpilot.autoscaler.signals import FleetLoad, LatencyWindow, PodSignals
+
+# Weight kept by the data per read (0.9: a sample's weight halves in ~6.6 reads, about
+# 100 s at the default 15 s interval; the effective memory is 1 / (1 - 0.9) = 10 reads).
+FORGETTING = 0.9
+# A pod's window must hold this many ITL observations for its quantile to be a sample.
+MIN_SAMPLE_OBSERVATIONS = 20
+# A read informs the fit when its samples hold at least this many ITL observations.
+MIN_WINDOW_OBSERVATIONS = 50
+# Informing reads before the fit is trusted (may justify holding replicas or letting go).
+MIN_INFORMED_READS = 4
+# The pooled TTFT histogram needs this many first tokens in the window to be read.
+MIN_TTFT_OBSERVATIONS = 10
+# The prior's weight fades by FORGETTING per informing read down to this floor, which
+# keeps the 2x2 system regular when every sample sits at one batch.
+PRIOR_FLOOR = 0.05
+# The informing-read count saturates here (the prior has faded to its floor long before).
+_READS_CAP = 1000
+
+
+@dataclass(frozen=True)
+class Prior:
+    """The benchmark line a fleet starts from.
+
+    Attributes:
+        a: seconds, ITL at an empty batch (the step's fixed cost), >= 0.
+        c: seconds per running request, >= 0.
+        batch: the benchmark's batch (requests per replica), where the second
+            pseudo-point sits.
+        weight: pseudo-samples (split between the two points); a handful, so a few reads
+            of real data outweigh it.
+        source: where the numbers come from.
+    """
+
+    a: float
+    c: float
+    batch: float
+    weight: float
+    source: str
+
+
+# CPU: SmolLM2-135M fp32 on the 2-core development VM, one torch thread
+# (benchmarks/README.md and results/vllm_cpu.json): ITL p50 77 ms with 8 streams decoding
+# ("long prompt: ITL p50 before it") and 227 ms at concurrency 32 ("serve ITL p50"), so
+# c0 = (0.227 - 0.077) / 24 = 6.25 ms per request and a0 = 0.077 - 8 x 6.25 ms = 27 ms;
+# the batch-8 decode step of results/kv_cache_step_time.json (91 ms) agrees within 15%.
+# GPU: Llama-3-8B bf16 on one H200 (benchmarks/README.md, "GPU: the H200", engine section):
+# 3,485 output tok/s with 256 sequences gives 256 / 3,485 = 73 ms per step at batch 256;
+# the fixed cost is the 16 GB of weights read at ~4.2 TB/s (3.8 ms) plus kernel launches
+# without CUDA graphs, taken as 10 ms, so c0 = (0.073 - 0.010) / 256 = 0.25 ms per request.
+# Both are p50-ish figures for a p90 target: the prior is optimistic by the tail, one
+# reason it is never trusted to scale down.
+PRIORS: dict[str, Prior] = {
+    "cpu": Prior(a=0.027, c=0.00625, batch=32.0, weight=4.0,
+                 source="benchmarks/README.md: CPU serve ITL p50 at 8 and 32 streams"),
+    "gpu": Prior(a=0.010, c=0.00025, batch=256.0, weight=4.0,
+                 source="benchmarks/README.md: H200 Llama-3-8B engine, 256 sequences"),
+}
+
+
+@dataclass(frozen=True)
+class ItlFit:
+    """The fitted line and how far to believe it.
+
+    Attributes:
+        a: seconds at an empty batch (>= 0).
+        c: seconds per running request per replica (>= 0).
+        data_weight: the forgotten-weighted count of real samples behind it.
+        informed_reads: reads that informed it (capped).
+        trusted: ``informed_reads >= MIN_INFORMED_READS``.
+    """
+
+    a: float
+    c: float
+    data_weight: float
+    informed_reads: int
+    trusted: bool
+
+    def predict(self, batch: float) -> float:
+        """ITL (seconds) at ``batch`` running requests per replica."""
+        return self.a + self.c * max(0.0, batch)
+
+    def max_batch(self, target: float) -> float | None:
+        """The largest per-replica batch whose predicted ITL is within ``target``
+        (seconds); ``math.inf`` when ITL does not grow with the batch and ``a`` meets it;
+        None when even an empty batch misses it (more replicas cannot help)."""
+        if self.a > target:
+            return None
+        if self.c <= 0:
+            return math.inf
+        return (target - self.a) / self.c
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """The ITL fit's state: weighted sums of the data (forgotten each read) and the read
+    counter. Serializable (:meth:`to_dict`) into ``PolicyState.latency`` so an operator
+    restart keeps what the fleet taught it.
+
+    Attributes:
+        percentile: the quantile the samples were read at (a new one starts over).
+        s0 / sb / sy / sbb / sby: sum of w, w*b, w*y, w*b^2, w*b*y over the samples
+            (b = requests per replica, y = ITL seconds).
+        informed_reads: reads whose samples held >= ``MIN_WINDOW_OBSERVATIONS``.
+    """
+
+    percentile: float
+    s0: float = 0.0
+    sb: float = 0.0
+    sy: float = 0.0
+    sbb: float = 0.0
+    sby: float = 0.0
+    informed_reads: int = 0
+
+    def update(self, samples: Sequence[tuple[float, float]], observations: float) -> LatencyModel:
+        """This read's samples added after the old ones were forgotten (pure: returns a
+        new model). ``samples``: ``(batch, itl_seconds)`` pairs; ``observations``: the ITL
+        observations behind them (counts an informing read). No samples: the old weights
+        are still forgotten, so a fleet that stopped reporting slides back to the prior."""
+        f = FORGETTING
+        s0, sb, sy, sbb, sby = (f * v for v in (self.s0, self.sb, self.sy, self.sbb, self.sby))
+        for b, y in samples:
+            s0 += 1.0
+            sb += b
+            sy += y
+            sbb += b * b
+            sby += b * y
+        reads = self.informed_reads
+        if samples and observations >= MIN_WINDOW_OBSERVATIONS:
+            reads = min(_READS_CAP, reads + 1)
+        return replace(self, s0=s0, sb=sb, sy=sy, sbb=sbb, sby=sby, informed_reads=reads)
+
+    def fit(self, prior: Prior) -> ItlFit:
+        """Weighted least squares over the data and the prior's two pseudo-points.
+
+        Solves the 2x2 normal equations of ``y = a + c b``; c < 0 is clamped to 0 (with
+        ``a`` the weighted mean of y), a < 0 to 0. Never raises: the prior's points at
+        two batches keep the system regular.
+        """
+        w = max(prior.weight * FORGETTING ** self.informed_reads, PRIOR_FLOOR) / 2.0
+        points = ((0.0, prior.a), (prior.batch, prior.a + prior.c * prior.batch))
+        s0, sb, sy, sbb, sby = self.s0, self.sb, self.sy, self.sbb, self.sby
+        for b, y in points:
+            s0 += w
+            sb += w * b
+            sy += w * y
+            sbb += w * b * b
+            sby += w * b * y
+        det = s0 * sbb - sb * sb
+        if det <= 1e-12 or s0 <= 0:
+            a, c = prior.a, prior.c
+        else:
+            c = (s0 * sby - sb * sy) / det
+            a = (sy - c * sb) / s0
+            if c < 0:
+                c, a = 0.0, sy / s0
+            a = max(0.0, a)
+        return ItlFit(a, c, self.s0, self.informed_reads,
+                      self.informed_reads >= MIN_INFORMED_READS)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON (inverse of :meth:`from_dict`)."""
+        return {"percentile": self.percentile, "s0": self.s0, "sb": self.sb, "sy": self.sy,
+                "sbb": self.sbb, "sby": self.sby, "informedReads": self.informed_reads}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LatencyModel:
+        """Read what :meth:`to_dict` wrote.
+
+        Raises:
+            ValueError: a missing or non-numeric field, a non-finite or negative weight
+                sum, a percentile outside (0, 1).
+        """
+        try:
+            model = cls(percentile=float(data["percentile"]), s0=float(data["s0"]),
+                        sb=float(data["sb"]), sy=float(data["sy"]), sbb=float(data["sbb"]),
+                        sby=float(data["sby"]),
+                        informed_reads=int(data.get("informedReads", 0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed latency model {data!r}: {exc}") from exc
+        sums = (model.s0, model.sb, model.sy, model.sbb, model.sby)
+        if not all(math.isfinite(v) for v in sums) or model.s0 < 0 or model.informed_reads < 0:
+            raise ValueError(f"malformed latency model {data!r}: sums must be finite,"
+                             " weights >= 0")
+        if not 0.0 < model.percentile < 1.0:
+            raise ValueError(f"malformed latency model: percentile {model.percentile}"
+                             " outside (0, 1)")
+        return model
+
+
+def itl_samples(pods: Sequence[PodSignals], percentile: float
+                ) -> tuple[tuple[tuple[float, float], ...], float]:
+    """``((batch, itl_seconds), ...)`` from the pods whose window is usable, and the ITL
+    observations behind them. A pod is usable with an ITL window of at least
+    :data:`MIN_SAMPLE_OBSERVATIONS` and a running count >= 1 (its batch)."""
+    samples: list[tuple[float, float]] = []
+    observations = 0.0
+    for pod in pods:
+        if pod.itl is None or pod.num_running is None or pod.num_running < 1:
+            continue
+        if pod.itl.count < MIN_SAMPLE_OBSERVATIONS:
+            continue
+        q = pod.itl.quantile(percentile)
+        if q is None:
+            continue
+        samples.append((float(pod.num_running), q))
+        observations += pod.itl.count
+    return tuple(samples), observations
+
+
+def pooled(windows: Sequence[LatencyWindow]) -> LatencyWindow | None:
+    """The windows added up (the fleet's histogram, as ``sum by (le)`` in PromQL). Windows
+    whose bucket bounds differ from the first's (another engine version mid-rollout) are
+    left out; None for no window."""
+    if not windows:
+        return None
+    bounds = tuple(b for b, _ in windows[0].buckets)
+    counts = [0.0] * len(bounds)
+    total_sum = 0.0
+    for w in windows:
+        if tuple(b for b, _ in w.buckets) != bounds:
+            continue
+        for i, (_, count) in enumerate(w.buckets):
+            counts[i] += count
+        total_sum += w.sum_seconds
+    return LatencyWindow(tuple(zip(bounds, counts)), total_sum)
+
+
+@dataclass(frozen=True)
+class TtftView:
+    """The TTFT prediction's inputs (see the module docstring).
+
+    Attributes:
+        observed: pooled TTFT at the percentile over the window (seconds).
+        waiting_tokens: ``W``, prompt tokens queued on the engines.
+        prefill_rate: ``R``, tokens per second one replica prefills; None when unknown
+            (no ITL mean or no token budget): the queue part cannot be scaled.
+        ready: the ready replicas the observation was made with.
+    """
+
+    observed: float
+    waiting_tokens: float
+    prefill_rate: float | None
+    ready: int
+
+    @property
+    def base(self) -> float:
+        """TTFT that is not queue wait (seconds, >= 0)."""
+        if self.prefill_rate is None or self.ready < 1:
+            return self.observed
+        return max(0.0, self.observed - self.waiting_tokens / (self.ready * self.prefill_rate))
+
+    def predict(self, replicas: int) -> float:
+        """TTFT at the percentile with ``replicas`` replicas (seconds)."""
+        if self.prefill_rate is None or replicas < 1:
+            return self.observed
+        return self.base + self.waiting_tokens / (replicas * self.prefill_rate)
+
+    def replicas_for(self, target: float) -> int | None:
+        """Fewest replicas whose predicted TTFT is within ``target``; None when none is
+        (the base alone misses it, or the rate is unknown and the observation misses it)."""
+        if self.predict(max(1, self.ready)) <= target and self.prefill_rate is None:
+            return 1
+        if self.prefill_rate is None or self.base >= target:
+            return None
+        if self.waiting_tokens <= 0:
+            return 1
+        return max(1, math.ceil(self.waiting_tokens / (self.prefill_rate * (target - self.base))
+                                - 1e-9))
+
+
+def ttft_view(pods: Sequence[PodSignals], load: FleetLoad, percentile: float,
+              max_num_batched_tokens: int | None) -> TtftView | None:
+    """The fleet's TTFT inputs, or None when fewer than :data:`MIN_TTFT_OBSERVATIONS`
+    first tokens are in the pooled window (or no pod has a TTFT histogram).
+
+    ``R`` is the median over pods with an ITL mean of ``budget / itl.mean``, where the
+    budget is ``max_num_batched_tokens`` when known, else the pod's ``step_tokens`` (what
+    it scheduled, a lower bound)."""
+    window = pooled([p.ttft for p in pods if p.ttft is not None])
+    if window is None or window.count < MIN_TTFT_OBSERVATIONS:
+        return None
+    observed = window.quantile(percentile)
+    if observed is None:
+        return None
+    rates = []
+    for pod in pods:
+        step = pod.itl.mean if pod.itl is not None else None
+        budget = max_num_batched_tokens if max_num_batched_tokens is not None else pod.step_tokens
+        if step and step > 0 and budget:
+            rates.append(budget / step)
+    rate = sorted(rates)[len(rates) // 2] if rates else None
+    waiting = load.waiting_tokens if load.capacity_known else 0.0
+    return TtftView(observed, waiting, rate, len(pods))
+
+
+@dataclass(frozen=True)
+class LatencyView:
+    """What the ``latency`` rule and the consolidation check read in one interval.
+
+    Attributes:
+        percentile_label: ``p90`` and the like.
+        histograms: some ready pod exported an ITL or TTFT histogram window.
+        fit: the ITL line (None without an ITL target).
+        observed_itl: the pooled ITL at the percentile now (seconds), None when no window
+            holds enough observations.
+        ttft: the TTFT inputs (None without a TTFT target or enough first tokens).
+        requests: the load the ITL is sized for: running plus waiting requests (the
+            router's held ones included), times the forecast's growth when it triggers.
+        growth: that forecast factor (1 = none).
+        max_num_seqs: the per-replica batch cap, None when unknown.
+        itl_observations: ITL observations in the pooled window (the fleet's tokens).
+        ready: the ready replicas the observations were made with.
+    """
+
+    percentile_label: str
+    histograms: bool
+    fit: ItlFit | None
+    observed_itl: float | None
+    ttft: TtftView | None
+    requests: float
+    growth: float
+    max_num_seqs: int | None
+    itl_observations: float = 0.0
+    ready: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary for ``status.autoscaler.lastDecision.latency``."""
+        fit, ttft = self.fit, self.ttft
+        return {
+            "percentile": self.percentile_label,
+            "histograms": self.histograms,
+            "trusted": None if fit is None else fit.trusted,
+            "informedReads": None if fit is None else fit.informed_reads,
+            "itlA": None if fit is None else round(fit.a, 6),
+            "itlC": None if fit is None else round(fit.c, 8),
+            "itlObserved": None if self.observed_itl is None else round(self.observed_itl, 6),
+            "ttftObserved": None if ttft is None else round(ttft.observed, 6),
+            "ttftBase": None if ttft is None else round(ttft.base, 6),
+            "prefillRate": (None if ttft is None or ttft.prefill_rate is None
+                            else round(ttft.prefill_rate, 3)),
+            "requests": round(self.requests, 3),
+            "growth": round(self.growth, 4),
+        }
+
+    def batch(self, replicas: int) -> float:
+        """Requests per replica with ``replicas`` replicas (capped at ``max_num_seqs``)."""
+        per = self.requests / max(1, replicas)
+        return min(per, float(self.max_num_seqs)) if self.max_num_seqs else per
+
+    def itl_replicas(self, target: float) -> int | None:
+        """Fewest replicas whose predicted ITL is within ``target`` at ``requests``; None
+        without a fit or when even one request per replica misses it (more replicas than
+        requests cannot help)."""
+        if self.fit is None:
+            return None
+        cap = self.fit.max_batch(target)
+        if cap is None or cap < 1.0:
+            return None
+        if self.max_num_seqs is not None:
+            cap = min(cap, float(self.max_num_seqs))
+        if math.isinf(cap) or self.requests <= 0:
+            return 1
+        return max(1, math.ceil(self.requests / cap - 1e-9))
+
+
+def observed_itl(pods: Sequence[PodSignals], percentile: float) -> tuple[float | None, float]:
+    """The pooled ITL at ``percentile`` over the window (seconds) when it holds at least
+    :data:`MIN_SAMPLE_OBSERVATIONS` observations, else None; and the observation count."""
+    window = pooled([p.itl for p in pods if p.itl is not None])
+    if window is None:
+        return None, 0.0
+    if window.count < MIN_SAMPLE_OBSERVATIONS:
+        return None, window.count
+    return window.quantile(percentile), window.count

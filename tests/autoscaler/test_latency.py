@@ -1,0 +1,392 @@
+"""The SLO: the latency model (kvpilot.autoscaler.latency), the ``latency`` rule, its
+part of the consolidation check, the fallback for engines without histograms, and the
+spec's refusals."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kvpilot.autoscaler import (
+    AutoscalingSpec,
+    FleetSignals,
+    LatencyWindow,
+    PodSignals,
+    PolicyState,
+    SloSpec,
+    decide,
+)
+from kvpilot.autoscaler.latency import (
+    MIN_INFORMED_READS,
+    PRIORS,
+    LatencyModel,
+    TtftView,
+    itl_samples,
+    pooled,
+)
+from kvpilot.autoscaler.rules import NO_HISTOGRAMS
+
+INF = math.inf
+
+
+def window_at(quantile_value: float, count: float = 100.0, q: float = 0.9) -> LatencyWindow:
+    """A window whose ``q`` quantile is exactly ``quantile_value`` (q x count observations
+    in the first bucket, bounded by it; the rest above)."""
+    return LatencyWindow(((quantile_value, q * count), (quantile_value * 4, count), (INF, count)),
+                         quantile_value * count)
+
+
+def pod(name: str, running: float = 10, usage: float = 0.3, itl: LatencyWindow | None = None,
+        ttft: LatencyWindow | None = None, waiting: float = 0, waiting_tokens: float = 0,
+        step_tokens: float | None = None) -> PodSignals:
+    return PodSignals(name, kv_usage=usage, num_waiting=waiting, waiting_tokens=waiting_tokens,
+                      num_running=running, preemption_rate=0.0, kv_capacity_tokens=10000,
+                      itl=itl, ttft=ttft, step_tokens=step_tokens)
+
+
+def slo_spec(**slo) -> AutoscalingSpec:
+    return AutoscalingSpec(max_replicas=20, scale_down_stabilization_seconds=30,
+                           slo=SloSpec(**slo))
+
+
+# ---------------------------------------------------------------- the spec
+@pytest.mark.parametrize("kwargs,message", [
+    ({"itl_seconds": 0}, "slo.itlSeconds must be a number in (0, 86400] seconds; got 0"),
+    ({"itl_seconds": -0.1}, "slo.itlSeconds must be a number in (0, 86400] seconds; got -0.1"),
+    ({"ttft_seconds": "fast"}, "slo.ttftSeconds must be a number in (0, 86400] seconds; got 'fast'"),
+    ({"ttft_seconds": 86401}, "slo.ttftSeconds must be a number in (0, 86400] seconds; got 86401"),
+    ({"ttft_seconds": float("nan")}, "slo.ttftSeconds must be a number"),
+    ({"itl_seconds": True}, "slo.itlSeconds must be a number in (0, 86400] seconds; got True"),
+    ({"itl_seconds": 0.1, "percentile": 0}, "slo.percentile must be a number in (0, 1), e.g. 0.9; got 0"),
+    ({"itl_seconds": 0.1, "percentile": 1.0}, "slo.percentile must be a number in (0, 1)"),
+    ({"itl_seconds": 0.1, "percentile": 99}, "slo.percentile must be a number in (0, 1)"),
+    ({}, "slo needs ttftSeconds or itlSeconds (or both); got neither"),
+    ({"itl_seconds": 0.1, "profile": "tpu"}, "slo profile must be one of cpu, gpu; got 'tpu'"),
+])
+def test_slo_spec_refuses_bad_values_by_name(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        SloSpec(**kwargs)
+    assert message in str(err.value)
+
+
+def test_slo_spec_from_and_to_the_crd():
+    spec = AutoscalingSpec.from_crd({"maxReplicas": 4, "slo": {"itlSeconds": 0.05}})
+    assert spec.slo == SloSpec(itl_seconds=0.05, percentile=0.9)
+    assert spec.slo.quantile_label == "p90"
+    assert AutoscalingSpec.from_crd(spec.to_crd()) == spec
+    assert "slo" not in AutoscalingSpec(max_replicas=4).to_crd()
+    with pytest.raises(ValueError, match=r"slo\.ttftSeconds must be a number"):
+        AutoscalingSpec.from_crd({"slo": {"ttftSeconds": -1}})
+    with pytest.raises(ValueError, match="slo must be an object"):
+        AutoscalingSpec.from_crd({"slo": 0.5})
+
+
+# ---------------------------------------------------------------- the model
+def test_the_model_converges_on_a_known_line():
+    """Samples from itl = 0.040 + 0.003 b (+-5% noise) at batches 2..40: the fit finds
+    a and c within a few percent, far from the CPU prior (0.027, 0.00625)."""
+    a, c = 0.040, 0.003
+    rng = random.Random(7)
+    model = LatencyModel(0.9)
+    for _ in range(40):
+        samples = [(b, (a + c * b) * rng.uniform(0.95, 1.05)) for b in (2, 8, 16, 24, 40)]
+        model = model.update(samples, observations=500)
+    fit = model.fit(PRIORS["cpu"])
+    assert fit.trusted and fit.informed_reads == 40
+    assert fit.a == pytest.approx(a, rel=0.08)
+    assert fit.c == pytest.approx(c, rel=0.05)
+    assert fit.max_batch(0.100) == pytest.approx((0.100 - a) / c, rel=0.06)
+
+
+def test_the_model_converges_through_the_policy_from_histograms():
+    """The same through decide(): per-pod ITL windows whose p90 is a + c x num_running."""
+    a, c = 0.020, 0.004
+    spec = slo_spec(itl_seconds=5.0)  # a loose target: only the fit is under test
+    state = PolicyState()
+    batches = (3, 9, 20, 31)
+    for i in range(30):
+        pods = tuple(pod(f"p{k}", running=b, itl=window_at(a + c * b)) for k, b in enumerate(batches))
+        d = decide(FleetSignals(pods, max_num_seqs=64), state, spec, 1000.0 + 15 * i)
+        state = d.state
+    assert d.latency is not None and d.latency["trusted"] is True
+    assert d.latency["itlA"] == pytest.approx(a, rel=0.03)
+    assert d.latency["itlC"] == pytest.approx(c, rel=0.03)
+
+
+def test_the_prior_holds_the_line_without_data_and_a_negative_slope_is_clamped():
+    fit = LatencyModel(0.9).fit(PRIORS["gpu"])
+    assert (fit.a, fit.c) == pytest.approx((PRIORS["gpu"].a, PRIORS["gpu"].c))
+    assert not fit.trusted
+    # Faster at bigger batches (noise): the slope is clamped at 0, the level is the mean.
+    model = LatencyModel(0.9)
+    for _ in range(30):
+        model = model.update([(2, 0.09), (40, 0.05)], observations=100)
+    fit = model.fit(PRIORS["cpu"])
+    assert fit.c == 0.0 and 0.05 < fit.a < 0.09
+    assert fit.max_batch(0.1) == math.inf and fit.max_batch(0.01) is None
+
+
+def test_a_read_informs_the_model_only_with_enough_observations():
+    model = LatencyModel(0.9).update([(4, 0.1)], observations=49)
+    assert model.informed_reads == 0 and model.s0 == 1.0
+    model = model.update([(4, 0.1)], observations=50)
+    assert model.informed_reads == 1
+    # No samples: the old ones are forgotten all the same.
+    assert model.update([], 0).s0 == pytest.approx(0.9 * model.s0)
+
+
+def test_itl_samples_skip_idle_pods_and_thin_windows():
+    pods = [pod("busy", running=8, itl=window_at(0.08)),
+            pod("idle", running=0, itl=window_at(0.02)),
+            pod("thin", running=8, itl=window_at(0.08, count=10)),
+            pod("old", running=8, itl=None)]
+    samples, observations = itl_samples(pods, 0.9)
+    assert samples == ((8.0, pytest.approx(0.08)),) and observations == 100
+
+
+def test_pooled_windows_add_up_and_skip_other_bounds():
+    one = LatencyWindow(((0.1, 5), (INF, 10)), 1.0)
+    two = LatencyWindow(((0.1, 1), (INF, 2)), 0.5)
+    odd = LatencyWindow(((0.2, 1), (INF, 2)), 0.5)
+    total = pooled([one, two, odd])
+    assert total.buckets == ((0.1, 6.0), (INF, 12.0)) and total.sum_seconds == 1.5
+    assert pooled([]) is None
+
+
+def test_model_state_survives_the_cr_status_and_refuses_garbage():
+    model = LatencyModel(0.9).update([(4, 0.1), (8, 0.12)], observations=200)
+    state = PolicyState(latency=model)
+    assert PolicyState.from_dict(state.to_dict()) == state
+    # A state an older operator wrote has no latency key: the prior again.
+    old = state.to_dict()
+    del old["latency"]
+    assert PolicyState.from_dict(old).latency is None
+    bad = state.to_dict()
+    bad["latency"]["s0"] = "many"
+    with pytest.raises(ValueError, match="malformed"):
+        PolicyState.from_dict(bad)
+    bad["latency"] = {**model.to_dict(), "percentile": 1.5}
+    with pytest.raises(ValueError, match="percentile"):
+        PolicyState.from_dict(bad)
+
+
+def test_ttft_view_scales_only_the_queue_wait():
+    # 2 replicas, 20,000 tokens queued, 1,000 tok/s each: 10 s of queue in a 12 s TTFT.
+    view = TtftView(observed=12.0, waiting_tokens=20000, prefill_rate=1000.0, ready=2)
+    assert view.base == pytest.approx(2.0)
+    assert view.predict(4) == pytest.approx(2.0 + 5.0)
+    assert view.replicas_for(4.0) == 10  # 2 + 20000 / (10 x 1000) = 4 s
+    # No queue: the TTFT is the base; more replicas do not help.
+    assert TtftView(8.0, 0.0, 1000.0, 2).replicas_for(4.0) is None
+    assert TtftView(2.0, 0.0, 1000.0, 2).replicas_for(4.0) == 1
+
+
+# ---------------------------------------------------------------- the policy
+def run(spec, make_pods, reads, state=None, start=1000.0, max_num_seqs=64):
+    """``reads`` decisions; ``make_pods(replicas)`` gives the pods of each. Returns the
+    decisions (the fleet follows desired_replicas)."""
+    state = state or PolicyState()
+    replicas, out = None, []
+    for i in range(reads):
+        pods = make_pods(replicas)
+        d = decide(FleetSignals(pods, max_num_seqs=max_num_seqs), state, spec, start + 15.0 * i)
+        state, replicas = d.state, d.desired_replicas
+        out.append(d)
+    return out
+
+
+def test_the_prior_scales_up_on_the_first_read():
+    """40 requests on 2 replicas, CPU prior: ITL 27 + 6.25 x 20 = 152 ms > the 100 ms target;
+    the prior asks for ceil(40 / ((100 - 27) / 6.25)) = 4 replicas at once."""
+    spec = slo_spec(itl_seconds=0.1)
+    pods = tuple(pod(f"p{k}", running=20, itl=window_at(0.15)) for k in range(2))
+    d = decide(FleetSignals(pods, max_num_seqs=64), PolicyState(), spec, 0.0)
+    assert (d.direction, d.desired_replicas, d.rule) == ("up", 4, "latency")
+    assert d.signal == "itl_p90" and d.value == pytest.approx(0.027 + 0.00625 * 20, rel=0.05)
+    assert "prior (1 of 4 informed reads)" in d.reason
+
+
+def test_the_prior_never_scales_down():
+    """An idle-looking fleet (KV 10%, batch 3 of 64) with an SLO and real traffic: the
+    other rules would let a replica go, but until the fit is trusted the step is held;
+    once it is, and the fit says 3 replicas stay well within the SLO, it goes."""
+    spec = slo_spec(itl_seconds=0.5)
+
+    def pods(replicas):
+        n = replicas or 4
+        return tuple(pod(f"p{k}", running=12 / n, usage=0.1, itl=window_at(0.03 + 0.002 * 12 / n))
+                     for k in range(n))
+
+    decisions = run(spec, pods, 10)
+    untrusted = [d for d in decisions if d.latency["informedReads"] < MIN_INFORMED_READS]
+    assert untrusted and all(d.direction != "down" for d in untrusted)
+    assert any("the prior never scales down" in d.reason for d in untrusted)
+    assert any(d.direction == "down" for d in decisions), [d.reason for d in decisions]
+    first_down = next(d for d in decisions if d.direction == "down")
+    assert first_down.latency["trusted"] is True
+
+
+def trusted(a: float, c: float, batches=(5, 15, 30)) -> LatencyModel:
+    """A model fitted on 30 reads of exact samples of ``a + c x b``."""
+    model = LatencyModel(0.9)
+    for _ in range(30):
+        model = model.update([(b, a + c * b) for b in batches], observations=300)
+    return model
+
+
+def test_the_trusted_model_holds_a_scale_down_that_would_miss_the_slo():
+    """Fitted itl = 40 + 4 ms x b, 44 requests on 4 replicas (11 each: 84 ms). The rule
+    needs ceil(44 / 15) = 3 replicas for 100 ms, KV and batches are light, but 3 replicas
+    would run 14.7 each at 98.7 ms > 90 ms (the SLO less the 10% band): held. With a
+    200 ms target the same step goes."""
+    pods = tuple(pod(f"p{k}", running=11, usage=0.1, itl=window_at(0.084)) for k in range(4))
+    state = PolicyState(latency=trusted(0.04, 0.004))
+    spec = AutoscalingSpec(max_replicas=20, scale_down_stabilization_seconds=0,
+                           slo=SloSpec(itl_seconds=0.1))
+    d = decide(FleetSignals(pods, max_num_seqs=64), state, spec, 0.0)
+    latency = next(c for c in d.candidates if c.rule == "latency")
+    assert latency.replicas == 3
+    assert d.direction == "hold"
+    assert "3 replicas would run 14.7 requests each at a predicted ITL p90 of 99 ms > 90 ms" in d.reason
+    loose = AutoscalingSpec(max_replicas=20, scale_down_stabilization_seconds=0,
+                            slo=SloSpec(itl_seconds=0.2))
+    d = decide(FleetSignals(pods, max_num_seqs=64), state, loose, 0.0)
+    assert (d.direction, d.desired_replicas) == ("down", 3)
+
+
+def test_the_latency_rule_sizes_for_the_target_with_a_trusted_fit():
+    """Fitted a = 20 ms, c = 5 ms/request; 120 requests on 4 replicas (30 each: 170 ms);
+    a 100 ms target allows 16 per replica: 8 replicas."""
+    spec = slo_spec(itl_seconds=0.1)
+    model = trusted(0.02, 0.005)
+    pods = tuple(pod(f"p{k}", running=30, itl=window_at(0.17)) for k in range(4))
+    d = decide(FleetSignals(pods, max_num_seqs=64), PolicyState(latency=model), spec, 0.0)
+    assert (d.direction, d.desired_replicas, d.rule) == ("up", 8, "latency")
+    assert "(fitted)" in d.reason
+
+
+def test_within_the_tolerance_band_the_latency_rule_keeps_the_count():
+    spec = slo_spec(itl_seconds=0.1)
+    model = trusted(0.02, 0.005)
+    pods = tuple(pod(f"p{k}", running=17, itl=window_at(0.105)) for k in range(4))  # 105 ms
+    d = decide(FleetSignals(pods, max_num_seqs=64), PolicyState(latency=model), spec, 0.0)
+    latency = next(c for c in d.candidates if c.rule == "latency")
+    assert latency.replicas == 4 and d.direction == "hold"
+
+
+def test_an_itl_target_below_an_empty_batch_buys_nothing():
+    spec = slo_spec(itl_seconds=0.01)  # the CPU prior's a is 27 ms
+    pods = tuple(pod(f"p{k}", running=20, itl=window_at(0.15)) for k in range(2))
+    d = decide(FleetSignals(pods, max_num_seqs=64), PolicyState(), spec, 0.0)
+    latency = next(c for c in d.candidates if c.rule == "latency")
+    assert latency.replicas is None and "more replicas do not help" in latency.detail
+    assert d.rule != "latency"
+
+
+def test_ttft_queue_wait_scales_the_fleet_up():
+    """p90 TTFT 12 s on 2 replicas with 20,000 prompt tokens queued; the budget is 2,048
+    tokens per step and a step takes 100 ms (the ITL mean): 20,480 tok/s per replica, so
+    the queue is 0.49 s of it and the base 11.5 s > 5 s: no count helps. With a
+    slow prefill (budget 64: 640 tok/s) the queue is 15.6 s... of a 16 s TTFT."""
+    spec = slo_spec(ttft_seconds=5.0)
+    itl = LatencyWindow(((0.1, 90), (0.4, 100), (INF, 100)), 10.0)  # mean 100 ms
+    ttft = LatencyWindow(((16.0, 90), (64.0, 100), (INF, 100)), 1600.0)  # p90 16 s
+
+    def fleet(budget):
+        pods = tuple(pod(f"p{k}", running=8, itl=itl, ttft=ttft, waiting=10,
+                         waiting_tokens=10000) for k in range(2))
+        return FleetSignals(pods, max_num_seqs=64, max_num_batched_tokens=budget)
+
+    fast = decide(fleet(2048), PolicyState(), spec, 0.0)
+    latency = next(c for c in fast.candidates if c.rule == "latency")
+    assert latency.replicas is None and "missed without a queue" in latency.detail
+    slow = decide(fleet(64), PolicyState(), spec, 0.0)
+    latency = next(c for c in slow.candidates if c.rule == "latency")
+    # base = 16 - 20000 / (2 x 640) = 0.375 s; n = ceil(20000 / (640 x 4.625)) = 7
+    assert latency.replicas == 7 and latency.signal == "ttft_p90"
+    assert slow.desired_replicas == 7 and slow.rule == "latency"
+
+
+def test_ttft_consolidation_check_holds_when_fewer_would_queue_too_long():
+    """Light KV and batches, 4 replicas, TTFT 3 s of which 2 s queue (8,000 tokens at
+    1,000 tok/s per replica): 3 replicas would wait 2.67 s, TTFT 3.67 s > 3.6 s."""
+    spec = AutoscalingSpec(max_replicas=20, scale_down_stabilization_seconds=0,
+                           slo=SloSpec(ttft_seconds=4.0))
+    itl = LatencyWindow(((0.1, 90), (0.4, 100), (INF, 100)), 10.0)
+    ttft = LatencyWindow(((3.0, 90), (12.0, 100), (INF, 100)), 300.0)
+    pods = tuple(pod(f"p{k}", running=2, usage=0.1, itl=itl, ttft=ttft, waiting_tokens=2000)
+                 for k in range(4))
+    d = decide(FleetSignals(pods, max_num_seqs=64, max_num_batched_tokens=100), PolicyState(),
+               spec, 0.0)
+    assert d.direction == "hold" and "predicted TTFT p90 of 3667 ms > 3600 ms" in d.reason
+
+
+def test_a_fleet_without_latency_histograms_sizes_on_saturation_and_says_so():
+    """An older engine: no ITL or TTFT windows. The latency rule has no opinion, the
+    saturation rule sizes the fleet, and the reason names the fallback."""
+    spec = slo_spec(itl_seconds=0.05, ttft_seconds=1.0)
+    pods = tuple(pod(f"p{k}", running=60, usage=0.2) for k in range(2))
+    d = decide(FleetSignals(pods, max_num_seqs=64), PolicyState(), spec, 0.0)
+    latency = next(c for c in d.candidates if c.rule == "latency")
+    assert latency.replicas is None and latency.detail == NO_HISTOGRAMS
+    assert d.rule == "saturation" and d.desired_replicas == 3  # ceil(120 / 48)
+    assert d.reason.endswith(f"({NO_HISTOGRAMS})")
+    assert d.latency["histograms"] is False
+    assert d.state.latency is not None and d.state.latency.s0 == 0  # nothing learnt
+    # Without an SLO nothing changes: no suffix, no latency view, no model state.
+    plain = decide(FleetSignals(pods, max_num_seqs=64), PolicyState(),
+                   AutoscalingSpec(max_replicas=20), 0.0)
+    assert NO_HISTOGRAMS not in plain.reason and plain.latency is None
+    assert plain.state.latency is None and "latency" not in plain.to_dict()
+
+
+def test_latency_windows_are_not_load_signals():
+    """A pod without histograms is not missing data (scale-down is not held for it)."""
+    assert pod("old").missing == ()
+
+
+def test_a_pod_that_reports_nothing_holds_the_scale_down_but_not_the_model():
+    spec = slo_spec(itl_seconds=0.5)
+    pods = (pod("a", running=2, usage=0.05, itl=window_at(0.03)),
+            pod("b", running=2, usage=0.05, itl=window_at(0.03)),
+            PodSignals("silent"))
+    d = decide(FleetSignals(pods, max_num_seqs=64), PolicyState(), spec, 0.0)
+    assert d.direction == "hold" and d.missing_pods == ("silent",)
+    assert d.state.latency.s0 == 2.0  # both reporting pods were learnt from
+
+
+def test_a_new_percentile_starts_the_model_over_and_no_slo_drops_it():
+    model = LatencyModel(0.9).update([(4, 0.1)], observations=100)
+    pods = (pod("a", running=4, itl=window_at(0.1, q=0.99)),)
+    spec = slo_spec(itl_seconds=0.5, percentile=0.99)
+    d = decide(FleetSignals(pods, max_num_seqs=64), PolicyState(latency=model), spec, 0.0)
+    assert d.state.latency.percentile == 0.99 and d.state.latency.s0 == 1.0
+    assert d.latency["percentile"] == "p99"
+    d = decide(FleetSignals(pods, max_num_seqs=64), d.state, AutoscalingSpec(max_replicas=5), 15.0)
+    assert d.state.latency is None
+
+
+def test_before_the_fit_is_trusted_an_itl_observed_over_the_band_holds():
+    """Thin traffic (30 ITL observations: not enough to inform the fit) but the ITL the
+    fleet gives now, 190 ms p90, is over 180 ms: one replica fewer is not faster."""
+    spec = AutoscalingSpec(max_replicas=20, scale_down_stabilization_seconds=0,
+                           slo=SloSpec(itl_seconds=0.2))
+    pods = tuple(pod(f"p{k}", running=1, usage=0.05, itl=window_at(0.19, count=10))
+                 for k in range(3))
+    d = decide(FleetSignals(pods, max_num_seqs=64), PolicyState(), spec, 0.0)
+    assert d.direction == "hold"
+    assert "the ITL p90 observed with 3 replicas, 190 ms, is already over 180 ms" in d.reason
+
+
+def test_with_too_little_traffic_to_measure_the_other_checks_decide():
+    """A nearly idle fleet (5 ITL observations in the window): no latency to protect, so
+    the untrusted prior does not hold the step the KV and batch checks allow."""
+    spec = AutoscalingSpec(max_replicas=20, scale_down_stabilization_seconds=0,
+                           slo=SloSpec(itl_seconds=0.2))
+    pods = tuple(pod(f"p{k}", running=1, usage=0.05, itl=window_at(0.05, count=5))
+                 for k in range(3))
+    d = decide(FleetSignals(pods, max_num_seqs=64), PolicyState(), spec, 0.0)
+    assert (d.direction, d.desired_replicas) == ("down", 2)
+    assert d.latency["trusted"] is False
