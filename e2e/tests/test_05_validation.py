@@ -37,7 +37,7 @@ CASES = {
     "keda-threshold-under-a-thousandth": (
         {"autoscaling": _autoscaling(engine="keda", targetQueueDepth=0.0001, metrics=PROMETHEUS)},
         "KEDA reads its thresholds in thousandths"),
-    # Latency targets (issue 31): the schema's bounds and the CEL rules, in the API server.
+    # Latency targets (spec.autoscaling.slo): the schema's bounds and the CEL rules, in the API server.
     "slo-zero-itl": ({"autoscaling": _autoscaling(slo={"itlSeconds": 0})}, "itlSeconds"),
     "slo-negative-ttft": ({"autoscaling": _autoscaling(slo={"ttftSeconds": -1})}, "ttftSeconds"),
     "slo-over-a-day": ({"autoscaling": _autoscaling(slo={"ttftSeconds": 90000})}, "ttftSeconds"),
