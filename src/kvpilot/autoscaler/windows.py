@@ -4,8 +4,15 @@ forecast's settling after a step down, and the consolidation check."""
 
 from __future__ import annotations
 
+import math
+
 from kvpilot.autoscaler.forecast import Trend
-from kvpilot.autoscaler.latency import MIN_INFORMED_READS, MIN_WINDOW_OBSERVATIONS, LatencyView
+from kvpilot.autoscaler.latency import (
+    MIN_INFORMED_READS,
+    MIN_WINDOW_OBSERVATIONS,
+    ItlFit,
+    LatencyView,
+)
 from kvpilot.autoscaler.rules import Candidate
 from kvpilot.autoscaler.signals import FleetLoad
 from kvpilot.autoscaler.spec import AutoscalingSpec
@@ -115,7 +122,9 @@ def latency_blocker(view: LatencyView | None, fewer: int, spec: AutoscalingSpec)
     Each target must hold with the tolerance band to spare (``target x (1 - tolerance)``),
     as the KV and saturation checks do:
 
-    * ITL, trusted fit: the prediction at ``fewer``'s batch.
+    * ITL, trusted fit: the prediction at ``fewer`` replicas with the load's own response
+      (:func:`closed_loop_itl`): fewer replicas slow every decode, so requests stay longer
+      and the batch grows by more than ``current / fewer``.
     * ITL, fit not trusted yet: the prior never lets the fleet go. An ITL observed now
       over the band holds (fewer replicas are not faster). While the window holds
       enough observations to learn from (``MIN_WINDOW_OBSERVATIONS``), the step down
@@ -138,7 +147,7 @@ def latency_blocker(view: LatencyView | None, fewer: int, spec: AutoscalingSpec)
         if fit.predict(1.0) < ceiling:  # else no count meets it: nothing to protect
             if fit.trusted:
                 batch = view.batch(fewer)
-                predicted = fit.predict(batch)
+                predicted = closed_loop_itl(fit, view, fewer)
                 if predicted > ceiling:
                     return (f"{fewer} replicas would run {batch:.1f} requests each at a"
                             f" predicted ITL {label} of {predicted * 1000:.0f} ms >"
@@ -159,3 +168,33 @@ def latency_blocker(view: LatencyView | None, fewer: int, spec: AutoscalingSpec)
                     f" predicted TTFT {label} of {predicted * 1000:.0f} ms >"
                     f" {ceiling * 1000:.0f} ms (the SLO less the tolerance band)")
     return None
+
+
+def closed_loop_itl(fit: ItlFit, view: LatencyView, fewer: int) -> float:
+    """The ITL (seconds) ``fewer`` replicas would settle at, with the load's response.
+
+    The fit predicts ITL from the batch, and the batch comes from the requests in flight
+    now; but by Little's law the requests in flight are the arrival rate times the time
+    each spends, which for a decoding request is its output length times the ITL. At the
+    same arrival rate, ``fewer`` replicas therefore hold ``requests x ITL' / ITL_now``
+    requests, ``ITL_now`` being the fit's value at the current count. The fixed point of
+    ``ITL' = a + c x (requests / fewer) x ITL' / ITL_now`` is::
+
+        ITL' = a / (1 - x),    x = c x requests / (fewer x ITL_now)
+
+    It equals ``ITL_now`` at the current count and is unbounded (``math.inf``) for
+    ``x >= 1``: a count whose decodes could not keep up with the arrivals. With the open-loop
+    ``a + c x requests / fewer``, a fleet that over-scaled on a burst was taken down to a
+    count whose predicted 12 ms became 60-180 ms once its queue built up (the SLO
+    simulation, ``burst``), then scaled back up a start-up too late. Never below the
+    open-loop prediction. Used to let replicas go only: on the way up the requests in
+    flight already carry the slow ITL.
+    """
+    if fewer < 1:
+        return math.inf
+    now = fit.predict(view.batch(max(1, view.ready)))
+    if now <= 0 or view.requests <= 0:
+        return fit.predict(view.batch(fewer))
+    x = fit.c * view.requests / (fewer * now)
+    closed = math.inf if x >= 1.0 else fit.a / (1.0 - x)
+    return max(closed, fit.predict(view.batch(fewer)))
