@@ -31,6 +31,14 @@ latency a pod would give and the autoscaler scales before the SLO is missed). Ou
 line per fleet: two numbers in the CR's status, fitted from histograms every engine
 already exports.
 
+Sizing is closed-loop (:func:`kvpilot.autoscaler.windows.closed_loop_itl`): the requests
+in flight are the arrival rate times their time in the system, which grows with the ITL, so
+``n`` replicas hold ``requests x ITL(n) / ITL_now``, not ``requests``. The rule asks for
+the larger of the open-loop count and the fewest replicas whose fixed point meets the
+target: the same as before on the way up, and never above the current count while the
+prediction there meets the target, but it holds the replicas a momentarily small in-flight
+count would let go.
+
 **Time to first token** is predicted as the observed base plus a queue wait that more
 replicas shorten::
 
@@ -423,7 +431,18 @@ class LatencyView:
             cap = min(cap, float(self.max_num_seqs))
         if math.isinf(cap) or self.requests <= 0:
             return 1
-        return max(1, math.ceil(self.requests / cap - 1e-9))
+        open_loop = math.ceil(self.requests / cap - 1e-9)
+        # Closed loop (windows.closed_loop_itl): the requests in flight grow with the ITL,
+        # so n replicas meet the target when a / (1 - c x requests / (n x ITL_now)) does:
+        # n >= c x requests / (ITL_now x (1 - a / target)). At most the current count
+        # while the prediction there meets the target (it never scales up on its own);
+        # it keeps replicas that the in-flight count now would let go.
+        now = self.fit.predict(self.batch(max(1, self.ready)))
+        closed = 0
+        if self.ready >= 1 and now > 0:
+            closed = math.ceil(self.fit.c * self.requests / (now * (1.0 - self.fit.a / target))
+                               - 1e-9)
+        return max(1, open_loop, closed)
 
 
 def observed_itl(pods: Sequence[PodSignals], percentile: float) -> tuple[float | None, float]:
