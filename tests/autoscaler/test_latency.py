@@ -297,11 +297,35 @@ def test_closed_loop_itl_is_the_fit_at_the_current_count_and_grows_faster_below(
     unbounded; 5 replicas: 16.7 ms, below the open loop's 18 ms, which is the floor."""
     view = LatencyView("p90", True, ItlFit(0.01, 0.001, 10.0, 10, True), 0.02, None,
                        requests=40.0, growth=1.0, max_num_seqs=256, ready=4)
-    assert closed_loop_itl(view.fit, view, 4) == pytest.approx(0.02)
-    assert closed_loop_itl(view.fit, view, 3) == pytest.approx(0.03)
-    assert closed_loop_itl(view.fit, view, 2) == INF
-    assert closed_loop_itl(view.fit, view, 5) == pytest.approx(0.018)
-    assert closed_loop_itl(view.fit, view, 0) == INF
+    assert closed_loop_itl(view, 4) == pytest.approx(0.02)
+    assert closed_loop_itl(view, 3) == pytest.approx(0.03)
+    assert closed_loop_itl(view, 2) == INF
+    assert closed_loop_itl(view, 5) == pytest.approx(0.018)
+    assert closed_loop_itl(view, 0) == INF
+
+
+def test_the_in_flight_growth_follows_the_mean_itl_when_it_is_below_the_quantile():
+    """The SLO simulation's steady_high_concurrency: fit 9.3 + 0.139 ms x b, 285 requests
+    on 4 replicas (p90 19.2 ms, window mean 11.4 ms). On the quantile alone 3 replicas
+    settle at 9.3 / (1 - 0.69) = 30 ms and the rule asks ceil(2.53) = 3; the requests'
+    duration follows the mean, which grows faster (k = 0.0396 / (3 x 0.0114) > 1): 3
+    replicas cannot keep up (the simulated fleet filled max_num_seqs and queued), the
+    rule asks ceil(0.0396 / (0.0114 x (1 - 2.52 / 50))) = 4. A mean so low that the
+    slope alone exceeds it (k at the current count >= 1) falls back to the quantile."""
+    fit = ItlFit(0.0093, 0.000139, 10.0, 10, True)
+
+    def view(mean):
+        return LatencyView("p90", True, fit, 0.0192, None, requests=285.0, growth=1.0,
+                           max_num_seqs=256, ready=4, itl_mean=mean)
+
+    assert closed_loop_itl(view(None), 3) == pytest.approx(0.0093 / (1 - 0.0396 / (3 * 0.019204)),
+                                                           rel=1e-3)
+    assert view(None).itl_replicas(0.05) == 3
+    assert closed_loop_itl(view(0.0114), 3) == INF
+    assert closed_loop_itl(view(0.0114), 4) == pytest.approx(0.019204, rel=1e-3)
+    assert view(0.0114).itl_replicas(0.05) == 4
+    assert closed_loop_itl(view(0.005), 3) == closed_loop_itl(view(None), 3)
+    assert closed_loop_itl(view(0.05), 3) == closed_loop_itl(view(None), 3)  # above: the fit
 
 
 def test_the_latency_rule_sizes_with_the_closed_loop_below_the_current_count():
