@@ -21,12 +21,15 @@ from kvpilot.autoscaler import (
 from kvpilot.autoscaler.latency import (
     MIN_INFORMED_READS,
     PRIORS,
+    ItlFit,
     LatencyModel,
+    LatencyView,
     TtftView,
     itl_samples,
     pooled,
 )
 from kvpilot.autoscaler.rules import NO_HISTOGRAMS
+from kvpilot.autoscaler.windows import closed_loop_itl, latency_blocker
 
 INF = math.inf
 
@@ -237,23 +240,102 @@ def trusted(a: float, c: float, batches=(5, 15, 30)) -> LatencyModel:
 
 
 def test_the_trusted_model_holds_a_scale_down_that_would_miss_the_slo():
-    """Fitted itl = 40 + 4 ms x b, 44 requests on 4 replicas (11 each: 84 ms). The rule
-    needs ceil(44 / 15) = 3 replicas for 100 ms, KV and batches are light, but 3 replicas
-    would run 14.7 each at 98.7 ms > 90 ms (the SLO less the 10% band): held. With a
-    200 ms target the same step goes."""
+    """Fitted itl = 40 + 4 ms x b, 44 requests on 4 replicas (11 each: 84 ms). The open
+    loop would need ceil(44 / 15) = 3 replicas for 100 ms, but 3 replicas would run 14.7
+    each and, with the requests staying longer at the slower ITL (closed loop: x = 4 x 44
+    / (3 x 84) = 0.698, 40 / (1 - x) = 132-134 ms), miss it: the rule asks
+    ceil(4 x 44 / (84 x 0.6)) = 4 and the consolidation check would hold 3 (> 90 ms, the
+    SLO less the 10% band). With a 200 ms target the same step goes."""
     pods = tuple(pod(f"p{k}", running=11, usage=0.1, itl=window_at(0.084)) for k in range(4))
     state = PolicyState(latency=trusted(0.04, 0.004))
     spec = AutoscalingSpec(max_replicas=20, scale_down_stabilization_seconds=0,
                            slo=SloSpec(itl_seconds=0.1))
     d = decide(FleetSignals(pods, max_num_seqs=64), state, spec, 0.0)
     latency = next(c for c in d.candidates if c.rule == "latency")
-    assert latency.replicas == 3
+    assert latency.replicas == 4
     assert d.direction == "hold"
-    assert "3 replicas would run 14.7 requests each at a predicted ITL p90 of 99 ms > 90 ms" in d.reason
+    fit = ItlFit(0.04, 0.004, 10.0, 10, True)
+    lv = LatencyView("p90", True, fit, 0.084, None, requests=44.0, growth=1.0,
+                     max_num_seqs=64, ready=4)
+    blocker = latency_blocker(lv, 3, spec)
+    assert blocker and "3 replicas would run 14.7 requests each at a predicted ITL p90 of 133 ms > 90 ms" in blocker
     loose = AutoscalingSpec(max_replicas=20, scale_down_stabilization_seconds=0,
                             slo=SloSpec(itl_seconds=0.2))
     d = decide(FleetSignals(pods, max_num_seqs=64), state, loose, 0.0)
     assert (d.direction, d.desired_replicas) == ("down", 3)
+
+
+def test_the_scale_down_check_counts_the_requests_a_slower_itl_keeps_in_flight():
+    """The SLO simulation's burst: a fit of about 2 + 0.7 ms x b, 43 requests on 4
+    replicas (10.75 each, 9.5 ms), target 50 ms. The open-loop prediction for 3 replicas
+    (14.3 each: 12 ms) passes, and the simulated fleet then ran at 60-180 ms. By Little's
+    law the requests in flight grow with the ITL: x = 0.7 x 43 / (3 x 9.5) > 1, so 3
+    replicas cannot keep up and the step is held; at 8 replicas' worth of the same
+    requests on 12 (x = 0.7 x 43 / (11 x 4.5) = 0.6) it goes."""
+    spec = AutoscalingSpec(max_replicas=20, scale_down_stabilization_seconds=0,
+                           slo=SloSpec(itl_seconds=0.05))
+    state = PolicyState(latency=trusted(0.002, 0.0007, batches=(5, 10, 20)))
+    pods = tuple(pod(f"p{k}", running=10.75, usage=0.1, itl=window_at(0.0095)) for k in range(4))
+    d = decide(FleetSignals(pods, max_num_seqs=256), state, spec, 0.0)
+    assert d.direction == "hold", d.reason
+    latency = next(c for c in d.candidates if c.rule == "latency")
+    assert latency.replicas == 4, latency.detail
+    assert d.latency["itlA"] + d.latency["itlC"] * 43 / 3 < 0.045  # what the open loop let go
+    fit = ItlFit(0.002, 0.0007, 10.0, 10, True)
+    lv = LatencyView("p90", True, fit, 0.0095, None, requests=43.0, growth=1.0,
+                     max_num_seqs=256, ready=4)
+    assert "predicted ITL p90 of inf ms" in (latency_blocker(lv, 3, spec) or "")
+    spread = tuple(pod(f"p{k}", running=43 / 12, usage=0.1, itl=window_at(0.0045))
+                   for k in range(12))
+    d = decide(FleetSignals(spread, max_num_seqs=256), state, spec, 0.0)
+    assert (d.direction, d.desired_replicas) == ("down", 11), d.reason
+
+
+def test_closed_loop_itl_is_the_fit_at_the_current_count_and_grows_faster_below():
+    """a = 10 ms, c = 1 ms, 40 requests on 4 replicas (20 ms now). 3 replicas: x = 40 /
+    (3 x 20) = 2/3, 10 / (1/3) = 30 ms (the open loop says 23.3 ms); 2 replicas: x = 1,
+    unbounded; 5 replicas: 16.7 ms, below the open loop's 18 ms, which is the floor."""
+    view = LatencyView("p90", True, ItlFit(0.01, 0.001, 10.0, 10, True), 0.02, None,
+                       requests=40.0, growth=1.0, max_num_seqs=256, ready=4)
+    assert closed_loop_itl(view, 4) == pytest.approx(0.02)
+    assert closed_loop_itl(view, 3) == pytest.approx(0.03)
+    assert closed_loop_itl(view, 2) == INF
+    assert closed_loop_itl(view, 5) == pytest.approx(0.018)
+    assert closed_loop_itl(view, 0) == INF
+
+
+def test_the_in_flight_growth_follows_the_mean_itl_when_it_is_below_the_quantile():
+    """The SLO simulation's steady_high_concurrency: fit 9.3 + 0.139 ms x b, 285 requests
+    on 4 replicas (p90 19.2 ms, window mean 11.4 ms). On the quantile alone 3 replicas
+    settle at 9.3 / (1 - 0.69) = 30 ms and the rule asks ceil(2.53) = 3; the requests'
+    duration follows the mean, which grows faster (k = 0.0396 / (3 x 0.0114) > 1): 3
+    replicas cannot keep up (the simulated fleet filled max_num_seqs and queued), the
+    rule asks ceil(0.0396 / (0.0114 x (1 - 2.52 / 50))) = 4. A mean so low that the
+    slope alone exceeds it (k at the current count >= 1) falls back to the quantile."""
+    fit = ItlFit(0.0093, 0.000139, 10.0, 10, True)
+
+    def view(mean):
+        return LatencyView("p90", True, fit, 0.0192, None, requests=285.0, growth=1.0,
+                           max_num_seqs=256, ready=4, itl_mean=mean)
+
+    assert closed_loop_itl(view(None), 3) == pytest.approx(0.0093 / (1 - 0.0396 / (3 * 0.019204)),
+                                                           rel=1e-3)
+    assert view(None).itl_replicas(0.05) == 3
+    assert closed_loop_itl(view(0.0114), 3) == INF
+    assert closed_loop_itl(view(0.0114), 4) == pytest.approx(0.019204, rel=1e-3)
+    assert view(0.0114).itl_replicas(0.05) == 4
+    assert closed_loop_itl(view(0.005), 3) == closed_loop_itl(view(None), 3)
+    assert closed_loop_itl(view(0.05), 3) == closed_loop_itl(view(None), 3)  # above: the fit
+
+
+def test_the_latency_rule_sizes_with_the_closed_loop_below_the_current_count():
+    """Same fit and load: for a 50 ms target the open loop needs one replica (40 per
+    replica fit), the closed loop ceil(1 x 40 / (20 x (1 - 10 / 50))) = 3; for a 15 ms
+    target (missed now) the open loop's ceil(40 / 5) = 8 decides, as before."""
+    view = LatencyView("p90", True, ItlFit(0.01, 0.001, 10.0, 10, True), 0.02, None,
+                       requests=40.0, growth=1.0, max_num_seqs=256, ready=4)
+    assert view.itl_replicas(0.05) == 3
+    assert view.itl_replicas(0.015) == 8
 
 
 def test_the_latency_rule_sizes_for_the_target_with_a_trusted_fit():

@@ -31,6 +31,14 @@ latency a pod would give and the autoscaler scales before the SLO is missed). Ou
 line per fleet: two numbers in the CR's status, fitted from histograms every engine
 already exports.
 
+Sizing is closed-loop (:func:`kvpilot.autoscaler.windows.closed_loop_itl`): the requests
+in flight are the arrival rate times their time in the system, which grows with the ITL, so
+``n`` replicas hold ``requests x ITL(n) / ITL_now``, not ``requests``. The rule asks for
+the larger of the open-loop count and the fewest replicas whose fixed point meets the
+target: the same as before on the way up, and never above the current count while the
+prediction there meets the target, but it holds the replicas a momentarily small in-flight
+count would let go.
+
 **Time to first token** is predicted as the observed base plus a queue wait that more
 replicas shorten::
 
@@ -373,6 +381,8 @@ class LatencyView:
         max_num_seqs: the per-replica batch cap, None when unknown.
         itl_observations: ITL observations in the pooled window (the fleet's tokens).
         ready: the ready replicas the observations were made with.
+        itl_mean: the pooled window's mean ITL (seconds; None when it is too thin): what a
+            request's duration, and so the requests in flight, scale with.
     """
 
     percentile_label: str
@@ -385,6 +395,7 @@ class LatencyView:
     max_num_seqs: int | None
     itl_observations: float = 0.0
     ready: int = 0
+    itl_mean: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary for ``status.autoscaler.lastDecision.latency``."""
@@ -423,7 +434,59 @@ class LatencyView:
             cap = min(cap, float(self.max_num_seqs))
         if math.isinf(cap) or self.requests <= 0:
             return 1
-        return max(1, math.ceil(self.requests / cap - 1e-9))
+        open_loop = math.ceil(self.requests / cap - 1e-9)
+        # Closed loop (closed_loop): n replicas meet the target when
+        # now x (1 - k0) / (1 - c x requests / (n x m)) does, i.e.
+        # n >= c x requests / (m x (1 - now x (1 - k0) / target)). At most the current
+        # count while the prediction there meets the target (it never scales up on its
+        # own); it keeps replicas that the in-flight count now would let go.
+        loop = self._loop()
+        closed = 0
+        if loop is not None:
+            now, m, k0 = loop
+            floor = now * (1.0 - k0)  # the prediction with unbounded replicas
+            if floor < target:
+                closed = math.ceil(self.fit.c * self.requests / (m * (1.0 - floor / target))
+                                   - 1e-9)
+        return max(1, open_loop, closed)
+
+    def _loop(self) -> tuple[float, float, float] | None:
+        """``(now, m, k0)`` of the closed loop: the fit at the current batch, the ITL level
+        the requests' duration scales with (the lower of ``now`` and the window's mean, so
+        the in-flight count grows the faster of the two ways), and ``c x requests /
+        (ready x m)``; None without a fit, requests or ready replicas."""
+        fit = self.fit
+        if fit is None or self.ready < 1 or self.requests <= 0:
+            return None
+        now = fit.predict(self.batch(self.ready))
+        if now <= 0:
+            return None
+        m = now
+        if self.itl_mean is not None and 0 < self.itl_mean < now:
+            m = self.itl_mean
+        k0 = fit.c * self.requests / (self.ready * m)
+        if k0 >= 1.0:  # the slope alone exceeds the mean: fall back to the fit's level
+            m, k0 = now, fit.c * self.requests / (self.ready * now)
+        return now, m, k0
+
+    def closed_loop(self, fewer: int) -> float:
+        """The ITL (seconds) ``fewer`` replicas would settle at with the load's response
+        (see :func:`kvpilot.autoscaler.windows.closed_loop_itl`); never below the
+        open-loop prediction; ``math.inf`` when they could not keep up."""
+        if fewer < 1:
+            return math.inf
+        fit = self.fit
+        if fit is None:
+            return math.inf
+        open_loop = fit.predict(self.batch(fewer))
+        loop = self._loop()
+        if loop is None:
+            return open_loop
+        now, m, k0 = loop
+        k = fit.c * self.requests / (fewer * m)
+        if k >= 1.0:
+            return math.inf
+        return max(open_loop, now * (1.0 - k0) / (1.0 - k))
 
 
 def observed_itl(pods: Sequence[PodSignals], percentile: float) -> tuple[float | None, float]:

@@ -43,11 +43,13 @@ from kvpilot.autoscaler import rules, zero
 from kvpilot.autoscaler.decision import Decision, Proposal, bound
 from kvpilot.autoscaler.forecast import Trend, fit_trend, still_rising
 from kvpilot.autoscaler.latency import (
+    MIN_SAMPLE_OBSERVATIONS,
     PRIORS,
     LatencyModel,
     LatencyView,
     itl_samples,
     observed_itl,
+    pooled,
     ttft_view,
 )
 from kvpilot.autoscaler.rules import NO_HISTOGRAMS, Candidate
@@ -242,6 +244,9 @@ def observe_latency(
     if forecast.replicas is not None and trend is not None and latest_demand:
         growth = max(1.0, trend.at(spec.forecast_horizon_seconds) / latest_demand)
     itl_now, itl_count = observed_itl(pods, slo.percentile)
+    itl_window = pooled([p.itl for p in pods if p.itl is not None])
+    itl_mean = (itl_window.mean if itl_window is not None
+                and itl_window.count >= MIN_SAMPLE_OBSERVATIONS else None)
     view = LatencyView(
         percentile_label=slo.quantile_label,
         histograms=histograms,
@@ -254,6 +259,7 @@ def observe_latency(
         max_num_seqs=signals.max_num_seqs,
         itl_observations=itl_count,
         ready=signals.ready_replicas,
+        itl_mean=itl_mean,
     )
     return view, state
 

@@ -5,7 +5,11 @@ forecast's settling after a step down, and the consolidation check."""
 from __future__ import annotations
 
 from kvpilot.autoscaler.forecast import Trend
-from kvpilot.autoscaler.latency import MIN_INFORMED_READS, MIN_WINDOW_OBSERVATIONS, LatencyView
+from kvpilot.autoscaler.latency import (
+    MIN_INFORMED_READS,
+    MIN_WINDOW_OBSERVATIONS,
+    LatencyView,
+)
 from kvpilot.autoscaler.rules import Candidate
 from kvpilot.autoscaler.signals import FleetLoad
 from kvpilot.autoscaler.spec import AutoscalingSpec
@@ -115,7 +119,9 @@ def latency_blocker(view: LatencyView | None, fewer: int, spec: AutoscalingSpec)
     Each target must hold with the tolerance band to spare (``target x (1 - tolerance)``),
     as the KV and saturation checks do:
 
-    * ITL, trusted fit: the prediction at ``fewer``'s batch.
+    * ITL, trusted fit: the prediction at ``fewer`` replicas with the load's own response
+      (:func:`closed_loop_itl`): fewer replicas slow every decode, so requests stay longer
+      and the batch grows by more than ``current / fewer``.
     * ITL, fit not trusted yet: the prior never lets the fleet go. An ITL observed now
       over the band holds (fewer replicas are not faster). While the window holds
       enough observations to learn from (``MIN_WINDOW_OBSERVATIONS``), the step down
@@ -138,7 +144,7 @@ def latency_blocker(view: LatencyView | None, fewer: int, spec: AutoscalingSpec)
         if fit.predict(1.0) < ceiling:  # else no count meets it: nothing to protect
             if fit.trusted:
                 batch = view.batch(fewer)
-                predicted = fit.predict(batch)
+                predicted = closed_loop_itl(view, fewer)
                 if predicted > ceiling:
                     return (f"{fewer} replicas would run {batch:.1f} requests each at a"
                             f" predicted ITL {label} of {predicted * 1000:.0f} ms >"
@@ -159,3 +165,33 @@ def latency_blocker(view: LatencyView | None, fewer: int, spec: AutoscalingSpec)
                     f" predicted TTFT {label} of {predicted * 1000:.0f} ms >"
                     f" {ceiling * 1000:.0f} ms (the SLO less the tolerance band)")
     return None
+
+
+def closed_loop_itl(view: LatencyView, fewer: int) -> float:
+    """The ITL (seconds) ``fewer`` replicas would settle at, with the load's response.
+
+    The fit predicts ITL from the batch, and the batch comes from the requests in flight
+    now; but by Little's law the requests in flight are the arrival rate times the time
+    each spends, which for a decoding request is its output length times the ITL. At the
+    same arrival rate, ``fewer`` replicas therefore hold ``requests x ITL' / ITL_now``
+    requests, ``ITL_now`` being the fit's value at the current count. The fixed point of
+    ``ITL' = a + c x (requests / fewer) x ITL' / ITL_now`` is::
+
+        ITL' = a / (1 - x),    x = c x requests / (fewer x ITL_now)
+
+    It equals ``ITL_now`` at the current count and is unbounded (``math.inf``) for
+    ``x >= 1``: a count whose decodes could not keep up with the arrivals. The requests'
+    duration scales with their mean ITL, which need not move like the fit's quantile: with
+    ``m`` the lower of ``ITL_now`` and the window's mean (the faster growth),
+    ``k = c x requests / (n x m)`` and ``ITL' = ITL_now x (1 - k_current) / (1 - k_fewer)``
+    (the same as above when ``m = ITL_now``). On ``steady_high_concurrency`` (p90 19 ms,
+    mean 11 ms on 4 replicas) the quantile alone predicted 30 ms for 3 replicas, right
+    for the ITL, but their batches then filled ``max_num_seqs`` and requests queued past
+    the TTFT target; with the mean, 3 replicas cannot keep up and the step is held. With the open-loop
+    ``a + c x requests / fewer``, a fleet that over-scaled on a burst was taken down to a
+    count whose predicted 12 ms became 60-180 ms once its queue built up (the SLO
+    simulation, ``burst``), then scaled back up a start-up too late. Never below the
+    open-loop prediction. The latency rule sizes on the same loop
+    (:meth:`LatencyView.itl_replicas`); on the way up the open loop is the larger.
+    """
+    return view.closed_loop(fewer)
