@@ -146,7 +146,7 @@ def test_itl_samples_skip_idle_pods_and_thin_windows():
             pod("thin", running=8, itl=window_at(0.08, count=10)),
             pod("old", running=8, itl=None)]
     samples, observations = itl_samples(pods, 0.9)
-    assert samples == ((8.0, pytest.approx(0.08)),) and observations == 100
+    assert samples == ((8.0, pytest.approx(0.08), 0.0),) and observations == 100
 
 
 def test_pooled_windows_add_up_and_skip_other_bounds():
@@ -472,3 +472,82 @@ def test_with_too_little_traffic_to_measure_the_other_checks_decide():
     d = decide(FleetSignals(pods, max_num_seqs=64), PolicyState(), spec, 0.0)
     assert (d.direction, d.desired_replicas) == ("down", 2)
     assert d.latency["trusted"] is False
+
+
+# ---------------------------------------------------------------- the prefill term
+def test_the_three_term_fit_converges_on_a_known_plane():
+    """Samples from itl = 0.030 + 0.002 b + 0.0004 p (+-3% noise) over batches and prefill
+    tokens per step that vary independently: the fit finds a, c and d."""
+    a, c, d = 0.030, 0.002, 0.0004
+    rng = random.Random(11)
+    model = LatencyModel(0.9)
+    for _ in range(40):
+        samples = [(b, (a + c * b + d * p) * rng.uniform(0.97, 1.03), p)
+                   for b, p in ((2, 300), (8, 0), (16, 150), (24, 400), (40, 50))]
+        model = model.update(samples, observations=500)
+    fit = model.fit(PRIORS["cpu"])
+    assert fit.trusted
+    assert fit.a == pytest.approx(a, rel=0.15)
+    assert fit.c == pytest.approx(c, rel=0.1)
+    assert fit.d == pytest.approx(d, rel=0.1)
+    assert fit.predict(10, 100) == pytest.approx(a + c * 10 + d * 100, rel=0.05)
+
+
+def test_without_prefill_in_the_data_the_fit_is_the_two_term_line():
+    """p always 0 (or constant): d is not identifiable; the fit is the 2-parameter one
+    with d = 0, as before the prefill term."""
+    a, c = 0.040, 0.003
+    for p in (0.0, 120.0):
+        model = LatencyModel(0.9)
+        for _ in range(30):
+            model = model.update([(b, a + c * b + 0.0001 * p, p) for b in (2, 8, 16, 40)],
+                                 observations=500)
+        fit = model.fit(PRIORS["cpu"])
+        assert fit.d == 0.0
+        assert fit.c == pytest.approx(c, rel=0.05)
+        assert fit.a == pytest.approx(a + 0.0001 * p, rel=0.08)
+        two = LatencyModel(0.9, s0=model.s0, sb=model.sb, sy=model.sy, sbb=model.sbb,
+                           sby=model.sby, informed_reads=model.informed_reads)
+        assert (fit.a, fit.c) == pytest.approx((two.fit(PRIORS["cpu"]).a,
+                                                two.fit(PRIORS["cpu"]).c))
+
+
+def test_an_old_two_parameter_state_loads_with_no_prefill_sums():
+    old = {"percentile": 0.9, "s0": 9.0, "sb": 90.0, "sy": 0.9, "sbb": 1200.0, "sby": 10.0,
+           "informedReads": 12}
+    model = LatencyModel.from_dict(old)
+    assert (model.sp, model.spp, model.sbp, model.spy) == (0.0, 0.0, 0.0, 0.0)
+    fit = model.fit(PRIORS["gpu"])
+    assert fit.d == 0.0 and math.isfinite(fit.a) and math.isfinite(fit.c)
+    # The new sums round-trip.
+    grown = model.update([(4.0, 0.2, 300.0)], observations=100)
+    again = LatencyModel.from_dict(grown.to_dict())
+    assert again == grown and again.spp == pytest.approx(90000.0)
+
+
+def test_itl_samples_read_the_prefill_from_step_tokens():
+    pods = [pod("prefilling", running=8, itl=window_at(0.15), step_tokens=520.0),
+            pod("decoding", running=8, itl=window_at(0.05), step_tokens=6.0)]
+    samples, _ = itl_samples(pods, 0.9)
+    assert samples == ((8.0, pytest.approx(0.15), 512.0), (8.0, pytest.approx(0.05), 0.0))
+
+
+def test_prefill_heavy_steps_make_more_replicas_help():
+    """Steps carrying a prefill chunk are slow (itl = 20 ms + 1 ms/request + 0.2 ms per
+    prefill token, 64 to 104 ms). A 2-parameter line puts that into the level (above the
+    50 ms target: "more replicas do not help"); with the prefill term the level is 20 ms
+    and, as both the batch and the prefill per step fall as 1 / n, the rule scales up."""
+    a, c, d = 0.020, 0.001, 0.0002
+    spec = slo_spec(itl_seconds=0.05)
+    shape = ((2, 400), (4, 200), (6, 350), (8, 250))
+    state = PolicyState()
+    for i in range(30):
+        pods = tuple(pod(f"p{k}", running=b, itl=window_at(a + c * b + d * p),
+                         step_tokens=b + p) for k, (b, p) in enumerate(shape))
+        dec = decide(FleetSignals(pods, max_num_seqs=64, max_num_batched_tokens=512),
+                     state, spec, 1000.0 + 15 * i)
+        state = dec.state
+    latency = next(x for x in dec.candidates if x.rule == "latency")
+    assert "more replicas do not help" not in latency.detail
+    assert latency.replicas is not None and latency.replicas > 4
+    assert dec.direction == "up"

@@ -100,6 +100,9 @@ class Prior:
         weight: pseudo-samples (split between the two points); a handful, so a few reads
             of real data outweigh it.
         source: where the numbers come from.
+        d: seconds per prefill token scheduled in a step (per replica), >= 0.
+        prefill: the prefill tokens per step of the third pseudo-point (at ``b = 0``,
+            ``y = a + d * prefill``); 0 leaves the prefill term to the data.
     """
 
     a: float
@@ -107,6 +110,8 @@ class Prior:
     batch: float
     weight: float
     source: str
+    d: float = 0.0
+    prefill: float = 0.0
 
 
 # CPU: SmolLM2-135M fp32 on the 2-core development VM, one torch thread
@@ -118,13 +123,21 @@ class Prior:
 # 3,485 output tok/s with 256 sequences gives 256 / 3,485 = 73 ms per step at batch 256;
 # the fixed cost is the 16 GB of weights read at ~4.2 TB/s (3.8 ms) plus kernel launches
 # without CUDA graphs, taken as 10 ms, so c0 = (0.073 - 0.010) / 256 = 0.25 ms per request.
+# Prefill (the ``d`` term): the CPU step-time benchmark (results/step_time_cpu.json) adds
+# ~1.5 ms per prefill token to a step; the H200 engine prefills at ~69.5 us per token
+# (benchmarks/README.md, GPU section). The third pseudo-point sits at b = 0 and a chunk
+# of ``prefill`` tokens (a typical chunk on each).
 # Both are p50-ish figures for a p90 target: the prior is optimistic by the tail, one
 # reason it is never trusted to scale down.
 PRIORS: dict[str, Prior] = {
     "cpu": Prior(a=0.027, c=0.00625, batch=32.0, weight=4.0,
-                 source="benchmarks/README.md: CPU serve ITL p50 at 8 and 32 streams"),
+                 source="benchmarks/README.md: CPU serve ITL p50 at 8 and 32 streams;"
+                        " results/step_time_cpu.json: ~1.5 ms per prefill token",
+                 d=0.0015, prefill=256.0),
     "gpu": Prior(a=0.010, c=0.00025, batch=256.0, weight=4.0,
-                 source="benchmarks/README.md: H200 Llama-3-8B engine, 256 sequences"),
+                 source="benchmarks/README.md: H200 Llama-3-8B engine, 256 sequences;"
+                        " ~69.5 us per prefill token",
+                 d=0.0000695, prefill=2048.0),
 }
 
 
@@ -138,6 +151,8 @@ class ItlFit:
         data_weight: the forgotten-weighted count of real samples behind it.
         informed_reads: reads that informed it (capped).
         trusted: ``informed_reads >= MIN_INFORMED_READS``.
+        d: seconds per prefill token per step per replica (>= 0; 0 when the data never
+            varied the prefill, the two-parameter fit).
     """
 
     a: float
@@ -145,10 +160,12 @@ class ItlFit:
     data_weight: float
     informed_reads: int
     trusted: bool
+    d: float = 0.0
 
-    def predict(self, batch: float) -> float:
-        """ITL (seconds) at ``batch`` running requests per replica."""
-        return self.a + self.c * max(0.0, batch)
+    def predict(self, batch: float, prefill: float = 0.0) -> float:
+        """ITL (seconds) at ``batch`` running requests and ``prefill`` prefill tokens per
+        step per replica."""
+        return self.a + self.c * max(0.0, batch) + self.d * max(0.0, prefill)
 
     def max_batch(self, target: float) -> float | None:
         """The largest per-replica batch whose predicted ITL is within ``target``
@@ -167,10 +184,17 @@ class LatencyModel:
     counter. Serializable (:meth:`to_dict`) into ``PolicyState.latency`` so an operator
     restart keeps what the fleet taught it.
 
+    The fitted plane is ``itl_p = a + c b + d p`` with ``p`` the prefill tokens a pod
+    scheduled per step beside its decode rows (``step_tokens - num_running``, >= 0).
+
     Attributes:
         percentile: the quantile the samples were read at (a new one starts over).
         s0 / sb / sy / sbb / sby: sum of w, w*b, w*y, w*b^2, w*b*y over the samples
             (b = requests per replica, y = ITL seconds).
+        sp / spp / sbp / spy: sum of w*p, w*p^2, w*b*p, w*p*y (p = prefill tokens per
+            step). A state written before the prefill term has none: they load as 0,
+            i.e. its samples count as prefill-free, and forgetting replaces them within
+            ~10 reads.
         informed_reads: reads whose samples held >= ``MIN_WINDOW_OBSERVATIONS``.
     """
 
@@ -181,33 +205,55 @@ class LatencyModel:
     sbb: float = 0.0
     sby: float = 0.0
     informed_reads: int = 0
+    sp: float = 0.0
+    spp: float = 0.0
+    sbp: float = 0.0
+    spy: float = 0.0
 
-    def update(self, samples: Sequence[tuple[float, float]], observations: float) -> LatencyModel:
+    def update(self, samples: Sequence[tuple[float, ...]], observations: float) -> LatencyModel:
         """This read's samples added after the old ones were forgotten (pure: returns a
-        new model). ``samples``: ``(batch, itl_seconds)`` pairs; ``observations``: the ITL
-        observations behind them (counts an informing read). No samples: the old weights
-        are still forgotten, so a fleet that stopped reporting slides back to the prior."""
+        new model). ``samples``: ``(batch, itl_seconds)`` or ``(batch, itl_seconds,
+        prefill_tokens)`` tuples; ``observations``: the ITL observations behind them
+        (counts an informing read). No samples: the old weights are still forgotten, so a
+        fleet that stopped reporting slides back to the prior."""
         f = FORGETTING
-        s0, sb, sy, sbb, sby = (f * v for v in (self.s0, self.sb, self.sy, self.sbb, self.sby))
-        for b, y in samples:
+        s0, sb, sy, sbb, sby, sp, spp, sbp, spy = (
+            f * v for v in (self.s0, self.sb, self.sy, self.sbb, self.sby,
+                            self.sp, self.spp, self.sbp, self.spy))
+        for sample in samples:
+            b, y = sample[0], sample[1]
+            pf = max(0.0, sample[2]) if len(sample) > 2 else 0.0
             s0 += 1.0
             sb += b
             sy += y
             sbb += b * b
             sby += b * y
+            sp += pf
+            spp += pf * pf
+            sbp += b * pf
+            spy += pf * y
         reads = self.informed_reads
         if samples and observations >= MIN_WINDOW_OBSERVATIONS:
             reads = min(_READS_CAP, reads + 1)
-        return replace(self, s0=s0, sb=sb, sy=sy, sbb=sbb, sby=sby, informed_reads=reads)
+        return replace(self, s0=s0, sb=sb, sy=sy, sbb=sbb, sby=sby, sp=sp, spp=spp,
+                       sbp=sbp, spy=spy, informed_reads=reads)
 
     def fit(self, prior: Prior) -> ItlFit:
-        """Weighted least squares over the data and the prior's two pseudo-points.
+        """Weighted least squares over the data and the prior's pseudo-points.
 
-        Solves the 2x2 normal equations of ``y = a + c b``; c < 0 is clamped to 0 (with
-        ``a`` the weighted mean of y), a < 0 to 0. Never raises: the prior's points at
-        two batches keep the system regular.
+        With prefill in the data (its weighted variance above a token's), solves the 3x3
+        normal equations of ``y = a + c b + d p`` over the data plus three pseudo-points
+        (the prior's two at ``p = 0`` and one at ``(0, prior.prefill)``). It falls back to
+        the 2x2 fit of ``y = a + c b`` (``d = 0``; c < 0 clamped to 0 with ``a`` the
+        weighted mean, a < 0 to 0) when the prefill never varied, the 3x3 system is
+        singular, or its solution has c < 0 or d < 0. Never raises.
         """
         w = max(prior.weight * FORGETTING ** self.informed_reads, PRIOR_FLOOR) / 2.0
+        trusted = self.informed_reads >= MIN_INFORMED_READS
+        three = self._fit3(prior, w)
+        if three is not None:
+            a, c, d = three
+            return ItlFit(max(0.0, a), c, self.s0, self.informed_reads, trusted, d)
         points = ((0.0, prior.a), (prior.batch, prior.a + prior.c * prior.batch))
         s0, sb, sy, sbb, sby = self.s0, self.sb, self.sy, self.sbb, self.sby
         for b, y in points:
@@ -225,17 +271,49 @@ class LatencyModel:
             if c < 0:
                 c, a = 0.0, sy / s0
             a = max(0.0, a)
-        return ItlFit(a, c, self.s0, self.informed_reads,
-                      self.informed_reads >= MIN_INFORMED_READS)
+        return ItlFit(a, c, self.s0, self.informed_reads, trusted)
+
+    def _fit3(self, prior: Prior, w: float) -> tuple[float, float, float] | None:
+        """``(a, c, d)`` of the three-parameter fit, or None (see :meth:`fit`)."""
+        if self.s0 <= 0 or prior.prefill <= 0:
+            return None
+        mean_p = self.sp / self.s0
+        if self.spp / self.s0 - mean_p * mean_p < 1.0:  # prefill never varied
+            return None
+        points = ((0.0, 0.0, prior.a), (prior.batch, 0.0, prior.a + prior.c * prior.batch),
+                  (0.0, prior.prefill, prior.a + prior.d * prior.prefill))
+        s0, sb, sp, sy = self.s0, self.sb, self.sp, self.sy
+        sbb, sbp, spp = self.sbb, self.sbp, self.spp
+        sby, spy = self.sby, self.spy
+        for b, pf, y in points:
+            s0 += w
+            sb += w * b
+            sp += w * pf
+            sy += w * y
+            sbb += w * b * b
+            sbp += w * b * pf
+            spp += w * pf * pf
+            sby += w * b * y
+            spy += w * pf * y
+        solved = _solve3(((s0, sb, sp), (sb, sbb, sbp), (sp, sbp, spp)), (sy, sby, spy))
+        if solved is None:
+            return None
+        a, c, d = solved
+        if c < 0 or d < 0 or not all(math.isfinite(v) for v in solved):
+            return None
+        return a, c, d
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON (inverse of :meth:`from_dict`)."""
         return {"percentile": self.percentile, "s0": self.s0, "sb": self.sb, "sy": self.sy,
-                "sbb": self.sbb, "sby": self.sby, "informedReads": self.informed_reads}
+                "sbb": self.sbb, "sby": self.sby, "sp": self.sp, "spp": self.spp,
+                "sbp": self.sbp, "spy": self.spy, "informedReads": self.informed_reads}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LatencyModel:
-        """Read what :meth:`to_dict` wrote.
+        """Read what :meth:`to_dict` wrote. The prefill sums (``sp``, ``spp``, ``sbp``,
+        ``spy``) are optional: a state from before the prefill term loads with them 0
+        (its samples count as prefill-free until forgotten).
 
         Raises:
             ValueError: a missing or non-numeric field, a non-finite or negative weight
@@ -245,11 +323,15 @@ class LatencyModel:
             model = cls(percentile=float(data["percentile"]), s0=float(data["s0"]),
                         sb=float(data["sb"]), sy=float(data["sy"]), sbb=float(data["sbb"]),
                         sby=float(data["sby"]),
-                        informed_reads=int(data.get("informedReads", 0)))
+                        informed_reads=int(data.get("informedReads", 0)),
+                        sp=float(data.get("sp", 0.0)), spp=float(data.get("spp", 0.0)),
+                        sbp=float(data.get("sbp", 0.0)), spy=float(data.get("spy", 0.0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed latency model {data!r}: {exc}") from exc
-        sums = (model.s0, model.sb, model.sy, model.sbb, model.sby)
-        if not all(math.isfinite(v) for v in sums) or model.s0 < 0 or model.informed_reads < 0:
+        sums = (model.s0, model.sb, model.sy, model.sbb, model.sby,
+                model.sp, model.spp, model.sbp, model.spy)
+        if (not all(math.isfinite(v) for v in sums) or model.s0 < 0 or model.spp < 0
+                or model.informed_reads < 0):
             raise ValueError(f"malformed latency model {data!r}: sums must be finite,"
                              " weights >= 0")
         if not 0.0 < model.percentile < 1.0:
@@ -258,12 +340,32 @@ class LatencyModel:
         return model
 
 
+def _solve3(m: tuple[tuple[float, float, float], ...], v: tuple[float, float, float]
+            ) -> tuple[float, float, float] | None:
+    """``x`` with ``m x = v`` by Cramer's rule; None when ``m`` is (nearly) singular
+    relative to its scale."""
+    def det(r: Sequence[Sequence[float]]) -> float:
+        return (r[0][0] * (r[1][1] * r[2][2] - r[1][2] * r[2][1])
+                - r[0][1] * (r[1][0] * r[2][2] - r[1][2] * r[2][0])
+                + r[0][2] * (r[1][0] * r[2][1] - r[1][1] * r[2][0]))
+    d = det(m)
+    scale = m[0][0] * m[1][1] * m[2][2]
+    if scale <= 0 or abs(d) <= 1e-9 * scale:
+        return None
+    out = []
+    for col in range(3):
+        rows = [[v[i] if j == col else m[i][j] for j in range(3)] for i in range(3)]
+        out.append(det(rows) / d)
+    return out[0], out[1], out[2]
+
+
 def itl_samples(pods: Sequence[PodSignals], percentile: float
-                ) -> tuple[tuple[tuple[float, float], ...], float]:
-    """``((batch, itl_seconds), ...)`` from the pods whose window is usable, and the ITL
-    observations behind them. A pod is usable with an ITL window of at least
-    :data:`MIN_SAMPLE_OBSERVATIONS` and a running count >= 1 (its batch)."""
-    samples: list[tuple[float, float]] = []
+                ) -> tuple[tuple[tuple[float, float, float], ...], float]:
+    """``((batch, itl_seconds, prefill_tokens), ...)`` from the pods whose window is
+    usable, and the ITL observations behind them. A pod is usable with an ITL window of at
+    least :data:`MIN_SAMPLE_OBSERVATIONS` and a running count >= 1 (its batch). The
+    prefill is ``step_tokens - num_running`` (>= 0; 0 without ``step_tokens``)."""
+    samples: list[tuple[float, float, float]] = []
     observations = 0.0
     for pod in pods:
         if pod.itl is None or pod.num_running is None or pod.num_running < 1:
@@ -273,9 +375,22 @@ def itl_samples(pods: Sequence[PodSignals], percentile: float
         q = pod.itl.quantile(percentile)
         if q is None:
             continue
-        samples.append((float(pod.num_running), q))
+        b = float(pod.num_running)
+        prefill = max(0.0, pod.step_tokens - b) if pod.step_tokens is not None else 0.0
+        samples.append((b, q, prefill))
         observations += pod.itl.count
     return tuple(samples), observations
+
+
+def prefill_per_step(pods: Sequence[PodSignals]) -> float:
+    """The fleet's prefill tokens per step summed over the pods (``step_tokens`` minus
+    the running count, >= 0): the prefill load that ``n`` replicas share as ``1 / n``."""
+    total = 0.0
+    for pod in pods:
+        if pod.step_tokens is None or pod.num_running is None:
+            continue
+        total += max(0.0, pod.step_tokens - float(pod.num_running))
+    return total
 
 
 def pooled(windows: Sequence[LatencyWindow]) -> LatencyWindow | None:

@@ -50,6 +50,7 @@ from kvpilot.autoscaler.latency import (
     itl_samples,
     observed_itl,
     pooled,
+    prefill_per_step,
     ttft_view,
 )
 from kvpilot.autoscaler.rules import NO_HISTOGRAMS, Candidate
@@ -247,14 +248,23 @@ def observe_latency(
     itl_window = pooled([p.itl for p in pods if p.itl is not None])
     itl_mean = (itl_window.mean if itl_window is not None
                 and itl_window.count >= MIN_SAMPLE_OBSERVATIONS else None)
+    requests = (load.num_running + load.num_waiting) * growth
+    fit = model.fit(PRIORS[slo.profile]) if slo.itl_seconds is not None else None
+    if fit is not None and fit.d > 0 and requests > 0:
+        # The prefill term folded into the per-request slope: for a fixed fleet load both
+        # the batch and the prefill tokens per step fall as 1 / n with n replicas, so
+        # a + c R/n + d P/n = a + (c + d P/R) R/n (P: the fleet's prefill tokens per
+        # step, grown with the load like R).
+        prefill = prefill_per_step(pods) * growth
+        fit = replace(fit, c=fit.c + fit.d * prefill / requests)
     view = LatencyView(
         percentile_label=slo.quantile_label,
         histograms=histograms,
-        fit=model.fit(PRIORS[slo.profile]) if slo.itl_seconds is not None else None,
+        fit=fit,
         observed_itl=itl_now,
         ttft=(ttft_view(pods, load, slo.percentile, signals.max_num_batched_tokens)
               if slo.ttft_seconds is not None else None),
-        requests=(load.num_running + load.num_waiting) * growth,
+        requests=requests,
         growth=growth,
         max_num_seqs=signals.max_num_seqs,
         itl_observations=itl_count,
