@@ -130,7 +130,8 @@ def autoscaler_fragments() -> list[dict]:
     state = {"version": 1, "demand": [[1.0, 2.5]], "recommendations": [[1.0, 3, None]],
              "lastScaleTime": 1.0, "lastScaleDownTime": 1.0,
              "latency": {"percentile": 0.9, "s0": 2.0, "sb": 16.0, "sy": 0.3, "sbb": 160.0,
-                         "sby": 2.6, "informedReads": 2}}
+                         "sby": 2.6, "sp": 40.0, "spp": 1600.0, "sbp": 320.0, "spy": 6.0,
+                         "informedReads": 2}}
     return [
         signals.to_status(T0), missing.to_status(T0),
         CapacityEstimate(16384.0, 1800.5, 9.0).to_status(),
