@@ -31,6 +31,22 @@ latency a pod would give and the autoscaler scales before the SLO is missed). Ou
 line per fleet: two numbers in the CR's status, fitted from histograms every engine
 already exports.
 
+**Prefill.** A step that carries a prefill chunk (chunked prefill under the token budget)
+costs per prefill token too, and its ITL is the step's, so the fit is a plane::
+
+    itl_p(b, p) = a + c * b + d * p          (d >= 0)
+
+with ``p`` the prefill tokens per step beside the decode rows (a pod's ``step_tokens``
+minus its running count, >= 0). Without it a fleet whose tail steps carry prefill puts
+that cost into ``a``, above a tight target, and concludes that more replicas do not help;
+but a fixed fleet load spreads both the batch and the prefill over ``n`` replicas, so
+``a + (c R + d P) / n`` (``R`` requests, ``P`` the fleet's prefill tokens per step) falls
+with ``n``: the view's line folds ``d P / R`` into the per-request slope. The third prior
+pseudo-point sits at ``(b, p) = (0, prior.prefill)`` on the benchmark's per-token prefill
+cost; when the data's prefill never varied (weighted variance under one token squared),
+the 3x3 system is singular, or its solution has a negative slope, the fit is the
+two-parameter line with ``d = 0``.
+
 Sizing is closed-loop (:func:`kvpilot.autoscaler.windows.closed_loop_itl`): the requests
 in flight are the arrival rate times their time in the system, which grows with the ITL, so
 ``n`` replicas hold ``requests x ITL(n) / ITL_now``, not ``requests``. The rule asks for
