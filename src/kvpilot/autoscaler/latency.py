@@ -254,7 +254,7 @@ class LatencyModel:
         return replace(self, s0=s0, sb=sb, sy=sy, sbb=sbb, sby=sby, sp=sp, spp=spp,
                        sbp=sbp, spy=spy, informed_reads=reads)
 
-    def fit(self, prior: Prior) -> ItlFit:
+    def fit(self, prior: Prior, prefill: bool = True) -> ItlFit:
         """Weighted least squares over the data and the prior's pseudo-points.
 
         With prefill in the data (its weighted variance above a token's), solves the 3x3
@@ -262,11 +262,12 @@ class LatencyModel:
         (the prior's two at ``p = 0`` and one at ``(0, prior.prefill)``). It falls back to
         the 2x2 fit of ``y = a + c b`` (``d = 0``; c < 0 clamped to 0 with ``a`` the
         weighted mean, a < 0 to 0) when the prefill never varied, the 3x3 system is
-        singular, or its solution has c < 0 or d < 0. Never raises.
+        singular, or its solution has c < 0 or d < 0 (and with ``prefill=False``, the
+        line a caller wants where prefill is a minor share). Never raises.
         """
         w = max(prior.weight * FORGETTING ** self.informed_reads, PRIOR_FLOOR) / 2.0
         trusted = self.informed_reads >= MIN_INFORMED_READS
-        three = self._fit3(prior, w)
+        three = self._fit3(prior, w) if prefill else None
         if three is not None:
             a, c, d = three
             return ItlFit(max(0.0, a), c, self.s0, self.informed_reads, trusted, d)

@@ -254,9 +254,15 @@ def observe_latency(
         # The prefill term folded into the per-request slope: for a fixed fleet load both
         # the batch and the prefill tokens per step fall as 1 / n with n replicas, so
         # a + c R/n + d P/n = a + (c + d P/R) R/n (P: the fleet's prefill tokens per
-        # step, grown with the load like R).
+        # step, grown with the load like R). Only where prefill dominates the slope
+        # (d P/R > c): with a minor prefill share the split between c and d is mostly
+        # noise, and the two-parameter line sized those fleets better in the
+        # simulator's ramp (benchmarks/README-autoscaler.md), so it is kept there.
         prefill = prefill_per_step(pods) * growth
-        fit = replace(fit, c=fit.c + fit.d * prefill / requests)
+        if fit.d * prefill / requests > fit.c:
+            fit = replace(fit, c=fit.c + fit.d * prefill / requests)
+        else:
+            fit = model.fit(PRIORS[slo.profile], prefill=False)
     view = LatencyView(
         percentile_label=slo.quantile_label,
         histograms=histograms,
