@@ -551,3 +551,30 @@ def test_prefill_heavy_steps_make_more_replicas_help():
     assert "more replicas do not help" not in latency.detail
     assert latency.replicas is not None and latency.replicas > 4
     assert dec.direction == "up"
+
+
+def test_a_minor_prefill_share_keeps_the_two_term_line():
+    """The prefill term is folded into the per-request slope only where prefill
+    dominates it (d P/R > c): here decode rows carry the cost (c = 4 ms/request) and the
+    prefill is a few tokens a step, so the view's line is the two-parameter fit, not
+    c + d P/R; with prefill-heavy steps (the test above) it is folded."""
+    a, c, d = 0.020, 0.004, 0.0002
+    spec = slo_spec(itl_seconds=0.05)
+    shape = ((2, 4), (4, 10), (6, 2), (8, 6))
+    state = PolicyState()
+    signals = None
+    for i in range(30):
+        pods = tuple(pod(f"p{k}", running=b, itl=window_at(a + c * b + d * p),
+                         step_tokens=b + p) for k, (b, p) in enumerate(shape))
+        signals = FleetSignals(pods, max_num_seqs=64, max_num_batched_tokens=512)
+        state = decide(signals, state, spec, 1000.0 + 15 * i).state
+    from kvpilot.autoscaler.policy import observe_latency
+    from kvpilot.autoscaler.rules import Candidate
+    from kvpilot.autoscaler.signals import aggregate
+
+    no_forecast = Candidate("forecast", None, "kv_usage", None, "")
+    view, after = observe_latency(signals, aggregate(signals), state, spec, no_forecast, None, None)
+    two_term = after.latency.fit(PRIORS["cpu"], prefill=False)
+    assert after.latency.fit(PRIORS["cpu"]).d > 0  # the plane was fitted, then not folded
+    assert view.fit.c == pytest.approx(two_term.c)
+    assert view.fit.c == pytest.approx(c, rel=0.25)
