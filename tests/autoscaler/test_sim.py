@@ -19,29 +19,11 @@ from kvpilot.autoscaler.sim import (
 )
 from kvpilot.autoscaler.sim.replica import Replica
 from kvpilot.autoscaler.sim.report import comparison_table
-from kvpilot.autoscaler.sim.traces import Request, Trace
 from kvpilot.stats import percentile
 
+from .simkit import Fixed, one_request_trace
+
 SMALL = Scenario(peak_replicas=3, duration_seconds=1200, warmup_seconds=120, seed=7)
-
-
-class Fixed:
-    """A policy that never moves: isolates the replica model."""
-
-    name = "fixed"
-    interval_seconds = 15.0
-
-    def __init__(self, n):
-        self.n = n
-
-    def decide(self, now, ready, pending):
-        return self.n
-
-
-def one_request_trace(*requests, duration=600.0):
-    """A trace of ``(arrival, prompt, output)`` tuples (one-off requests, nothing shared)."""
-    return Trace("manual", "", duration, 1.0, 1, 1,
-                 lambda: iter(Request(*r) for r in requests))
 
 
 def without_wall(result):

@@ -23,7 +23,8 @@ from kvpilot.autoscaler.sim.controllers import (
     latency_window,
 )
 from kvpilot.autoscaler.sim.replica import ITL_BUCKETS, REQUEST_BUCKETS, Replica, Req, Stats
-from kvpilot.autoscaler.sim.traces import Request, Trace
+
+from .simkit import Fixed, one_request_trace
 
 # base 10 ms, 1 ms per decode row, 1 ms per prefill token, 512 tokens per step
 TINY = ReplicaModel(
@@ -33,21 +34,6 @@ TINY = ReplicaModel(
     decode_step_per_seq_seconds=0.001,
     max_num_batched_tokens=512,
 )
-
-
-class Fixed:
-    name = "fixed"
-    interval_seconds = 15.0
-
-    def __init__(self, n):
-        self.n = n
-
-    def decide(self, now, ready, pending):
-        return self.n
-
-
-def trace_of(*requests, duration=600.0):
-    return Trace("manual", "", duration, 1.0, 1, 1, lambda: iter(Request(*r) for r in requests))
 
 
 def run_replica(model, arrivals, until):
@@ -68,7 +54,7 @@ def run_replica(model, arrivals, until):
 def test_a_chunked_prefill_then_decode_gives_the_hand_computed_ttft_and_itl():
     # 1,024 prompt tokens in two 512-token steps of 0.01 + 0.512 s; the last yields the
     # first token; then 10 decode steps of one row, 0.011 s each.
-    r = simulate(trace_of((0.0, 1024, 11)), Fixed(1), TINY,
+    r = simulate(one_request_trace((0.0, 1024, 11)), Fixed(1), TINY,
                  SimConfig(duration_seconds=60, max_replicas=2, warmup_seconds=0))
     assert r.finished == 1
     assert r.ttft_p50_seconds == pytest.approx(2 * 0.522)
@@ -124,7 +110,7 @@ def test_slo_attainment_counts_requests_within_both_targets():
                          decode_step_base_seconds=0.01, decode_step_per_seq_seconds=0.0,
                          max_num_batched_tokens=4096)
     # TTFTs 0.11, 3.01, 0.21 s; every mean ITL 0.01 s; the last can never fit the KV.
-    trace = trace_of((0.0, 100, 3), (10.0, 3000, 3), (20.0, 200, 3), (30.0, 20_000, 3))
+    trace = one_request_trace((0.0, 100, 3), (10.0, 3000, 3), (20.0, 200, 3), (30.0, 20_000, 3))
     config = SimConfig(duration_seconds=60, max_replicas=2, warmup_seconds=0,
                        slo_ttft_seconds=1.0, slo_itl_seconds=0.05)
     r = simulate(trace, Fixed(1), model, config)
@@ -144,7 +130,7 @@ def test_open_requests_past_a_target_count_as_misses():
     model = ReplicaModel(kv_capacity_tokens=1000, prefill_tokens_per_second=100,
                          max_num_batched_tokens=2048)
     # The second waits behind the first's 9 s prefill: at t=5 it is 4.5 s past arrival.
-    trace = trace_of((0.0, 900, 50), (0.5, 900, 50), duration=5.0)
+    trace = one_request_trace((0.0, 900, 50), (0.5, 900, 50), duration=5.0)
     r = simulate(trace, Fixed(1), model, SimConfig(duration_seconds=5, max_replicas=2, warmup_seconds=0,
                                                    slo_ttft_seconds=1.0))
     assert r.finished == 0 and r.slo_judged == 2 and r.slo_attainment == 0.0

@@ -10,20 +10,9 @@ from kvpilot.autoscaler.sim import ROUTINGS, ReplicaModel, SimConfig, make_trace
 from kvpilot.autoscaler.sim.replica import PrefixCache, Replica, Req, Stats
 from kvpilot.autoscaler.sim.routing import LoadIndex, Router
 
+from .simkit import Fixed
+
 MODEL = ReplicaModel()
-
-
-class Fixed:
-    """A policy that never moves: isolates the routing."""
-
-    name = "fixed"
-    interval_seconds = 15.0
-
-    def __init__(self, n):
-        self.n = n
-
-    def decide(self, now, ready, pending):
-        return self.n
 
 
 def fixed_fleet(n, routing, trace, seed=0, **kw):
