@@ -110,8 +110,13 @@ def test_operator_loop_end_to_end(operator):
 
     # Created: children applied, finalizer added, status written, an Event posted. Kopf
     # writes the status after the handler applied every child.
-    cr = wait_for("status.observedGeneration", lambda: (o := store.get(*CR, "llm", "smollm2"))
-                  and o.get("status", {}).get("observedGeneration") == 1 and o)
+    # Kopf's own state (the last handled configuration) may land in a patch after the
+    # status one: wait for both.
+    cr = wait_for("status.observedGeneration and Kopf's annotations",
+                  lambda: (o := store.get(*CR, "llm", "smollm2"))
+                  and o.get("status", {}).get("observedGeneration") == 1
+                  and any(k.startswith("kvpilot.dev/") for k in o["metadata"].get("annotations", {}))
+                  and o)
     assert cr["status"]["desiredReplicas"] == 1
     deployment = store.get(*DEPLOYMENTS, "llm", "smollm2")
     assert deployment["spec"]["replicas"] == 1
