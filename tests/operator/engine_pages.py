@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import httpx
+
 
 def page(usage=0.25, waiting=3, preemptions=7, generated=1000, capacity=True,
          finished=4, window=None) -> str:
@@ -37,3 +39,20 @@ def page(usage=0.25, waiting=3, preemptions=7, generated=1000, capacity=True,
                   f" {finished - 1}",
                   'kvpilot:request_success_total{finished_reason="length",model_name="m"} 1']
     return "\n".join(lines) + "\n"
+
+
+class Pages:
+    """httpx mock transport: ``pages[host]`` is the text (or an exception) to answer."""
+
+    def __init__(self):
+        self.pages = {}
+        self.requests = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(str(request.url))
+        answer = self.pages.get(request.url.host)
+        if isinstance(answer, Exception):
+            raise answer
+        if answer is None:
+            return httpx.Response(404, text="not found")
+        return httpx.Response(200, text=answer)

@@ -5,12 +5,8 @@ same sources against a real engine and a real Prometheus: test_metric_sources_re
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
@@ -18,7 +14,6 @@ import pytest
 from kvpilot.operator.autoscaling.fleet import fleet_from
 from kvpilot.operator.autoscaling.metrics_source import (
     EnginePod,
-    PodScrapeSource,
     PrometheusSource,
     SeriesSelector,
 )
@@ -27,33 +22,7 @@ from tests.serverproc import free_port
 
 from .engine_pages import page
 
-
 # ---------------------------------------------------------------- pod scraping
-class Pages:
-    """httpx mock transport: ``pages[host]`` is the text (or an exception) to answer."""
-
-    def __init__(self):
-        self.pages = {}
-        self.requests = []
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        self.requests.append(str(request.url))
-        answer = self.pages.get(request.url.host)
-        if isinstance(answer, Exception):
-            raise answer
-        if answer is None:
-            return httpx.Response(404, text="not found")
-        return httpx.Response(200, text=answer)
-
-
-@pytest.fixture
-def scraped():
-    pages = Pages()
-    client = httpx.Client(transport=httpx.MockTransport(pages))
-    yield pages, PodScrapeSource("llm/chat", client=client)
-    client.close()
-
-
 PODS = [EnginePod("chat-a", "10.0.0.1"), EnginePod("chat-b", "10.0.0.2")]
 
 
@@ -128,45 +97,6 @@ def test_pods_source_with_no_pods_or_no_ip(scraped):
 
 
 # ---------------------------------------------------------------- Prometheus answers
-class ScriptedPrometheus(BaseHTTPRequestHandler):
-    """/api/v1/query: answers ``server.answers`` by the query's first matching key."""
-
-    def do_GET(self):
-        query = parse_qs(urlsplit(self.path).query)["query"][0]
-        self.server.queries.append(query)
-        status, payload = 200, {"status": "success", "data": {"resultType": "vector",
-                                                              "result": []}}
-        for key, answer in self.server.answers.items():
-            if key in query:
-                status, payload = answer if isinstance(answer, tuple) else (200, {
-                    "status": "success", "data": {"resultType": "vector", "result": answer}})
-                break
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def prom():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedPrometheus)
-    server.answers, server.queries = {}, []
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                              daemon=True)
-    thread.start()
-    try:
-        yield server, f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-
 def sample(pod, value, **labels):
     return {"metric": {"pod": pod, **labels}, "value": [1.0, str(value)]}
 

@@ -13,7 +13,6 @@ import pytest
 from kvpilot.autoscaler import LatencyWindow
 from kvpilot.operator.autoscaling.metrics_source import (
     EnginePod,
-    PodScrapeSource,
     PrometheusSource,
     SeriesSelector,
 )
@@ -27,7 +26,7 @@ from kvpilot.operator.autoscaling.metrics_source.names import EngineMetricNames
 from kvpilot.operator.autoscaling.metrics_source.prometheus import latency_window
 
 from .engine_pages import page
-from .test_metric_sources import PODS, Pages, prom, sample  # noqa: F401 (fixture)
+from .test_metric_sources import PODS, sample
 
 INF = math.inf
 ITL_BOUNDS = (0.05, 0.1, 0.2)
@@ -52,14 +51,6 @@ def latency_page(itl=(10, 50, 90, 100), itl_sum=9.0, ttft=(0, 1, 4, 5), ttft_sum
              f'kvpilot:iteration_tokens_total_count{{model_name="m"}} {steps[1]}',
              f'kvpilot:iteration_tokens_total_sum{{model_name="m"}} {steps[0]}']
     return page() + "\n".join(lines) + "\n"
-
-
-@pytest.fixture
-def scraped():
-    pages = Pages()
-    client = httpx.Client(transport=httpx.MockTransport(pages))
-    yield pages, PodScrapeSource("llm/chat", client=client)
-    client.close()
 
 
 def test_the_page_parser_reads_the_histograms():
@@ -129,7 +120,7 @@ def test_a_pod_that_cannot_be_scraped_reports_no_window(scraped):
     assert reading.pods[0].itl is not None and reading.pods[0].itl.count == 0
 
 
-def test_prometheus_builds_windows_by_pod_and_le(prom):  # noqa: F811 (fixture)
+def test_prometheus_builds_windows_by_pod_and_le(prom):
     server, url = prom
     server.answers = {
         "gpu_cache_usage_factor": [sample("chat-a", 0.5), sample("chat-b", 0.4)],
