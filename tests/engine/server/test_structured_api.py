@@ -74,9 +74,22 @@ def test_json_schema_strict_and_not_chat_and_completions_n_and_stream(client):
 
 
 def test_json_object_and_vllm_extensions(client):
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=80,
+    # json_object constrains the syntax, not the length: a 135M model sampling freely can
+    # stay inside one string past any max_tokens. Greedy decoding on a prompt that asks for
+    # a small object must stop with one; sampled choices that stop must parse too.
+    ask = [{"role": "user", "content": "Give the weather in Paris as a JSON object with the keys city and temperature."}]
+    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=200,
+                                       response_format={"type": "json_object"}, temperature=0)
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    assert json.loads(r.choices[0].message.content)["city"] == "Paris"
+    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=200, n=4, seed=7,
                                        response_format={"type": "json_object"}, temperature=0.7)
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    stopped = [c for c in r.choices if c.finish_reason == "stop"]
+    assert stopped, [c.message.content for c in r.choices]
+    for c in stopped:
+        assert isinstance(json.loads(c.message.content), dict), c.message.content
+    for c in r.choices:
+        assert c.message.content.startswith("{"), c.message.content
     cases = [
         ({"structured_outputs": {"regex": r"\d{4}-\d{2}-\d{2}"}}, lambda t: re.fullmatch(r"\d{4}-\d{2}-\d{2}", t)),
         ({"structured_outputs": {"choice": ["sunny", "rainy"]}}, lambda t: t in ("sunny", "rainy")),
