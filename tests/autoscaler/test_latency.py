@@ -27,6 +27,8 @@ from kvpilot.autoscaler.latency import (
     TtftView,
     itl_samples,
     pooled,
+    prefill_capacity,
+    prefix_rates,
 )
 from kvpilot.autoscaler.rules import NO_HISTOGRAMS
 from kvpilot.autoscaler.windows import closed_loop_itl, latency_blocker
@@ -368,37 +370,39 @@ def test_an_itl_target_below_an_empty_batch_buys_nothing():
 
 
 def test_ttft_queue_wait_scales_the_fleet_up():
-    """p90 TTFT 12 s on 2 replicas with 20,000 prompt tokens queued; the budget is 2,048
-    tokens per step and a step takes 100 ms (the ITL mean): 20,480 tok/s per replica, so
-    the queue is 0.49 s of it and the base 11.5 s > 5 s: no count helps. With a
-    slow prefill (budget 64: 640 tok/s) the queue is 15.6 s... of a 16 s TTFT."""
+    """p90 TTFT 16 s on 2 replicas. One replica prefills 2,048 / (27 ms + 2,048 x 1.5 ms)
+    = 660.86 tok/s (the CPU prior's plane at a full budget; without an ITL target nothing is
+    fitted). With 400 prompt tokens queued the queue is 0.3 s of it and the base 15.7 s >
+    5 s: no count helps. With 20,000 queued the queue is 15.1 s of a 16 s TTFT."""
     spec = slo_spec(ttft_seconds=5.0)
     itl = LatencyWindow(((0.1, 90), (0.4, 100), (INF, 100)), 10.0)  # mean 100 ms
     ttft = LatencyWindow(((16.0, 90), (64.0, 100), (INF, 100)), 1600.0)  # p90 16 s
 
-    def fleet(budget):
+    def fleet(waiting_tokens):
         pods = tuple(pod(f"p{k}", running=8, itl=itl, ttft=ttft, waiting=10,
-                         waiting_tokens=10000) for k in range(2))
-        return FleetSignals(pods, max_num_seqs=64, max_num_batched_tokens=budget)
+                         waiting_tokens=waiting_tokens) for k in range(2))
+        return FleetSignals(pods, max_num_seqs=64, max_num_batched_tokens=2048)
 
-    fast = decide(fleet(2048), PolicyState(), spec, 0.0)
-    latency = next(c for c in fast.candidates if c.rule == "latency")
+    short = decide(fleet(200), PolicyState(), spec, 0.0)
+    latency = next(c for c in short.candidates if c.rule == "latency")
     assert latency.replicas is None and "missed without a queue" in latency.detail
-    slow = decide(fleet(64), PolicyState(), spec, 0.0)
-    latency = next(c for c in slow.candidates if c.rule == "latency")
-    # base = 16 - 20000 / (2 x 640) = 0.375 s; n = ceil(20000 / (640 x 4.625)) = 7
-    assert latency.replicas == 7 and latency.signal == "ttft_p90"
-    assert slow.desired_replicas == 7 and slow.rule == "latency"
+    assert short.latency is not None and short.latency["prefillRate"] == pytest.approx(660.86, abs=0.01)
+    long = decide(fleet(10000), PolicyState(), spec, 0.0)
+    latency = next(c for c in long.candidates if c.rule == "latency")
+    # base = 16 - 20000 / (2 x 660.86) = 0.868 s; n = ceil(20000 / (660.86 x 4.132)) = 8
+    assert latency.replicas == 8 and latency.signal == "ttft_p90"
+    assert long.desired_replicas == 8 and long.rule == "latency"
 
 
 def test_ttft_consolidation_check_holds_when_fewer_would_queue_too_long():
-    """Light KV and batches, 4 replicas, TTFT 3 s of which 2 s queue (8,000 tokens at
-    1,000 tok/s per replica): 3 replicas would wait 2.67 s, TTFT 3.67 s > 3.6 s."""
+    """Light KV and batches, 4 replicas, TTFT 3 s of which 2 s queue (4,520 tokens at
+    565 tok/s per replica: the CPU prior's plane at a 100-token budget, 100 / (27 ms +
+    100 x 1.5 ms)): 3 replicas would wait 2.67 s, TTFT 3.67 s > 3.6 s."""
     spec = AutoscalingSpec(max_replicas=20, scale_down_stabilization_seconds=0,
                            slo=SloSpec(ttft_seconds=4.0))
     itl = LatencyWindow(((0.1, 90), (0.4, 100), (INF, 100)), 10.0)
     ttft = LatencyWindow(((3.0, 90), (12.0, 100), (INF, 100)), 300.0)
-    pods = tuple(pod(f"p{k}", running=2, usage=0.1, itl=itl, ttft=ttft, waiting_tokens=2000)
+    pods = tuple(pod(f"p{k}", running=2, usage=0.1, itl=itl, ttft=ttft, waiting_tokens=1130)
                  for k in range(4))
     d = decide(FleetSignals(pods, max_num_seqs=64, max_num_batched_tokens=100), PolicyState(),
                spec, 0.0)
@@ -578,3 +582,71 @@ def test_a_minor_prefill_share_keeps_the_two_term_line():
     assert after.latency.fit(PRIORS["cpu"]).d > 0  # the plane was fitted, then not folded
     assert view.fit.c == pytest.approx(two_term.c)
     assert view.fit.c == pytest.approx(c, rel=0.25)
+
+
+# ------------------------------------------------- prefill capacity and the prefix cache
+def warm_pod(name: str, prompt: float, cached: float, running: float = 4) -> PodSignals:
+    """A pod with little KV in use, a short TTFT, and its prefix cache's rates (tokens/s)."""
+    return PodSignals(name, kv_usage=0.05, num_waiting=0, waiting_tokens=0, num_running=running,
+                      preemption_rate=0.0, kv_capacity_tokens=10000,
+                      ttft=LatencyWindow(((0.2, 90), (1.0, 100), (INF, 100)), 12.0),
+                      prompt_token_rate=prompt, cached_token_rate=cached)
+
+
+# The GPU prior's plane at a 2,048-token budget: 2048 / (10 ms + 2048 x 69.5 us).
+GPU_PREFILL = 2048 / (0.010 + 2048 * 0.0000695)
+
+
+def test_prefill_capacity_and_prefix_rates():
+    assert prefill_capacity(0.010, 0.0000695, 2048) == pytest.approx(GPU_PREFILL)
+    assert prefill_capacity(0.010, 0.0000695, None) == pytest.approx(1 / 0.0000695)
+    assert prefill_capacity(0.010, 0.0, 2048) is None
+    pods = [warm_pod("a", 20000, 18000), warm_pod("b", 5000, 6000),  # counters read apart
+            pod("c")]  # an engine without the counters
+    computed, handover = prefix_rates(pods)
+    assert computed == pytest.approx(2000.0) and handover == pytest.approx(18000.0)
+    assert prefix_rates([pod("c")]) is None
+    with pytest.raises(ValueError, match="pod 'x': cached_token_rate must be >= 0"):
+        warm_pod("x", 10.0, -1.0)
+
+
+def test_the_prefix_cache_handover_holds_a_warm_fleet():
+    """Two replicas at 5% KV usage and a 0.2 s TTFT, each computing 2,000 prompt tokens/s
+    and taking 18,000 from its prefix cache. One replica would prefill 4,000 + 18,000
+    tokens/s (the sessions of the replica that goes prefill their context again): 164% of
+    its 13,444 tokens/s > 50%. The same fleet with cold caches steps down."""
+    spec = AutoscalingSpec(max_replicas=20, scale_down_stabilization_seconds=0,
+                           slo=SloSpec(ttft_seconds=1.0, profile="gpu"))
+    warm = FleetSignals(tuple(warm_pod(f"p{k}", 20000, 18000) for k in range(2)),
+                        max_num_seqs=256, max_num_batched_tokens=2048)
+    d = decide(warm, PolicyState(), spec, 0.0)
+    assert d.direction == "hold" and d.desired_replicas == 2
+    assert "one pod's prefix cache saves, 164% of their prefill capacity" in d.reason
+    assert d.latency["prefixHandover"] == 18000.0 and d.latency["prefillComputed"] == 4000.0
+    cold = FleetSignals(tuple(warm_pod(f"p{k}", 2500, 500) for k in range(2)),
+                        max_num_seqs=256, max_num_batched_tokens=2048)
+    d = decide(cold, PolicyState(), spec, 0.0)
+    assert d.direction == "down" and d.desired_replicas == 1
+    # An engine without the counters: no handover check, the fleet steps down as before.
+    bare = FleetSignals(tuple(pod(f"p{k}", running=4, usage=0.05,
+                                  ttft=LatencyWindow(((0.2, 90), (INF, 100)), 12.0))
+                              for k in range(2)), max_num_seqs=256, max_num_batched_tokens=2048)
+    assert decide(bare, PolicyState(), spec, 0.0).direction == "down"
+
+
+def test_prefill_utilization_scales_the_fleet_up():
+    """One replica computing 8,000 prompt tokens/s (no cache hits) runs at 60% of its
+    13,444 tokens/s; at the 40% target that is ceil(8000 / 5378) = 2 replicas, though its
+    TTFT (0.2 s), KV and batch are all under target."""
+    spec = slo_spec(ttft_seconds=1.0, profile="gpu")
+    d = decide(FleetSignals((warm_pod("p0", 8000, 0),), max_num_seqs=256,
+                            max_num_batched_tokens=2048), PolicyState(), spec, 0.0)
+    latency = next(c for c in d.candidates if c.rule == "latency")
+    assert latency.replicas == 2 and latency.signal == "prefill_utilization"
+    assert latency.value == pytest.approx(8000 / GPU_PREFILL)
+    assert d.desired_replicas == 2 and d.rule == "latency" and d.direction == "up"
+    # Without a TTFT target the prefill is the ITL plane's concern: no prefill ask.
+    itl_only = decide(FleetSignals((warm_pod("p0", 8000, 0),), max_num_seqs=256,
+                                   max_num_batched_tokens=2048), PolicyState(),
+                      slo_spec(itl_seconds=0.05, profile="gpu"), 0.0)
+    assert all(c.signal != "prefill_utilization" for c in itl_only.candidates)

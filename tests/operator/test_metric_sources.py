@@ -160,7 +160,7 @@ def test_c15_unreachable_prometheus_is_missing_data_at_once(caplog):
         reading = source.read([EnginePod("chat-a")], now=float(t))
     assert time.monotonic() - started < 3  # no retries with back-off
     assert not reading.reachable
-    assert dataclasses.astuple(reading.pods[0])[1:] == (None,) * 9  # every signal, SLO ones too
+    assert dataclasses.astuple(reading.pods[0])[1:] == (None,) * 11  # every signal, SLO ones too
     assert "ConnectionError" in reading.problem and url in reading.problem
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
 

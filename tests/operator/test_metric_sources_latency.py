@@ -183,3 +183,48 @@ def test_the_engines_own_page_parses_into_the_slo_signals():
                                 sample_.itl)
     # buckets 0.04 and 0.06 hold 0.03 and 0.05: the median interpolates to 0.05
     assert window is not None and window.quantile(0.5) == pytest.approx(0.05)
+
+
+def prefix_page(queries: float, hits: float) -> str:
+    """An engine page with the prefix cache's counters (tokens)."""
+    return page() + "\n".join([
+        "# TYPE kvpilot:prefix_cache_queries_total counter",
+        f'kvpilot:prefix_cache_queries_total{{model_name="m"}} {queries}',
+        "# TYPE kvpilot:prefix_cache_hits_total counter",
+        f'kvpilot:prefix_cache_hits_total{{model_name="m"}} {hits}']) + "\n"
+
+
+def test_pods_source_reads_prefix_cache_rates_between_scrapes(scraped):
+    """Prompt tokens looked up and held per second, from the two counters' increase; an
+    engine without them reads None (the handover check is then skipped), a restarted pod
+    the value since its reset."""
+    pages, source = scraped
+    pages.pages = {"10.0.0.1": prefix_page(1000, 600), "10.0.0.2": page()}
+    first = source.read(PODS, now=100.0)
+    assert all(p.prompt_token_rate is None and p.cached_token_rate is None for p in first.pods)
+    pages.pages["10.0.0.1"] = prefix_page(31000, 24600)
+    a, b = source.read(PODS, now=115.0).pods
+    assert a.prompt_token_rate == pytest.approx(2000.0) and a.cached_token_rate == pytest.approx(1600.0)
+    assert (b.prompt_token_rate, b.cached_token_rate) == (None, None) and b.missing == ()
+    pages.pages["10.0.0.1"] = prefix_page(1500, 300)  # restarted
+    a = source.read(PODS, now=130.0).pods[0]
+    assert a.prompt_token_rate == pytest.approx(100.0) and a.cached_token_rate == pytest.approx(20.0)
+
+
+def test_prometheus_reads_prefix_cache_rates_by_pod(prom):
+    server, url = prom
+    server.answers = {
+        "gpu_cache_usage_factor": [sample("chat-a", 0.5), sample("chat-b", 0.4)],
+        "prefix_cache_queries_total": [sample("chat-a", 2000.0), sample("chat-b", -1.0)],
+        "prefix_cache_hits_total": [sample("chat-a", 1500.0)],
+    }
+    source = PrometheusSource(url, SeriesSelector("llm", "chat"))
+    reading = source.read([EnginePod("chat-a"), EnginePod("chat-b")], now=1.0)
+    a, b = reading.pods
+    assert (a.prompt_token_rate, a.cached_token_rate) == (2000.0, 1500.0)
+    assert (b.prompt_token_rate, b.cached_token_rate) == (None, None)  # negative: refused
+    assert "prefix" not in (reading.problem or "")
+    assert source.queries["cached_token_rate"] == (
+        "max by (pod) (rate(kvpilot:prefix_cache_hits_total"
+        '{namespace="llm",inference_deployment="chat"}[1m]))')
+    source.close()

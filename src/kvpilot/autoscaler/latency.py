@@ -97,6 +97,10 @@ MIN_WINDOW_OBSERVATIONS = 50
 MIN_INFORMED_READS = 4
 # The pooled TTFT histogram needs this many first tokens in the window to be read.
 MIN_TTFT_OBSERVATIONS = 10
+# The share of one replica's prefill capacity (prefill_capacity) the latency rule sizes
+# the fleet's computed prefill for: a prefill queue's wait grows as u / (1 - u), and the
+# steps that carry the prefill carry the decodes too.
+PREFILL_UTILIZATION_TARGET = 0.4
 # The prior's weight fades by FORGETTING per informing read down to this floor, which
 # keeps the 2x2 system regular when every sample sits at one batch.
 PRIOR_FLOOR = 0.05
@@ -471,29 +475,52 @@ class TtftView:
                                 - 1e-9))
 
 
+def prefill_capacity(a: float, d: float, budget: int | None) -> float | None:
+    """Prompt tokens per second one replica prefills when every step is a full prefill
+    chunk: ``budget / (a + d x budget)`` (``a`` the step's fixed cost and ``d`` the cost
+    per prefill token, seconds, of the ITL plane); ``1 / d`` without a known budget;
+    None when ``d`` is 0 (no prefill cost known)."""
+    if d <= 0:
+        return None
+    if budget is None:
+        return 1.0 / d
+    return budget / (max(0.0, a) + d * budget)
+
+
+def prefix_rates(pods: Sequence[PodSignals]) -> tuple[float, float] | None:
+    """``(computed, handover)`` in prompt tokens per second: the prefill the fleet
+    computes (looked-up tokens less those its prefix caches held, summed over the pods),
+    and the largest one pod's cache saves (what its sessions prefill again elsewhere if
+    that pod goes). None when no pod reported both rates."""
+    computed = handover = 0.0
+    seen = False
+    for pod in pods:
+        if pod.prompt_token_rate is None or pod.cached_token_rate is None:
+            continue
+        seen = True
+        cached = min(pod.cached_token_rate, pod.prompt_token_rate)
+        computed += pod.prompt_token_rate - cached
+        handover = max(handover, cached)
+    return (computed, handover) if seen else None
+
+
 def ttft_view(pods: Sequence[PodSignals], load: FleetLoad, percentile: float,
-              max_num_batched_tokens: int | None) -> TtftView | None:
+              prefill_rate: float | None) -> TtftView | None:
     """The fleet's TTFT inputs, or None when fewer than :data:`MIN_TTFT_OBSERVATIONS`
     first tokens are in the pooled window (or no pod has a TTFT histogram).
 
-    ``R`` is the median over pods with an ITL mean of ``budget / itl.mean``, where the
-    budget is ``max_num_batched_tokens`` when known, else the pod's ``step_tokens`` (what
-    it scheduled, a lower bound)."""
+    ``R`` is ``prefill_rate``, one replica's :func:`prefill_capacity` on the ITL plane
+    (a step's time is the plane's, so a budget-sized chunk costs ``a + d x budget``; the
+    mean ITL is mostly decode-only steps and overstates it, by 30x on the H200
+    profile)."""
     window = pooled([p.ttft for p in pods if p.ttft is not None])
     if window is None or window.count < MIN_TTFT_OBSERVATIONS:
         return None
     observed = window.quantile(percentile)
     if observed is None:
         return None
-    rates = []
-    for pod in pods:
-        step = pod.itl.mean if pod.itl is not None else None
-        budget = max_num_batched_tokens if max_num_batched_tokens is not None else pod.step_tokens
-        if step and step > 0 and budget:
-            rates.append(budget / step)
-    rate = sorted(rates)[len(rates) // 2] if rates else None
     waiting = load.waiting_tokens if load.capacity_known else 0.0
-    return TtftView(observed, waiting, rate, len(pods))
+    return TtftView(observed, waiting, prefill_rate, len(pods))
 
 
 @dataclass(frozen=True)
@@ -515,6 +542,10 @@ class LatencyView:
         ready: the ready replicas the observations were made with.
         itl_mean: the pooled window's mean ITL (seconds; None when it is too thin): what a
             request's duration, and so the requests in flight, scale with.
+        prefill_rate: one replica's :func:`prefill_capacity` (prompt tokens/s), None
+            when no prefill cost is known.
+        prefill_computed / prefix_handover: :func:`prefix_rates` (tokens/s), None when
+            no pod exports the prefix cache counters.
     """
 
     percentile_label: str
@@ -528,6 +559,18 @@ class LatencyView:
     itl_observations: float = 0.0
     ready: int = 0
     itl_mean: float | None = None
+    prefill_rate: float | None = None
+    prefill_computed: float | None = None
+    prefix_handover: float | None = None
+
+    def prefill_utilization(self, replicas: int) -> float | None:
+        """The share of ``replicas`` replicas' prefill capacity that the fleet's computed
+        prefill plus one pod's handover would take (0..; None without the rates, the
+        capacity, or a replica)."""
+        if (self.prefill_rate is None or self.prefill_computed is None
+                or self.prefix_handover is None or replicas < 1):
+            return None
+        return (self.prefill_computed + self.prefix_handover) / (replicas * self.prefill_rate)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary for ``status.autoscaler.lastDecision.latency``."""
@@ -542,8 +585,12 @@ class LatencyView:
             "itlObserved": None if self.observed_itl is None else round(self.observed_itl, 6),
             "ttftObserved": None if ttft is None else round(ttft.observed, 6),
             "ttftBase": None if ttft is None else round(ttft.base, 6),
-            "prefillRate": (None if ttft is None or ttft.prefill_rate is None
-                            else round(ttft.prefill_rate, 3)),
+            "prefillRate": (None if self.prefill_rate is None
+                            else round(self.prefill_rate, 3)),
+            "prefillComputed": (None if self.prefill_computed is None
+                                else round(self.prefill_computed, 3)),
+            "prefixHandover": (None if self.prefix_handover is None
+                               else round(self.prefix_handover, 3)),
             "requests": round(self.requests, 3),
             "growth": round(self.growth, 4),
         }

@@ -50,7 +50,9 @@ from kvpilot.autoscaler.latency import (
     itl_samples,
     observed_itl,
     pooled,
+    prefill_capacity,
     prefill_per_step,
+    prefix_rates,
     ttft_view,
 )
 from kvpilot.autoscaler.rules import NO_HISTOGRAMS, Candidate
@@ -249,7 +251,14 @@ def observe_latency(
     itl_mean = (itl_window.mean if itl_window is not None
                 and itl_window.count >= MIN_SAMPLE_OBSERVATIONS else None)
     requests = (load.num_running + load.num_waiting) * growth
-    fit = model.fit(PRIORS[slo.profile]) if slo.itl_seconds is not None else None
+    prior = PRIORS[slo.profile]
+    fit = model.fit(prior) if slo.itl_seconds is not None else None
+    # One replica's prefill capacity on the plane: the fit's level and per-token cost
+    # once the data has measured one (d > 0), the prior's before (and without an ITL
+    # target, which fits nothing).
+    a, d = (fit.a, fit.d) if fit is not None and fit.d > 0 else (prior.a, prior.d)
+    prefill_rate = prefill_capacity(a, d, signals.max_num_batched_tokens)
+    rates = prefix_rates(pods)
     if fit is not None and fit.d > 0 and requests > 0:
         # The prefill term folded into the per-request slope: for a fixed fleet load both
         # the batch and the prefill tokens per step fall as 1 / n with n replicas, so
@@ -262,13 +271,13 @@ def observe_latency(
         if fit.d * prefill / requests > fit.c:
             fit = replace(fit, c=fit.c + fit.d * prefill / requests)
         else:
-            fit = model.fit(PRIORS[slo.profile], prefill=False)
+            fit = model.fit(prior, prefill=False)
     view = LatencyView(
         percentile_label=slo.quantile_label,
         histograms=histograms,
         fit=fit,
         observed_itl=itl_now,
-        ttft=(ttft_view(pods, load, slo.percentile, signals.max_num_batched_tokens)
+        ttft=(ttft_view(pods, load, slo.percentile, prefill_rate)
               if slo.ttft_seconds is not None else None),
         requests=requests,
         growth=growth,
@@ -276,6 +285,9 @@ def observe_latency(
         itl_observations=itl_count,
         ready=signals.ready_replicas,
         itl_mean=itl_mean,
+        prefill_rate=prefill_rate,
+        prefill_computed=None if rates is None else rates[0],
+        prefix_handover=None if rates is None else rates[1],
     )
     return view, state
 

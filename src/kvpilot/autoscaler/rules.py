@@ -16,7 +16,11 @@ import math
 from dataclasses import dataclass
 
 from kvpilot.autoscaler.forecast import Trend, seconds_to_exhaustion
-from kvpilot.autoscaler.latency import MIN_INFORMED_READS, LatencyView
+from kvpilot.autoscaler.latency import (
+    MIN_INFORMED_READS,
+    PREFILL_UTILIZATION_TARGET,
+    LatencyView,
+)
 from kvpilot.autoscaler.signals import FleetLoad
 from kvpilot.autoscaler.spec import AutoscalingSpec
 
@@ -322,6 +326,27 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
 
+def _prefill_ask(view: LatencyView, current: int, tol: float
+                 ) -> tuple[int, str, float, str] | None:
+    """The replicas whose prefill capacity runs the fleet's computed prefill (grown by
+    the forecast) at :data:`~kvpilot.autoscaler.latency.PREFILL_UTILIZATION_TARGET`, with
+    HPA's tolerance band; None without the prefix-cache rates or a prefill capacity.
+    Signal ``prefill_utilization``, value the utilization at ``current``."""
+    rate, computed = view.prefill_rate, view.prefill_computed
+    if rate is None or computed is None or current < 1:
+        return None
+    demand = computed * view.growth
+    used = demand / (current * rate)
+    n = max(1, ceil_replicas(demand / (rate * PREFILL_UTILIZATION_TARGET)))
+    if abs(used / PREFILL_UTILIZATION_TARGET - 1.0) <= tol:
+        n = current
+    grown = f", x{view.growth:.2f} forecast growth" if view.growth > 1.0 else ""
+    return (n, "prefill_utilization", used,
+            f"prefill {demand:.0f} tokens/s computed (prefix-cache misses{grown}) is"
+            f" {used:.0%} of {current} x {rate:.0f} tokens/s vs target"
+            f" {PREFILL_UTILIZATION_TARGET:.0%}: {n} replicas")
+
+
 def latency(view: LatencyView | None, current: int, spec: AutoscalingSpec) -> Candidate:
     """Size the fleet for ``spec.autoscaling.slo``: the fewest replicas whose predicted ITL
     and TTFT at the SLO's percentile are within their targets at the load the fleet has
@@ -393,6 +418,10 @@ def latency(view: LatencyView | None, current: int, spec: AutoscalingSpec) -> Ca
                     n = current
                 asks.append((n, f"ttft_{label}", predicted,
                              f"{line} vs target {_ms(target)}: {n} replicas"))
+    if slo.ttft_seconds is not None:
+        ask = _prefill_ask(view, current, tol)
+        if ask is not None:
+            asks.append(ask)
     if not asks:
         signal = f"itl_{label}" if slo.itl_seconds is not None else f"ttft_{label}"
         value = view.observed_itl if slo.itl_seconds is not None else (

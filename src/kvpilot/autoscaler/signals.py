@@ -19,6 +19,10 @@ field                             engine metric
                                   ``rate(...[1m])`` or :func:`counter_rate` on two scrapes
 ``kv_capacity_tokens``            ``kvpilot:kv_cache_capacity_tokens`` (= ``num_gpu_blocks`` x
                                   ``block_size`` of ``kvpilot:cache_config_info``)
+``prompt_token_rate``             rate of ``kvpilot:prefix_cache_queries_total`` (prompt
+                                  tokens looked up in the prefix cache per second)
+``cached_token_rate``             rate of ``kvpilot:prefix_cache_hits_total`` (of those, the
+                                  tokens the prefix cache held: prefill not computed)
 ``FleetSignals.max_num_seqs``     the engines' ``--max-num-seqs`` (the operator passes the CR's
                                   ``spec.engine.maxNumSeqs``, the flag it sets on every pod)
 ``FleetSignals.router_queued``    requests the router pods hold that no engine counts yet:
@@ -140,6 +144,12 @@ class PodSignals:
             ``_sum`` / ``_count`` increase), or None. The latency signals are not load
             signals: a pod without them is not "missing"; the policy falls back to the
             saturation signals and says so.
+        prompt_token_rate / cached_token_rate: prompt tokens per second looked up in the
+            pod's prefix cache, and those it held (tokens/s, cached <= prompt), over the
+            last window; None when not exported. Like the latency signals, not load
+            signals: the consolidation check reads them (a replica removed takes its
+            cached prefixes with it, and the sessions it held prefill them again on the
+            pods that remain; :func:`kvpilot.autoscaler.windows.latency_blocker`).
     """
 
     name: str
@@ -152,10 +162,14 @@ class PodSignals:
     itl: LatencyWindow | None = None
     ttft: LatencyWindow | None = None
     step_tokens: float | None = None
+    prompt_token_rate: float | None = None
+    cached_token_rate: float | None = None
 
     def __post_init__(self) -> None:
         _check_optional("kv_usage", self.name, self.kv_usage, upper=1.0)
         _check_optional("step_tokens", self.name, self.step_tokens)
+        _check_optional("prompt_token_rate", self.name, self.prompt_token_rate)
+        _check_optional("cached_token_rate", self.name, self.cached_token_rate)
         for name in ("itl", "ttft"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, LatencyWindow):

@@ -113,6 +113,13 @@ def consolidation_blocker(
     return latency_blocker(latency, fewer, spec)
 
 
+# The share of the remaining replicas' prefill capacity that the fleet's computed prefill
+# plus the handover of one pod's cached prefixes may take (latency_blocker). Half: the
+# handover is a burst (each moved session prefills its context again on its next turn),
+# and the steps that carry it also carry the decodes.
+HANDOVER_PREFILL_CEILING = 0.5
+
+
 def latency_blocker(view: LatencyView | None, fewer: int, spec: AutoscalingSpec) -> str | None:
     """Why ``fewer`` replicas would miss ``spec.autoscaling.slo``, or ``None``.
 
@@ -128,6 +135,17 @@ def latency_blocker(view: LatencyView | None, fewer: int, spec: AutoscalingSpec)
       waits until the fit is trusted (a few reads). With less traffic than that there is
       no latency to measure and none the other checks do not cover: no hold.
     * TTFT: the prediction at ``fewer`` (its queue wait grows as 1/``fewer``).
+    * Prefix-cache handover (ours): a replica that goes takes its prefix cache with it,
+      and behind a prefix-aware router the sessions it held prefill their whole context
+      again on the replicas that remain, on their next turn. With the engines'
+      prefix-cache counters, the fleet's computed prefill plus the largest one pod's
+      cache saves (the pod that goes is the ReplicaSet's choice) must fit in
+      :data:`HANDOVER_PREFILL_CEILING` of ``fewer`` replicas' prefill capacity
+      (:func:`kvpilot.autoscaler.latency.prefill_capacity`). KV usage cannot see it: the
+      cache is evictable, so a fleet of warm caches reads as nearly empty. In the
+      simulator's agentic trace a fleet of two at 5% KV usage and ITL 5 ms went to one
+      and its TTFT p90 rose to 4.6 s (its hit rate fell from 92% to 54%) until ten
+      replicas were started.
 
     A target no count meets (ITL at one request per replica, TTFT's base already over it)
     does not hold the fleet: keeping replicas that cannot help is no protection. No SLO, or no
@@ -164,6 +182,13 @@ def latency_blocker(view: LatencyView | None, fewer: int, spec: AutoscalingSpec)
             return (f"{fewer} replicas would queue {ttft.waiting_tokens:.0f} prompt tokens to a"
                     f" predicted TTFT {label} of {predicted * 1000:.0f} ms >"
                     f" {ceiling * 1000:.0f} ms (the SLO less the tolerance band)")
+    handover = view.prefill_utilization(fewer)
+    if handover is not None and handover > HANDOVER_PREFILL_CEILING:
+        return (f"{fewer} replicas would prefill {view.prefill_computed:.0f} tokens/s plus"
+                f" the {view.prefix_handover:.0f} tokens/s one pod's prefix cache saves,"
+                f" {handover:.0%} of their prefill capacity"
+                f" ({view.prefill_rate:.0f} tokens/s each) >"
+                f" {HANDOVER_PREFILL_CEILING:.0%}")
     return None
 
 

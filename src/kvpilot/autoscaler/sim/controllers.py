@@ -74,6 +74,8 @@ class KvPilotPolicy:
         self._last_preempt: dict[int, tuple[float, int]] = {}
         self._last_hist: dict[int, tuple[tuple[list[float], float], tuple[list[float], float],
                                          float, float]] = {}
+        # Per replica: its prefix-cache counters (queried, hit tokens) at the last read.
+        self._last_prefix: dict[int, tuple[float, float, float]] = {}
         self.rules: dict[str, int] = {}
         self.last: Decision | None = None
         self.last_signals: FleetSignals | None = None
@@ -90,6 +92,9 @@ class KvPilotPolicy:
         steps = r.steps - (last[2] if last else 0.0)
         tokens = r.step_tokens - (last[3] if last else 0.0)
         self._last_hist[r.rid] = (r.itl.snapshot(), r.ttft.snapshot(), r.steps, r.step_tokens)
+        q0, h0, t0 = self._last_prefix.get(r.rid, (0.0, 0.0, r.ready_at))
+        self._last_prefix[r.rid] = (r.queried_tokens, r.hit_tokens, now)
+        span = now - t0
         return PodSignals(
             f"r{r.rid}",
             r.kv_usage(now),
@@ -101,6 +106,8 @@ class KvPilotPolicy:
             itl=itl,
             ttft=ttft,
             step_tokens=max(0.0, tokens / steps) if steps > 1e-9 else None,
+            prompt_token_rate=(r.queried_tokens - q0) / span if span > 0 else None,
+            cached_token_rate=(r.hit_tokens - h0) / span if span > 0 else None,
         )
 
     def decide(self, now: float, ready: Sequence[Replica], pending: int) -> int:

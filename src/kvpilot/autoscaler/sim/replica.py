@@ -210,6 +210,7 @@ class Replica:
         "dec_const",
         "dec_heap",
         "epoch",
+        "hit_tokens",
         "itl",
         "itl_index",
         "limit",
@@ -221,6 +222,7 @@ class Replica:
         "preemptions",
         "prefill_kv",
         "prefills",
+        "queried_tokens",
         "rate",
         "ready_at",
         "rid",
@@ -270,6 +272,10 @@ class Replica:
         self.ttft = Histogram(REQUEST_BUCKETS)
         self.steps = 0.0  # cumulative engine steps (only while busy)
         self.step_tokens = 0.0  # cumulative tokens scheduled in them
+        # The engine's prefix_cache_queries_total / prefix_cache_hits_total: prompt tokens
+        # looked up at first admissions, and those the prefix cache held.
+        self.queried_tokens = 0.0
+        self.hit_tokens = 0.0
 
     # -- observation ---------------------------------------------------------------------
     def kv_tokens(self, now: float) -> float:
@@ -431,6 +437,9 @@ class Replica:
                 if req.first:
                     req.cached = hit
             tokens = max(1.0, need - req.cached)
+            if req.first:
+                self.queried_tokens += req.prompt
+                self.hit_tokens += req.cached
             if req.first and req.arrival >= stats.warmup:
                 stats.prompt_tokens += req.prompt
                 stats.hit_tokens += req.cached

@@ -104,6 +104,7 @@ class EngineSample:
         itl / ttft: the latency histograms' lifetime counters (None: absent, an engine
             older than them, or malformed).
         iteration_tokens: ``(_sum, _count)`` of the tokens-per-step histogram, or None.
+        prefix_queries / prefix_hits: the prefix cache's counter values (tokens), or None.
     """
 
     kv_usage: float | None
@@ -119,6 +120,8 @@ class EngineSample:
     itl: HistogramSample | None = None
     ttft: HistogramSample | None = None
     iteration_tokens: tuple[float, float] | None = None
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
 
 
 # Samples by name: (labels, value) for each series of that name.
@@ -221,6 +224,8 @@ def parse_engine_metrics(text: str, names: EngineMetricNames) -> EngineSample:
         itl=_histogram(by_name, names.itl),
         ttft=_histogram(by_name, names.ttft),
         iteration_tokens=_sum_count(by_name, names.iteration_tokens),
+        prefix_queries=_counter(by_name, names.prefix_queries),
+        prefix_hits=_counter(by_name, names.prefix_hits),
     )
 
 

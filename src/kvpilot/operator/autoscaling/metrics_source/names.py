@@ -38,6 +38,9 @@ class EngineMetricNames:
             saturation).
         iteration_tokens: histogram of the tokens scheduled per engine step (its ``_sum``
             and ``_count`` give the mean per step).
+        prefix_queries / prefix_hits: counters, prompt tokens looked up in the prefix
+            cache and those it held (their rates feed the prefix-cache handover check;
+            absent on older engines, which skips that check).
     """
 
     kv_usage: str = "kvpilot:gpu_cache_usage_factor"
@@ -53,6 +56,8 @@ class EngineMetricNames:
     itl: str = "kvpilot:inter_token_latency_seconds"
     ttft: str = "kvpilot:time_to_first_token_seconds"
     iteration_tokens: str = "kvpilot:iteration_tokens_total"
+    prefix_queries: str = "kvpilot:prefix_cache_queries_total"
+    prefix_hits: str = "kvpilot:prefix_cache_hits_total"
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -74,6 +74,8 @@ class _Previous:
     itl: HistogramSample | None = None
     ttft: HistogramSample | None = None
     iteration_tokens: tuple[float, float] | None = None
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
 
 
 class PodScrapeSource:
@@ -195,8 +197,9 @@ class PodScrapeSource:
             key = (pod.name, pod.ip)
             before = previous.get(key)
             self._previous[key] = _Previous(now, result.preemptions, result.generation_tokens,
-                                            result.itl, result.ttft, result.iteration_tokens)
-            preemption_rate = gen_rate = step_tokens = None
+                                            result.itl, result.ttft, result.iteration_tokens,
+                                            result.prefix_queries, result.prefix_hits)
+            preemption_rate = gen_rate = step_tokens = queried = cached = None
             itl = ttft = None
             if before is not None and now > before.time:
                 preemption_rate = counter_rate(before.preemptions, before.time,
@@ -206,10 +209,13 @@ class PodScrapeSource:
                 itl = histogram_increase(before.itl, result.itl)
                 ttft = histogram_increase(before.ttft, result.ttft)
                 step_tokens = mean_increase(before.iteration_tokens, result.iteration_tokens)
+                queried = counter_rate(before.prefix_queries, before.time,
+                                       result.prefix_queries, now)
+                cached = counter_rate(before.prefix_hits, before.time, result.prefix_hits, now)
             signals.append(pod_signals(pod.name, result.kv_usage, result.num_waiting,
                                        result.waiting_tokens, result.num_running,
                                        preemption_rate, result.kv_capacity_tokens,
-                                       itl, ttft, step_tokens))
+                                       itl, ttft, step_tokens, queried, cached))
             if signals[-1].kv_capacity_tokens is not None:
                 windows.append(result.kv_window_tokens)
             rates.append(gen_rate)

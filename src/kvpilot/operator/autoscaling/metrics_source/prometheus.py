@@ -244,7 +244,9 @@ class PrometheusSource:
                                        get("num_waiting", p.name), get("waiting_tokens", p.name),
                                        get("num_running", p.name), get("preemption_rate", p.name),
                                        capacity, latency("itl", p.name), latency("ttft", p.name),
-                                       get("step_tokens", p.name)))
+                                       get("step_tokens", p.name),
+                                       get("prompt_token_rate", p.name),
+                                       get("cached_token_rate", p.name)))
             if signals[-1].kv_capacity_tokens is not None:
                 window = get("kv_window", p.name)
                 windows.append(int(window) if window is not None else None)

@@ -29,11 +29,14 @@ ttft_buckets           the same on ``kvpilot:time_to_first_token_seconds_bucket`
 ttft_sum               the same on ``kvpilot:time_to_first_token_seconds_sum``
 step_tokens            ``max by (pod) (increase(kvpilot:iteration_tokens_total_sum{S}[W]))
                        / max by (pod) (increase(kvpilot:iteration_tokens_total_count{S}[W]))``
+prompt_token_rate      ``max by (pod) (rate(kvpilot:prefix_cache_queries_total{S}[W]))``
+cached_token_rate      ``max by (pod) (rate(kvpilot:prefix_cache_hits_total{S}[W]))``
 =====================  ==========================================================
 
-The last five are the SLO's (:mod:`kvpilot.autoscaler.latency`): each pod's latency
-histograms over the window W, read like ``histogram_quantile`` reads them, and its mean
-tokens per engine step. They are optional: an engine older than these series answers
+The last seven are the SLO's (:mod:`kvpilot.autoscaler.latency`): each pod's latency
+histograms over the window W, read like ``histogram_quantile`` reads them, its mean
+tokens per engine step, and its prefix cache's looked-up and held prompt tokens per
+second. They are optional: an engine older than these series answers
 nothing, which is not reported as a problem (the policy falls back to saturation).
 
 ``max by (pod)`` keeps one sample per pod even when two scrape jobs collect the same
@@ -138,12 +141,14 @@ def signal_queries(names: EngineMetricNames, selector: SeriesSelector,
         "step_tokens": (per_pod(f"increase({names.iteration_tokens}_sum{s}[{rate_window}])")
                         + " / "
                         + per_pod(f"increase({names.iteration_tokens}_count{s}[{rate_window}])")),
+        "prompt_token_rate": per_pod(f"rate({names.prefix_queries}{s}[{rate_window}])"),
+        "cached_token_rate": per_pod(f"rate({names.prefix_hits}{s}[{rate_window}])"),
     }
 
 
 # The SLO's signals: an empty answer is an engine without them, not a problem to report.
 OPTIONAL_SIGNALS = frozenset({"itl_buckets", "itl_sum", "ttft_buckets", "ttft_sum",
-                              "step_tokens"})
+                              "step_tokens", "prompt_token_rate", "cached_token_rate"})
 # Signals answered per (pod, le): histogram buckets.
 BUCKET_SIGNALS = frozenset({"itl_buckets", "ttft_buckets"})
 

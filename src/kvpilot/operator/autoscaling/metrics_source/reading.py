@@ -131,7 +131,8 @@ def pod_signals(name: str, kv_usage: float | None, num_waiting: float | None,
                 waiting_tokens: float | None, num_running: float | None,
                 preemption_rate: float | None, kv_capacity_tokens: float | None,
                 itl: LatencyWindow | None = None, ttft: LatencyWindow | None = None,
-                step_tokens: float | None = None) -> PodSignals:
+                step_tokens: float | None = None, prompt_token_rate: float | None = None,
+                cached_token_rate: float | None = None) -> PodSignals:
     """A :class:`PodSignals` from raw readings, each number validated by :func:`valid`
     (the latency windows are validated when built)."""
     capacity = valid(kv_capacity_tokens)
@@ -146,6 +147,8 @@ def pod_signals(name: str, kv_usage: float | None, num_waiting: float | None,
         itl=itl,
         ttft=ttft,
         step_tokens=valid(step_tokens),
+        prompt_token_rate=valid(prompt_token_rate),
+        cached_token_rate=valid(cached_token_rate),
     )
 
 
