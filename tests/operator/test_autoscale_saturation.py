@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+import pytest
+
 from kvpilot.autoscaler import PodSignals, PolicyState
 from kvpilot.operator.autoscaling.fleet import EnginePod, FleetObservation
 from kvpilot.operator.autoscaling.metrics_source import MetricsReading
@@ -59,8 +61,9 @@ def test_the_default_target_is_the_crds():
 
 def test_an_slo_reaches_the_policy_with_the_crs_token_budget():
     """spec.autoscaling.slo through the operator's plan: the TTFT model's prefill rate is
-    the CR's engine.maxNumBatchedTokens over the step time (the ITL mean), and the
-    latency view lands in status.autoscaler.lastDecision."""
+    one replica's prefill capacity at the CR's engine.maxNumBatchedTokens (the CPU
+    prior's plane, 512 / (27 ms + 512 x 1.5 ms) = 644 tokens/s: a TTFT target alone
+    fits nothing), and the latency view lands in status.autoscaler.lastDecision."""
     import math
 
     from kvpilot.autoscaler import LatencyWindow
@@ -73,12 +76,36 @@ def test_an_slo_reaches_the_policy_with_the_crs_token_budget():
     ttft = LatencyWindow(((6.0, 18), (24.0, 20), (math.inf, 20)), 100.0)  # p90 6 s
     pod = EnginePod("p0", "10.0.0.1")
     reading = MetricsReading("pods", (PodSignals(
-        "p0", kv_usage=0.2, num_waiting=2.0, waiting_tokens=8192.0, num_running=4.0,
+        "p0", kv_usage=0.2, num_waiting=2.0, waiting_tokens=2576.1, num_running=4.0,
         preemption_rate=0.0, kv_capacity_tokens=50000.0, itl=itl, ttft=ttft),))
     plan = plan_autoscale(FleetObservation(1, (pod,), 0), reading, PolicyState(), spec, (), NOW)
     latency = plan.status["autoscaler"]["lastDecision"]["latency"]
-    assert latency["prefillRate"] == 2048.0  # 512 tokens per 0.25 s step
-    # 8,192 queued tokens are 4 s of the 6 s p90: base 2 s, so no count meets 2 s...
-    assert latency["ttftBase"] == 2.0
+    assert latency["prefillRate"] == pytest.approx(644.025, abs=1e-3)
+    # 2,576 queued tokens are 4 s of the 6 s p90: base 2 s, so no count meets 2 s...
+    assert latency["ttftBase"] == pytest.approx(2.0, abs=1e-3)
     candidate = next(c for c in plan.decision.candidates if c.rule == "latency")
     assert candidate.replicas is None and "more replicas do not help" in candidate.detail
+
+
+def test_the_status_signals_carry_latency_and_the_prefix_cache():
+    """status.signals: the pooled p90 ITL and TTFT over the window (once the windows hold
+    20 ITL / 10 TTFT observations), the prefix caches' hit rate and the prefill the fleet
+    computed; absent (None) when no pod reported them, never 0."""
+    from kvpilot.autoscaler import LatencyWindow
+    from kvpilot.operator.autoscaling.plan import observed_signals
+
+    inf = float("inf")
+    itl = LatencyWindow(((0.01, 50), (0.05, 90), (0.1, 100), (inf, 100)), 3.0)
+    ttft = LatencyWindow(((0.5, 9), (2.0, 10), (inf, 10)), 4.0)
+    pods = (PodSignals("a", itl=itl, ttft=ttft, prompt_token_rate=3000.0, cached_token_rate=2400.0),
+            PodSignals("b", itl=itl, prompt_token_rate=1000.0, cached_token_rate=1200.0),
+            PodSignals("c"))
+    seen = observed_signals(MetricsReading("pods", pods)).to_status(NOW)["signals"]
+    assert seen["itlP90Seconds"] == 0.05  # 180 of 200 observations at or under 50 ms
+    assert seen["ttftP90Seconds"] == 0.5  # 9 of 10 at or under 0.5 s
+    # Computed: 600 + 0 (b's hits clamp to its lookups) of 4,000 looked up.
+    assert seen["prefillTokensPerSecond"] == 600.0 and seen["prefixCacheHitRate"] == 0.85
+    thin = LatencyWindow(((0.05, 5), (inf, 5)), 0.1)  # too few observations to read
+    bare = observed_signals(MetricsReading("pods", (PodSignals("a", itl=thin, ttft=thin),)))
+    assert (bare.itl_p90, bare.ttft_p90, bare.prefix_cache_hit_rate,
+            bare.prefill_tokens_per_second) == (None, None, None, None)

@@ -98,6 +98,9 @@ def test_crd_printer_columns_point_at_declared_fields(crd):
         "Cost/Mtok": ".status.cost.costPerMillionTokens",
         "KV-Tokens": ".status.capacity.kvCapacityTokensPerReplica",
         "Max-Reqs": ".status.capacity.maxConcurrentRequestsEstimate",
+        "ITL-P90": ".status.signals.itlP90Seconds",
+        "TTFT-P90": ".status.signals.ttftP90Seconds",
+        "Hit-Rate": ".status.signals.prefixCacheHitRate",
         "Reason": ".status.lastScaleReason",
         "Endpoint": ".status.endpoint",
     }

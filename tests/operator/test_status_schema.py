@@ -114,7 +114,8 @@ def reconcile_statuses() -> list[dict]:
 
 
 def autoscaler_fragments() -> list[dict]:
-    signals = ObservedSignals("prometheus", 3, 0.81, 0.97, 24.0, 9.0, 5120.0, 0.2)
+    signals = ObservedSignals("prometheus", 3, 0.81, 0.97, 24.0, 9.0, 5120.0, 0.2, 0.042, 0.8,
+                              0.91, 1234.5)
     missing = ObservedSignals("pods", 0)
     decision = {
         "desiredReplicas": 4, "currentReplicas": 3, "direction": "up", "rule": "forecast",
@@ -125,6 +126,7 @@ def autoscaler_fragments() -> list[dict]:
         "latency": {"percentile": "p90", "histograms": True, "trusted": False,
                     "informedReads": 2, "itlA": 0.03, "itlC": 0.006, "itlObserved": 0.12,
                     "ttftObserved": 1.5, "ttftBase": 0.5, "prefillRate": 2048.0,
+                    "prefillComputed": 900.0, "prefixHandover": 21000.0,
                     "requests": 40.0, "growth": 1.0},
     }
     state = {"version": 1, "demand": [[1.0, 2.5]], "recommendations": [[1.0, 3, None]],
@@ -227,7 +229,8 @@ def test_c14_policy_output_with_an_slo_survives_pruning():
     for i in range(3):
         pod = PodSignals("chat-0", kv_usage=0.4, num_waiting=1, waiting_tokens=300,
                          num_running=8, preemption_rate=0.0, kv_capacity_tokens=16384,
-                         itl=itl, ttft=ttft, step_tokens=40.0)
+                         itl=itl, ttft=ttft, step_tokens=40.0, prompt_token_rate=500.0,
+                         cached_token_rate=300.0)
         decision = decide(FleetSignals((pod,), max_num_seqs=64, max_num_batched_tokens=2048),
                           state, spec, 15.0 * i)
         state = decision.state
@@ -235,7 +238,9 @@ def test_c14_policy_output_with_an_slo_survives_pruning():
     stored = stored_status(*patches)
     latency = stored["autoscaler"]["lastDecision"]["latency"]
     assert latency["histograms"] is True and latency["itlObserved"] > 0
-    assert latency["prefillRate"] == pytest.approx(2048 / 0.06)
+    # The prefill never varied (40 tokens per step, 8 decoding): the CPU prior's plane.
+    assert latency["prefillRate"] == pytest.approx(2048 / (0.027 + 2048 * 0.0015), abs=1e-3)
+    assert (latency["prefillComputed"], latency["prefixHandover"]) == (200.0, 300.0)
     assert PolicyState.from_dict(stored["autoscaler"]["policyState"]).latency == state.latency
 
 
@@ -284,13 +289,15 @@ value = st.one_of(st.none(), finite, st.just(math.nan), st.just(math.inf))
 
 @settings(max_examples=200, deadline=None)
 @given(usage=value, top=value, running=value, waiting=value, tokens=value, rate=value,
-       ready=st.integers(0, 1000), cap=value, ctx_len=value, conc=value, cost=value, mtok=value)
+       ready=st.integers(0, 1000), cap=value, ctx_len=value, conc=value, cost=value, mtok=value,
+       latency=st.tuples(value, value, value, value))
 def test_c14_any_observation_is_storable(usage, top, running, waiting, tokens, rate, ready,
-                                         cap, ctx_len, conc, cost, mtok):
+                                         cap, ctx_len, conc, cost, mtok, latency):
     """Whatever a metric source reads (missing, NaN, inf, huge), the status stays valid:
     non-finite values become None (removed), counts become integers."""
     stored_status(
-        ObservedSignals("pods", ready, usage, top, running, waiting, tokens, rate).to_status(T0),
+        ObservedSignals("pods", ready, usage, top, running, waiting, tokens, rate,
+                        *latency).to_status(T0),
         CapacityEstimate(cap, ctx_len, conc).to_status(),
         CostEstimate(cost, mtok).to_status(),
     )

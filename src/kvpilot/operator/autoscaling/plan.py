@@ -31,6 +31,12 @@ from datetime import datetime
 from typing import Any
 
 from kvpilot.autoscaler import Decision, FleetSignals, PolicyState, decide
+from kvpilot.autoscaler.latency import (
+    MIN_SAMPLE_OBSERVATIONS,
+    MIN_TTFT_OBSERVATIONS,
+    pooled,
+    prefix_rates,
+)
 from kvpilot.operator.autoscaling.fleet import FleetObservation
 from kvpilot.operator.autoscaling.metrics_source import MetricsReading
 from kvpilot.operator.reconcile import Event
@@ -80,7 +86,9 @@ def scale_reason(decision: Decision) -> str:
 
 
 def observed_signals(reading: MetricsReading) -> ObservedSignals:
-    """Fleet-wide figures over the pods that reported each value (None if none did)."""
+    """Fleet-wide figures over the pods that reported each value (None if none did). The
+    p90 latencies come from the pooled histogram windows once they hold 20 ITL or 10 TTFT
+    observations (the latency model's own minimums)."""
     def values(field: str) -> list[float]:
         return [v for v in (getattr(p, field) for p in reading.pods) if v is not None]
 
@@ -89,6 +97,11 @@ def observed_signals(reading: MetricsReading) -> ObservedSignals:
         return sum(found) if found else None
 
     usage = values("kv_usage")
+    itl = pooled([p.itl for p in reading.pods if p.itl is not None])
+    ttft = pooled([p.ttft for p in reading.pods if p.ttft is not None])
+    looked_up = sum(p.prompt_token_rate for p in reading.pods
+                    if p.prompt_token_rate is not None and p.cached_token_rate is not None)
+    rates = prefix_rates(reading.pods)
     return ObservedSignals(
         source=reading.source,
         ready_pods=len(reading.pods),
@@ -98,6 +111,13 @@ def observed_signals(reading: MetricsReading) -> ObservedSignals:
         requests_waiting=total("num_waiting"),
         waiting_tokens=total("waiting_tokens"),
         preemption_rate=total("preemption_rate"),
+        itl_p90=(itl.quantile(0.9) if itl is not None and itl.count >= MIN_SAMPLE_OBSERVATIONS
+                 else None),
+        ttft_p90=(ttft.quantile(0.9) if ttft is not None and ttft.count >= MIN_TTFT_OBSERVATIONS
+                  else None),
+        prefix_cache_hit_rate=(1.0 - rates[0] / looked_up
+                               if rates is not None and looked_up > 0 else None),
+        prefill_tokens_per_second=None if rates is None else rates[0],
     )
 
 

@@ -75,6 +75,12 @@ class ObservedSignals:
         requests_running / requests_waiting: summed over pods.
         waiting_tokens: prompt tokens not yet prefilled, summed over pods.
         preemption_rate: preemptions per second, summed over pods.
+        itl_p90 / ttft_p90: the fleet's pooled inter-token latency and time to first
+            token at p90 over the read window (seconds), from the engines' histograms.
+        prefix_cache_hit_rate: prompt tokens the prefix caches held over those looked up,
+            over the window (0..1).
+        prefill_tokens_per_second: prompt tokens the fleet prefilled (looked up less
+            held) per second over the window.
     """
 
     source: str
@@ -85,6 +91,10 @@ class ObservedSignals:
     requests_waiting: float | None = None
     waiting_tokens: float | None = None
     preemption_rate: float | None = None
+    itl_p90: float | None = None
+    ttft_p90: float | None = None
+    prefix_cache_hit_rate: float | None = None
+    prefill_tokens_per_second: float | None = None
 
     def to_status(self, now: datetime) -> dict[str, Any]:
         return {"signals": {
@@ -97,6 +107,10 @@ class ObservedSignals:
             "requestsWaiting": _count(self.requests_waiting),
             "waitingTokens": _count(self.waiting_tokens),
             "preemptionRate": _real(self.preemption_rate),
+            "itlP90Seconds": _real(self.itl_p90),
+            "ttftP90Seconds": _real(self.ttft_p90),
+            "prefixCacheHitRate": _real(self.prefix_cache_hit_rate),
+            "prefillTokensPerSecond": _real(self.prefill_tokens_per_second, 1),
         }}
 
 
