@@ -180,11 +180,15 @@ def ramp_shape(duration: float, low: float = 0.25) -> Callable[[float], float]:
     return shape
 
 
+# The burst trace's step, as shares of the run (the benchmark's onset bound reads them).
+BURST_START, BURST_END = 0.30, 0.60
+
+
 def burst_shape(duration: float, factor: float = 4.0) -> Callable[[float], float]:
     """Share of peak: 1/factor, x factor at once from 30% to 60% of the run, then back."""
 
     def shape(t: float) -> float:
-        return 1.0 if 0.30 * duration <= t < 0.60 * duration else 1.0 / factor
+        return 1.0 if BURST_START * duration <= t < BURST_END * duration else 1.0 / factor
 
     return shape
 
