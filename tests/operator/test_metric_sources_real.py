@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from datetime import datetime, timezone
 
 import httpx
 import pytest
@@ -189,6 +190,42 @@ def test_pods_and_prometheus_sources_read_the_same_signals_as_the_engine(engine,
     assert scraped.pods[0].kv_usage == queried.pods[0].kv_usage == 0.0
     pods_source.close()
     prom_source.close()
+
+
+def test_both_sources_read_the_real_prefix_cache_counters(engine, prometheus):
+    """The prefix-cache handover check's inputs from a real engine: the same long prompt
+    sent again is mostly a cache hit, and both sources read looked-up and held prompt
+    tokens per second (held <= looked up, both > 0), as the status's hit rate does."""
+    from kvpilot.operator.autoscaling.plan import observed_signals
+
+    pod = EnginePod("chat-0", "127.0.0.1", engine.port)
+    pods_source = PodScrapeSource("llm/chat")
+    prom_source = PrometheusSource(prometheus.url, SeriesSelector("llm", "chat"))
+    try:
+        before = engine_metrics(engine)
+        assert before.prefix_queries is not None and before.prefix_hits is not None
+        pods_source.read([pod], time.monotonic())
+        prompt = "You are a careful assistant. " * 60
+        for i in range(3):
+            r = httpx.post(f"{engine.url}/v1/completions", timeout=60, json={
+                "model": "SmolLM2-135M-Instruct", "prompt": prompt + f"Question {i}?",
+                "max_tokens": 4})
+            assert r.status_code == 200, r.text
+        after = engine_metrics(engine)
+        assert after.prefix_hits - before.prefix_hits > 0  # the second and third hit
+        reading = pods_source.read([pod], time.monotonic())
+        (signals,) = reading.pods
+        assert signals.prompt_token_rate > 0 and 0 < signals.cached_token_rate <= signals.prompt_token_rate
+        status = observed_signals(reading).to_status(datetime.now(timezone.utc))["signals"]
+        assert 0 < status["prefixCacheHitRate"] < 1
+        prometheus.wait_for("Prometheus to see the hits", lambda: prometheus.query(
+            f'kvpilot:prefix_cache_hits_total{{pod="chat-0"}} >= {after.prefix_hits:.0f}'))
+        (from_prom,) = prom_source.read([EnginePod("chat-0")], time.time()).pods
+        assert from_prom.prompt_token_rate > 0
+        assert 0 < from_prom.cached_token_rate <= from_prom.prompt_token_rate
+    finally:
+        pods_source.close()
+        prom_source.close()
 
 
 def test_c15_stopped_prometheus_is_missing_data_and_the_autoscaler_holds(engine):
