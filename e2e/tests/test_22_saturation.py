@@ -4,7 +4,9 @@ fill one engine's --max-num-seqs 8 batch (two wait); saturation scales the fleet
 ceil(running / (8 x 0.75)) = 2 and keeps it there for more than two scale-down windows
 while KV usage stays low. On KV usage alone the policy stepped back to one replica after
 one window (KV usage ~15%, nothing waiting at two replicas) and left two requests queued
-there, under the queue target, for good. Once the load stops the fleet steps down.
+there, under the queue target, for good. Once the load stops the fleet steps down. The
+CR also states an SLO loose enough to decide nothing: the latency view, the p90 ITL and
+the prefix-cache hit rate in the status come from the real engines.
 
 The KV pool is the sample's 0.25 GiB (about 5,800 tokens): ten requests of 32 + 48
 tokens hold under a third of one engine's cache.
@@ -39,6 +41,10 @@ def manifest() -> dict:
         "targetCacheUsage": 0.75, "targetQueueDepth": 4, "targetSaturation": TARGET_SATURATION,
         "startupSeconds": 20, "scaleDownStabilizationSeconds": WINDOW, "intervalSeconds": INTERVAL,
         "metrics": {"source": "pods"},
+        # Targets far above what this load gives (ITL p90 ~0.7 s on the node), so
+        # they decide nothing here: the SLO's signals are read from the real engines and
+        # reported (status.signals, lastDecision.latency) without moving the count.
+        "slo": {"itlSeconds": 5, "ttftSeconds": 60},
     })
     doc["spec"]["engine"]["maxNumSeqs"] = MAX_NUM_SEQS
     doc["spec"]["engine"]["maxModelLen"] = 1024
@@ -83,11 +89,14 @@ def test_a_busy_fleet_with_an_empty_cache_keeps_its_replicas(cluster, namespace)
         # Hold the load for more than two scale-down windows: never below the floor.
         hold_until = time.monotonic() + 2.5 * WINDOW
         seen: list[tuple[int, float | None, float | None]] = []
+        latency_signals: list[tuple[float | None, float | None]] = []
         while time.monotonic() < hold_until:  # samples a window in which nothing may happen
             obj = h.infd(cluster, namespace, NAME)
             signals = obj.get("status", {}).get("signals", {})
             seen.append((_replicas(cluster, namespace), signals.get("cacheUsage"),
                          signals.get("requestsRunning")))
+            latency_signals.append((signals.get("itlP90Seconds"),
+                                    signals.get("prefixCacheHitRate")))
             time.sleep(INTERVAL)
         print(f"e2e saturation: (replicas, KV usage, running) under load: {seen}")
         assert min(r for r, _, _ in seen) >= FLOOR, seen
@@ -96,6 +105,20 @@ def test_a_busy_fleet_with_an_empty_cache_keeps_its_replicas(cluster, namespace)
         candidate = _saturation_candidate(cluster, namespace)
         assert candidate is not None and candidate["replicas"] is not None, candidate
         assert candidate["replicas"] >= FLOOR, candidate
+        # The latency signals from the real engines' histograms and prefix caches.
+        status = h.infd(cluster, namespace, NAME)["status"]
+        latency = status["autoscaler"]["lastDecision"]["latency"]
+        print(f"e2e saturation: latency view {latency}, signals {status['signals']}")
+        assert latency["histograms"] is True and latency["itlObserved"] > 0, latency
+        assert latency["prefillRate"] > 0 and latency["prefillComputed"] is not None, latency
+        # Each read window is 3 s: the ITL p90 is there in every one, the hit rate in those
+        # where a request started (none is "no lookups", absent, never 0), and never the
+        # TTFT p90 (a request lasts ~30 s on this node, so a window holds one or two first
+        # tokens, under the 10 its quantile needs).
+        print(f"e2e saturation: (ITL p90, hit rate) under load: {latency_signals}")
+        assert all(itl is not None and itl > 0 for itl, _ in latency_signals), latency_signals
+        rates = [rate for _, rate in latency_signals if rate is not None]
+        assert rates and all(0 <= rate <= 1 for rate in rates), latency_signals
         finished = _finished(cluster, namespace)
         print(f"e2e saturation: finished requests by pod and reason: {finished}")
         assert sum(f["length"] for f in finished.values()) > 0, finished
