@@ -650,3 +650,38 @@ def test_prefill_utilization_scales_the_fleet_up():
                                    max_num_batched_tokens=2048), PolicyState(),
                       slo_spec(itl_seconds=0.05, profile="gpu"), 0.0)
     assert all(c.signal != "prefill_utilization" for c in itl_only.candidates)
+
+
+def test_a_pod_without_the_counters_beside_ones_with_them_holds_the_step_down():
+    """Found in review: pod a reports an empty cache, pod b (an older image mid-rollout)
+    no counters. Summing only a, the fleet stepped down and b's cache was lost unseen.
+    Now the step waits and says why; with both reporting, the check sizes it."""
+    spec = AutoscalingSpec(max_replicas=20, scale_down_stabilization_seconds=0,
+                           slo=SloSpec(ttft_seconds=1.0, profile="gpu"))
+    silent = PodSignals("b", kv_usage=0.05, num_waiting=0, waiting_tokens=0, num_running=4,
+                        preemption_rate=0.0, kv_capacity_tokens=10000,
+                        ttft=LatencyWindow(((0.2, 90), (1.0, 100), (INF, 100)), 12.0))
+    mixed = FleetSignals((warm_pod("a", 500, 0), silent), max_num_seqs=256,
+                         max_num_batched_tokens=2048)
+    d = decide(mixed, PolicyState(), spec, 0.0)
+    assert d.direction == "hold"
+    assert "1 of 2 ready pods report no prefix-cache rates" in d.reason
+    both = FleetSignals((warm_pod("a", 500, 0), warm_pod("b", 500, 0)), max_num_seqs=256,
+                        max_num_batched_tokens=2048)
+    assert decide(both, PolicyState(), spec, 0.0).direction == "down"
+
+
+def test_huge_but_finite_rates_never_raise():
+    """Found in review: two pods at 1.7e308 tokens/s summed to inf and ceil(inf) raised
+    OverflowError out of decide(). Now the ask is unbounded and the bounds clamp it."""
+    spec = AutoscalingSpec(max_replicas=7, slo=SloSpec(ttft_seconds=1.0, profile="gpu"))
+    pods = tuple(warm_pod(f"p{k}", 1.7e308, 0.0) for k in range(2))
+    d = decide(FleetSignals(pods, max_num_seqs=256, max_num_batched_tokens=2048),
+               PolicyState(), spec, 0.0)
+    assert d.desired_replicas == 7 and d.limited == "max"
+
+
+def test_keda_and_an_slo_are_refused_together_by_the_policy_spec_too():
+    with pytest.raises(ValueError, match="slo is not allowed when engine is keda"):
+        AutoscalingSpec.from_crd({"engine": "keda", "maxReplicas": 3,
+                                  "slo": {"ttftSeconds": 2.0}})

@@ -424,16 +424,15 @@ def test_thresholds_are_thousandths_and_the_address_has_no_trailing_slash():
     assert {t["serverAddress"] for t in triggers.values()} == {PROM}
 
 
-def test_the_builder_refuses_an_slo_the_parser_let_through():
-    """Belt and braces: a spec built around the parser (a test, a future caller) with an
-    SLO in KEDA mode gets no ScaledObject that silently drops the latency targets."""
+def test_no_spec_built_around_the_parser_holds_an_slo_in_keda_mode():
+    """Belt and braces: a spec built around the parser (a test, a future caller) cannot
+    carry an SLO in KEDA mode either, so no ScaledObject silently drops the latency
+    targets: the policy's spec refuses the pair itself."""
     import dataclasses
 
     from kvpilot.autoscaler import SloSpec
 
     parsed = parse_spec(keda_spec())
     assert parsed.autoscaling is not None
-    with_slo = dataclasses.replace(parsed, autoscaling=dataclasses.replace(
-        parsed.autoscaling, slo=SloSpec(itl_seconds=0.05)))
-    with pytest.raises(ValueError, match="slo is not allowed in KEDA mode"):
-        build_scaled_object(Owner("chat", "llm", "uid-chat").reference(), "llm", "chat", with_slo)
+    with pytest.raises(ValueError, match="slo is not allowed when engine is keda"):
+        dataclasses.replace(parsed.autoscaling, slo=SloSpec(itl_seconds=0.05))

@@ -471,8 +471,17 @@ class TtftView:
             return None
         if self.waiting_tokens <= 0:
             return 1
-        return max(1, math.ceil(self.waiting_tokens / (self.prefill_rate * (target - self.base))
-                                - 1e-9))
+        return max(1, _ceil(self.waiting_tokens / (self.prefill_rate * (target - self.base))))
+
+
+def _ceil(x: float) -> int:
+    """``ceil(x - 1e-9)`` that never raises: an infinite ``x`` (sums of huge, finite
+    signals overflow) is 2**31 - 1, which the bounds clamp to maxReplicas; NaN is 0."""
+    if math.isnan(x):
+        return 0
+    if math.isinf(x):
+        return 2**31 - 1 if x > 0 else 0
+    return math.ceil(x - 1e-9)
 
 
 def prefill_capacity(a: float, d: float, budget: int | None) -> float | None:
@@ -491,7 +500,9 @@ def prefix_rates(pods: Sequence[PodSignals]) -> tuple[float, float] | None:
     """``(computed, handover)`` in prompt tokens per second: the prefill the fleet
     computes (looked-up tokens less those its prefix caches held, summed over the pods),
     and the largest one pod's cache saves (what its sessions prefill again elsewhere if
-    that pod goes). None when no pod reported both rates."""
+    that pod goes). A pod's held tokens count at most its looked-up ones (the two
+    counters are read a moment apart). None when no pod reported both rates; pods that
+    did not are left out (:func:`prefix_unreported` counts them)."""
     computed = handover = 0.0
     seen = False
     for pod in pods:
@@ -502,6 +513,11 @@ def prefix_rates(pods: Sequence[PodSignals]) -> tuple[float, float] | None:
         computed += pod.prompt_token_rate - cached
         handover = max(handover, cached)
     return (computed, handover) if seen else None
+
+
+def prefix_unreported(pods: Sequence[PodSignals]) -> int:
+    """Ready pods without both prefix-cache rates (a pod's first read, an older image)."""
+    return sum(1 for p in pods if p.prompt_token_rate is None or p.cached_token_rate is None)
 
 
 def ttft_view(pods: Sequence[PodSignals], load: FleetLoad, percentile: float,
@@ -546,6 +562,7 @@ class LatencyView:
             when no prefill cost is known.
         prefill_computed / prefix_handover: :func:`prefix_rates` (tokens/s), None when
             no pod exports the prefix cache counters.
+        prefix_unreported: ready pods without those rates (:func:`prefix_unreported`).
     """
 
     percentile_label: str
@@ -562,6 +579,7 @@ class LatencyView:
     prefill_rate: float | None = None
     prefill_computed: float | None = None
     prefix_handover: float | None = None
+    prefix_unreported: int = 0
 
     def prefill_utilization(self, replicas: int) -> float | None:
         """The share of ``replicas`` replicas' prefill capacity that the fleet's computed
@@ -613,7 +631,7 @@ class LatencyView:
             cap = min(cap, float(self.max_num_seqs))
         if math.isinf(cap) or self.requests <= 0:
             return 1
-        open_loop = math.ceil(self.requests / cap - 1e-9)
+        open_loop = _ceil(self.requests / cap)
         # Closed loop (closed_loop): n replicas meet the target when
         # now x (1 - k0) / (1 - c x requests / (n x m)) does, i.e.
         # n >= c x requests / (m x (1 - now x (1 - k0) / target)). At most the current
@@ -625,8 +643,7 @@ class LatencyView:
             now, m, k0 = loop
             floor = now * (1.0 - k0)  # the prediction with unbounded replicas
             if floor < target:
-                closed = math.ceil(self.fit.c * self.requests / (m * (1.0 - floor / target))
-                                   - 1e-9)
+                closed = _ceil(self.fit.c * self.requests / (m * (1.0 - floor / target)))
         return max(1, open_loop, closed)
 
     def _loop(self) -> tuple[float, float, float] | None:

@@ -53,6 +53,7 @@ from kvpilot.autoscaler.latency import (
     prefill_capacity,
     prefill_per_step,
     prefix_rates,
+    prefix_unreported,
     ttft_view,
 )
 from kvpilot.autoscaler.rules import NO_HISTOGRAMS, Candidate
@@ -288,6 +289,7 @@ def observe_latency(
         prefill_rate=prefill_rate,
         prefill_computed=None if rates is None else rates[0],
         prefix_handover=None if rates is None else rates[1],
+        prefix_unreported=prefix_unreported(pods),
     )
     return view, state
 

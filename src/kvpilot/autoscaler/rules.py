@@ -32,8 +32,18 @@ NO_HISTOGRAMS = "no latency histograms: sizing on saturation"
 _EPS = 1e-9
 
 
+# What ceil_replicas answers for an infinite count (a sum of finite rates can overflow);
+# the bounds clamp it to maxReplicas.
+_UNBOUNDED = 2**31 - 1
+
+
 def ceil_replicas(x: float) -> int:
-    """ceil() that forgives float noise, floored at 0."""
+    """ceil() that forgives float noise, floored at 0; an infinite ``x`` (a sum of huge,
+    finite signals that overflowed) is :data:`_UNBOUNDED` and NaN is 0, never a raise."""
+    if math.isnan(x):
+        return 0
+    if math.isinf(x):
+        return _UNBOUNDED if x > 0 else 0
     return max(0, math.ceil(x - _EPS))
 
 

@@ -289,6 +289,9 @@ class AutoscalingSpec:
             raise ValueError(f"targetSaturation must be in (0, 1]; got {self.target_saturation}")
         if self.target_queue_depth <= 0:
             raise ValueError(f"targetQueueDepth must be > 0; got {self.target_queue_depth}")
+        if self.engine == "keda" and self.slo is not None:
+            raise ValueError("slo is not allowed when engine is keda: KEDA's HPA cannot run"
+                             " the latency model (use engine kvpilot for latency targets)")
         if self.interval_seconds <= 0:
             raise ValueError(f"intervalSeconds must be > 0; got {self.interval_seconds}")
         for name in (

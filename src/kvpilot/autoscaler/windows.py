@@ -141,7 +141,9 @@ def latency_blocker(view: LatencyView | None, fewer: int, spec: AutoscalingSpec)
       prefix-cache counters, the fleet's computed prefill plus the largest one pod's
       cache saves (the pod that goes is the ReplicaSet's choice) must fit in
       :data:`HANDOVER_PREFILL_CEILING` of ``fewer`` replicas' prefill capacity
-      (:func:`kvpilot.autoscaler.latency.prefill_capacity`). KV usage cannot see it: the
+      (:func:`kvpilot.autoscaler.latency.prefill_capacity`). While some pods report
+      the counters and others do not (a pod's first read, an image mid-rollout), the
+      step waits: the silent pod may hold the largest cache. KV usage cannot see it: the
       cache is evictable, so a fleet of warm caches reads as nearly empty. In the
       simulator's agentic trace a fleet of two at 5% KV usage and ITL 5 ms went to one
       and its TTFT p90 rose to 4.6 s (its hit rate fell from 92% to 54%) until ten
@@ -182,6 +184,11 @@ def latency_blocker(view: LatencyView | None, fewer: int, spec: AutoscalingSpec)
             return (f"{fewer} replicas would queue {ttft.waiting_tokens:.0f} prompt tokens to a"
                     f" predicted TTFT {label} of {predicted * 1000:.0f} ms >"
                     f" {ceiling * 1000:.0f} ms (the SLO less the tolerance band)")
+    if view.prefix_handover is not None and view.prefix_unreported:
+        return (f"{view.prefix_unreported} of {view.ready} ready pods report no prefix-cache"
+                " rates (a pod's first read, or an image without"
+                " kvpilot:prefix_cache_hits_total): the cache a step down could lose is"
+                " unknown")
     handover = view.prefill_utilization(fewer)
     if handover is not None and handover > HANDOVER_PREFILL_CEILING:
         return (f"{fewer} replicas would prefill {view.prefill_computed:.0f} tokens/s plus"
