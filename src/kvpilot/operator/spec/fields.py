@@ -4,6 +4,7 @@ defaults applied. Standard library only."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any, TypeVar, cast
@@ -65,7 +66,8 @@ class FieldReader:
                hi_open: bool = False) -> float:
         """A required number in the interval (open at an end when ``*_open``), as float."""
         value = self._get(key)
-        bad = isinstance(value, bool) or not isinstance(value, (int, float))
+        bad = (isinstance(value, bool) or not isinstance(value, (int, float))
+               or math.isnan(value))
         if bad or value > hi or value < lo or (lo_open and value == lo) or (hi_open and value == hi):
             interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
             raise SpecError(self._key(key), value, f"a number in {interval} is required")
