@@ -43,15 +43,28 @@ def test_simulate_refuses_an_unknown_policy(capsys):
 
 
 def test_simulate_refuses_bad_numbers_with_the_flag_and_value(capsys):
-    """Found in review: tracebacks for --policies , and --replicas inf; 0 and NaN accepted."""
+    """Found in review: tracebacks for --policies , and --replicas inf; 0 and NaN accepted;
+    then messages naming the dataclasses' fields (peak_replicas, targetCacheUsage) rather
+    than the flags typed."""
     for argv, message in (
         (["--policies", ","], "--policies must name at least one of"),
-        (["--replicas", "inf"], "peak_replicas must be finite and in (0, 100000]; got inf"),
-        (["--max-factor", "0"], "max_factor must be finite and in [1, 100]; got 0.0"),
-        (["--slo-seconds", "nan"], "slo_wait_seconds must be finite and > 0; got nan"),
+        (["--replicas", "inf"], "--replicas must be finite and in (0, 100000]; got inf"),
+        (["--max-factor", "0"], "--max-factor must be finite and in [1, 100]; got 0.0"),
+        (["--slo-seconds", "nan"], "--slo-seconds must be finite and > 0 seconds; got nan"),
+        (["--duration", "0"], "--duration must be finite and in (0, 2592000] seconds"),
+        (["--warmup", "600"], "--warmup must be finite and in [0, --duration 600) seconds;"
+                              " got 600.0"),
+        (["--slo-ttft", "-1"], "--slo-ttft must be finite and in (0, 86400] seconds; got -1.0"),
+        (["--slo-itl", "1e6"],
+         "--slo-itl must be finite and in (0, 86400] seconds; got 1000000.0"),
+        (["--target-cache-usage", "0.97"],
+         "--target-cache-usage must be finite and in (0, 0.95)"),
+        (["--target-queue-depth", "0"], "--target-queue-depth must be finite and > 0; got 0.0"),
     ):
         assert main(["simulate", "--duration", "600", *argv]) == 2, argv
-        assert message in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert message in err, (argv, err)
+        assert len(err.strip().splitlines()) == 1, err
 
 
 def test_simulate_compares_routings_with_their_hit_rates(tmp_path, capsys):
@@ -78,3 +91,11 @@ def test_simulate_refuses_an_unknown_routing(capsys):
     assert main(["simulate", "--routing", "kv_aware,sticky", "--duration", "600"]) == 2
     assert "--routing must name kv_aware, session_affine, random, p2c_kv or all;" \
            " got 'sticky'" in capsys.readouterr().err
+
+
+
+def test_simulate_refuses_a_run_longer_than_30_days(capsys):
+    assert main(["simulate", "--duration", "2592001"]) == 2
+    assert ("--duration must be finite and in (0, 2592000] seconds (30 days); got 2592001.0"
+            in capsys.readouterr().err)
+

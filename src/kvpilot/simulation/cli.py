@@ -1,6 +1,6 @@
 """``kvpilot simulate``: run the fleet simulator on a trace and compare scaling policies.
 
-    kvpilot simulate                          # all traces, all three policies, 8-replica peak
+    kvpilot simulate                          # all traces, all five policies, 8-replica peak
     kvpilot simulate --trace burst --replicas 50 --json out.json --plot out.png
     kvpilot simulate --replica-model cpu-smollm2-135m   # our engine as measured on CPU
     kvpilot simulate --calibration my-gpu.json          # ReplicaModel fields from a file
@@ -20,10 +20,11 @@ busiest replica's share of the requests) compare them. See docs/autoscaling.md f
 read it.
 
 SLO: a request meets it when its TTFT is at most ``--slo-ttft`` and its mean inter-token
-latency at most ``--slo-itl`` (defaults by the preset's hardware profile: GPU 1 s and
-0.05 s, CPU 10 s and 0.5 s). ``--json`` writes per policy ``slo_attainment``,
-``starvation_seconds`` and ``replica_hours`` (under ``summary``), every result in full,
-and the calibration used (preset, file, profile, the replica model's fields).
+latency at most ``--slo-itl`` (seconds; defaults by the preset's hardware profile: GPU 1 s
+and 0.05 s, CPU 10 s and 0.5 s). They only score requests.
+``--json`` writes per policy ``slo_attainment``, ``starvation_seconds`` and
+``replica_hours`` (under ``summary``), every result in full, and the calibration used
+(preset, file, profile, the replica model's fields).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import fields, replace
 
 from kvpilot.autoscaler.sim import ReplicaModel, Scenario, compare
@@ -46,6 +48,7 @@ from kvpilot.autoscaler.sim.controllers import POLICIES
 from kvpilot.autoscaler.sim.model import DEFAULT_ROUTING, ROUTINGS, SLO_PROFILES
 from kvpilot.autoscaler.sim.report import SimResult, comparison_table
 from kvpilot.autoscaler.sim.traces import TRACES
+from kvpilot.autoscaler.spec import MAX_SLO_SECONDS, STARVATION_USAGE
 
 _MODEL = ReplicaModel()
 
@@ -74,13 +77,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="REPLICAS",
         type=float,
         default=d.peak_replicas,
-        help=f"replicas the trace's peak needs at the target KV usage (default {d.peak_replicas:g})",
+        help=f"replicas the trace's peak needs at the target KV usage, in (0, 100000]"
+        f" (default {d.peak_replicas:g})",
     )
     parser.add_argument(
         "--max-factor",
         type=float,
         default=d.max_factor,
-        help=f"maxReplicas = ceil(factor x --replicas) + 1 (default {d.max_factor:g})",
+        help=f"maxReplicas = ceil(factor x --replicas) + 1, factor in [1, 100] (default"
+        f" {d.max_factor:g})",
     )
     parser.add_argument(
         "--duration",
@@ -88,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DURATION",
         type=float,
         default=d.duration_seconds,
-        help=f"seconds (default {d.duration_seconds:g})",
+        help=f"seconds simulated, in (0, {MAX_DURATION_SECONDS:,.0f}] (default"
+        f" {d.duration_seconds:g})",
     )
     parser.add_argument(
         "--warmup",
@@ -96,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="WARMUP",
         type=float,
         default=d.warmup_seconds,
-        help=f"seconds not counted while the fleet fills (default {d.warmup_seconds:g})",
+        help=f"seconds not counted while the fleet fills, in [0, --duration) (default"
+        f" {d.warmup_seconds:g})",
     )
     parser.add_argument("--seed", type=int, default=d.seed, help="trace and routing seed")
     parser.add_argument(
@@ -105,25 +112,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SLO_SECONDS",
         type=float,
         default=d.slo_wait_seconds,
-        help=f"queueing delay a request tolerates (default {d.slo_wait_seconds:g})",
+        help=f"seconds of queueing a request tolerates before it counts as starving, > 0"
+        f" (default {d.slo_wait_seconds:g})",
     )
     parser.add_argument(
         "--slo-ttft",
         dest="slo_ttft_seconds",
         metavar="SECONDS",
         type=float,
-        help="TTFT target of a request (default by profile: GPU 1, CPU 10)",
+        help="scoring: a request meets the SLO only with a TTFT at most this, in (0, 86400]"
+        " (default by the preset's profile: GPU 1, CPU 10); our policy never reads it",
     )
     parser.add_argument(
         "--slo-itl",
         dest="slo_itl_seconds",
         metavar="SECONDS",
         type=float,
-        help="mean inter-token latency target of a request (default by profile: GPU 0.05,"
-        " CPU 0.5)",
+        help="scoring: a request meets the SLO only with a mean inter-token latency at most"
+        " this, in (0, 86400] (default by the preset's profile: GPU 0.05, CPU 0.5); our"
+        " policy never reads it",
     )
-    parser.add_argument("--target-cache-usage", type=float, default=d.target_cache_usage)
-    parser.add_argument("--target-queue-depth", type=float, default=d.target_queue_depth)
+    parser.add_argument(
+        "--target-cache-usage",
+        type=float,
+        default=d.target_cache_usage,
+        help=f"mean KV usage HPA and our policy aim at, in (0, {STARVATION_USAGE:g})"
+        f" (default {d.target_cache_usage:g})",
+    )
+    parser.add_argument(
+        "--target-queue-depth",
+        type=float,
+        default=d.target_queue_depth,
+        help=f"requests waiting per replica KPA and our policy aim at, > 0"
+        f" (default {d.target_queue_depth:g})",
+    )
     parser.add_argument(
         "--replica-model",
         default=DEFAULT_PRESET,
@@ -150,14 +172,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PNG", help="write a timeline plot (needs matplotlib)")
 
 
-def scenario_from_args(args: argparse.Namespace) -> Scenario:
-    """The :class:`Scenario` of the parsed flags; the SLO targets default to the replica
-    model preset's profile. Raises ValueError on a bad value, naming the flag."""
-    ttft, itl = SLO_PROFILES[PROFILES.get(getattr(args, "replica_model", DEFAULT_PRESET), "gpu")]
-    for flag, name in (("--slo-ttft", "slo_ttft_seconds"), ("--slo-itl", "slo_itl_seconds")):
+# The longest run ``--duration`` accepts: 30 days, in seconds. A longer one would run for
+# hours and hold every request's record in memory; nothing the simulator models changes
+# over a month.
+MAX_DURATION_SECONDS = 30 * 86400.0
+
+
+def _check_scenario_flags(args: argparse.Namespace) -> None:
+    """Refuse a bad scenario flag before any :class:`Scenario` is built, naming the flag
+    as typed (the dataclasses' own errors name their fields: ``peak_replicas``,
+    ``targetCacheUsage``, ...). A flag absent from ``args`` is not checked. Raises
+    ValueError: ``"<flag> must be finite and <allowed>; got <value>"``."""
+    duration = getattr(args, "duration_seconds", None)
+    checks: list[tuple[str, str, Callable[[float], bool], str]] = [
+        ("--replicas", "peak_replicas", lambda v: 0 < v <= 100_000, "in (0, 100000]"),
+        ("--max-factor", "max_factor", lambda v: 1 <= v <= 100, "in [1, 100]"),
+        ("--duration", "duration_seconds", lambda v: 0 < v <= MAX_DURATION_SECONDS,
+         f"in (0, {MAX_DURATION_SECONDS:.0f}] seconds (30 days)"),
+        ("--slo-seconds", "slo_wait_seconds", lambda v: v > 0, "> 0 seconds"),
+        ("--slo-ttft", "slo_ttft_seconds", lambda v: 0 < v <= MAX_SLO_SECONDS,
+         f"in (0, {MAX_SLO_SECONDS:g}] seconds"),
+        ("--slo-itl", "slo_itl_seconds", lambda v: 0 < v <= MAX_SLO_SECONDS,
+         f"in (0, {MAX_SLO_SECONDS:g}] seconds"),
+        ("--target-cache-usage", "target_cache_usage", lambda v: 0 < v < STARVATION_USAGE,
+         f"in (0, {STARVATION_USAGE:g}) (below the starvation alarm's usage)"),
+        ("--target-queue-depth", "target_queue_depth", lambda v: v > 0, "> 0"),
+    ]
+    if duration is not None and math.isfinite(duration):
+        end: float = duration
+        checks.append(("--warmup", "warmup_seconds", lambda v: 0 <= v < end,
+                       f"in [0, --duration {end:g}) seconds"))
+    for flag, name, ok, allowed in checks:
         value = getattr(args, name, None)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{flag} must be a finite number of seconds > 0; got {value!r}")
+        # NaN fails every comparison, so it is refused too; inf by the finite test.
+        if value is not None and not (math.isfinite(value) and ok(value)):
+            raise ValueError(f"{flag} must be finite and {allowed}; got {value!r}")
+
+
+def scenario_from_args(args: argparse.Namespace) -> Scenario:
+    """The :class:`Scenario` of the parsed flags. The SLO targets (seconds) default to the
+    replica model preset's profile. Raises
+    ValueError on a bad value, naming the flag."""
+    _check_scenario_flags(args)
+    preset_profile = PROFILES.get(getattr(args, "replica_model", DEFAULT_PRESET), "gpu")
+    ttft, itl = SLO_PROFILES[preset_profile]
     values = {f.name: getattr(args, f.name, None) for f in fields(Scenario)}
     values["slo_ttft_seconds"] = ttft if values["slo_ttft_seconds"] is None else values["slo_ttft_seconds"]
     values["slo_itl_seconds"] = itl if values["slo_itl_seconds"] is None else values["slo_itl_seconds"]
