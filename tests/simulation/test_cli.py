@@ -1,8 +1,10 @@
 """kvpilot simulate through the real console entry point."""
 
+import argparse
 import json
 
 from kvpilot.cli import main
+from kvpilot.simulation.cli import add_arguments
 
 
 def test_simulate_compares_policies_and_writes_json_and_png(tmp_path, capsys):
@@ -55,7 +57,7 @@ def test_simulate_refuses_bad_numbers_with_the_flag_and_value(capsys):
         (["--warmup", "600"], "--warmup must be finite and in [0, --duration 600) seconds;"
                               " got 600.0"),
         (["--slo-ttft", "-1"], "--slo-ttft must be finite and in (0, 86400] seconds; got -1.0"),
-        (["--slo-itl", "1e6"],
+        (["--slo-itl", "1e6", "--slo-profile", "gpu"],
          "--slo-itl must be finite and in (0, 86400] seconds; got 1000000.0"),
         (["--target-cache-usage", "0.97"],
          "--target-cache-usage must be finite and in (0, 0.95)"),
@@ -91,6 +93,40 @@ def test_simulate_refuses_an_unknown_routing(capsys):
     assert main(["simulate", "--routing", "kv_aware,sticky", "--duration", "600"]) == 2
     assert "--routing must name kv_aware, session_affine, random, p2c_kv or all;" \
            " got 'sticky'" in capsys.readouterr().err
+
+
+def test_simulate_slo_profile_gives_our_policy_the_scoring_targets(tmp_path, capsys):
+    """Without --slo-profile our policy runs without an SLO (the targets only score);
+    with it, spec.autoscaling.slo carries the targets and its decisions a latency view."""
+    from kvpilot.autoscaler.sim import make_trace, simulate
+    from kvpilot.autoscaler.sim.calibration import PRESETS
+    from kvpilot.autoscaler.sim.controllers import make_policy
+    from kvpilot.simulation.cli import scenario_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--replicas", "2", "--duration", "600", "--warmup", "120",
+            "--replica-model", "h200-llama3-8b"]
+    assert scenario_from_args(parser.parse_args(argv)).slo_profile is None
+    assert scenario_from_args(parser.parse_args([*argv, "--slo-profile", "cpu"])).slo_profile == "cpu"
+    scenario = scenario_from_args(parser.parse_args([*argv, "--slo-profile", "preset",
+                                                     "--slo-ttft", "0.8"]))
+    assert scenario.slo_profile == "gpu"
+    model = PRESETS["h200-llama3-8b"]
+    trace = make_trace("burst", 2, 600, 0, model)
+    slo = scenario.spec(trace, model).slo
+    assert slo is not None and (slo.ttft_seconds, slo.itl_seconds, slo.profile) == (0.8, 0.05, "gpu")
+    policy = make_policy("kvpilot", scenario.spec(trace, model))
+    simulate(trace, policy, model, scenario.config(trace))
+    assert policy.last is not None and policy.last.latency is not None
+
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--trace", "burst", *argv, "--policies", "kvpilot",
+                 "--slo-profile", "preset", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["scenario"]["slo_profile"] == "gpu"
+    assert main(["simulate", "--trace", "burst", *argv, "--policies", "kvpilot",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["scenario"]["slo_profile"] is None
 
 
 

@@ -6,6 +6,7 @@
     kvpilot simulate --calibration my-gpu.json          # ReplicaModel fields from a file
     kvpilot simulate --trace agentic --routing kv_aware,session_affine,random
     kvpilot simulate --trace steady_high_concurrency --replica-model h200-llama3-8b \
+        --slo-profile preset --replicas 4 --duration 3600 --seed 1 --max-factor 2.5 \
         --policies kvpilot,hpa,kpa_concurrency,saturation --json out.json
 
 The replica model is a preset (``--replica-model``, default the GPU-class
@@ -21,7 +22,10 @@ read it.
 
 SLO: a request meets it when its TTFT is at most ``--slo-ttft`` and its mean inter-token
 latency at most ``--slo-itl`` (seconds; defaults by the preset's hardware profile: GPU 1 s
-and 0.05 s, CPU 10 s and 0.5 s). They only score requests.
+and 0.05 s, CPU 10 s and 0.5 s). Those targets only score requests unless
+``--slo-profile`` is given: then our policy (``kvpilot``) is also given them as
+``spec.autoscaling.slo``, its latency model starting from that profile's prior (``preset``:
+the preset's profile), as a user who states an SLO would; the baselines never read it.
 ``--json`` writes per policy ``slo_attainment``, ``starvation_seconds`` and
 ``replica_hours`` (under ``summary``), every result in full, and the calibration used
 (preset, file, profile, the replica model's fields).
@@ -48,7 +52,7 @@ from kvpilot.autoscaler.sim.controllers import POLICIES
 from kvpilot.autoscaler.sim.model import DEFAULT_ROUTING, ROUTINGS, SLO_PROFILES
 from kvpilot.autoscaler.sim.report import SimResult, comparison_table
 from kvpilot.autoscaler.sim.traces import TRACES
-from kvpilot.autoscaler.spec import MAX_SLO_SECONDS, STARVATION_USAGE
+from kvpilot.autoscaler.spec import LATENCY_PROFILES, MAX_SLO_SECONDS, STARVATION_USAGE
 
 _MODEL = ReplicaModel()
 
@@ -121,7 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         type=float,
         help="scoring: a request meets the SLO only with a TTFT at most this, in (0, 86400]"
-        " (default by the preset's profile: GPU 1, CPU 10); our policy never reads it",
+        " (default by the preset's profile: GPU 1, CPU 10); with --slo-profile also our"
+        " policy's TTFT target",
     )
     parser.add_argument(
         "--slo-itl",
@@ -129,8 +134,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         type=float,
         help="scoring: a request meets the SLO only with a mean inter-token latency at most"
-        " this, in (0, 86400] (default by the preset's profile: GPU 0.05, CPU 0.5); our"
-        " policy never reads it",
+        " this, in (0, 86400] (default by the preset's profile: GPU 0.05, CPU 0.5); with"
+        " --slo-profile also our policy's ITL target",
+    )
+    parser.add_argument(
+        "--slo-profile",
+        choices=[*LATENCY_PROFILES, "preset"],
+        help="give our policy (kvpilot) spec.autoscaling.slo with the --slo-ttft and --slo-itl"
+        " targets, its latency model starting from this profile's prior (preset: the"
+        " --replica-model preset's profile); default: no SLO for our policy, the targets"
+        " only score requests. The baselines never read it",
     )
     parser.add_argument(
         "--target-cache-usage",
@@ -211,7 +224,7 @@ def _check_scenario_flags(args: argparse.Namespace) -> None:
 
 def scenario_from_args(args: argparse.Namespace) -> Scenario:
     """The :class:`Scenario` of the parsed flags. The SLO targets (seconds) default to the
-    replica model preset's profile. Raises
+    replica model preset's profile; ``--slo-profile preset`` is that profile too. Raises
     ValueError on a bad value, naming the flag."""
     _check_scenario_flags(args)
     preset_profile = PROFILES.get(getattr(args, "replica_model", DEFAULT_PRESET), "gpu")
@@ -219,6 +232,8 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     values = {f.name: getattr(args, f.name, None) for f in fields(Scenario)}
     values["slo_ttft_seconds"] = ttft if values["slo_ttft_seconds"] is None else values["slo_ttft_seconds"]
     values["slo_itl_seconds"] = itl if values["slo_itl_seconds"] is None else values["slo_itl_seconds"]
+    if values["slo_profile"] == "preset":
+        values["slo_profile"] = preset_profile
     return Scenario(**{k: v for k, v in values.items() if v is not None})
 
 
