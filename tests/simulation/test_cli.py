@@ -129,6 +129,18 @@ def test_simulate_slo_profile_gives_our_policy_the_scoring_targets(tmp_path, cap
     assert json.loads(out.read_text())["scenario"]["slo_profile"] is None
 
 
+def test_simulate_refuses_an_unwritable_output_before_running(tmp_path, capsys):
+    missing = tmp_path / "no" / "such"
+    for flag, name in (("--json", "x.json"), ("--plot", "x.png")):
+        path = str(missing / name)
+        assert main(["simulate", "--duration", "600", flag, path]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag} must be a path in an existing directory; got {path!r}" in err
+        assert "requests" not in err  # refused before any run
+        assert len(err.strip().splitlines()) == 1
+    assert main(["simulate", "--duration", "600", "--json", str(tmp_path)]) == 2
+    assert "--json must name a file, not a directory" in capsys.readouterr().err
+
 
 def test_simulate_refuses_a_run_longer_than_30_days(capsys):
     assert main(["simulate", "--duration", "2592001"]) == 2

@@ -34,8 +34,10 @@ the preset's profile), as a user who states an SLO would; the baselines never re
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import fields, replace
@@ -237,6 +239,23 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     return Scenario(**{k: v for k, v in values.items() if v is not None})
 
 
+def _check_output(flag: str, path: str | None) -> None:
+    """Refuse ``--json``/``--plot`` before the run when the file could not be written
+    (its directory missing or not writable, or the path a directory): the run may take
+    minutes. Raises ValueError naming the flag and the path."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} must name a file, not a directory; got {path!r}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} must be a path in an existing directory; got {path!r}"
+                         f" (no directory {parent})")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} must be a path in a writable directory; got {path!r}"
+                         f" ({parent} is not writable)")
+
+
 def _model(args: argparse.Namespace) -> ReplicaModel:
     """Preset, then calibration file, then single flags (raises ValueError on bad input)."""
     model = preset(args.replica_model)
@@ -301,6 +320,10 @@ def run(args: argparse.Namespace) -> int:
             if p not in POLICIES:
                 raise ValueError(f"--policies must name {', '.join(POLICIES)}; got {p!r}")
         routings = _routings(args.routing)
+        _check_output("--json", args.json)
+        _check_output("--plot", args.plot)
+        if args.plot and importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot needs matplotlib: pip install 'kvpilot[dev]'")
         model = _model(args)
         scenario = scenario_from_args(args)
         results = compare(traces, policies, scenario, model, progress=_progress,
