@@ -147,3 +147,15 @@ def test_simulate_refuses_a_run_longer_than_30_days(capsys):
     assert ("--duration must be finite and in (0, 2592000] seconds (30 days); got 2592001.0"
             in capsys.readouterr().err)
 
+
+def test_simulate_warns_when_no_request_was_judged_or_all_were_rejected(capsys):
+    argv = ["simulate", "--trace", "burst", "--duration", "600", "--warmup", "120",
+            "--policies", "kvpilot,hpa"]
+    assert main([*argv, "--replicas", "0.001"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: burst kv_aware: no request was judged after the warm-up" in err
+    assert main([*argv, "--replicas", "2", "--kv-capacity-tokens", "10"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: burst kv_aware: every request was rejected" in err
+    assert main([*argv, "--replicas", "2"]) == 0
+    assert "warning" not in capsys.readouterr().err

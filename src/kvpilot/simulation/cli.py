@@ -26,9 +26,10 @@ and 0.05 s, CPU 10 s and 0.5 s). Those targets only score requests unless
 ``--slo-profile`` is given: then our policy (``kvpilot``) is also given them as
 ``spec.autoscaling.slo``, its latency model starting from that profile's prior (``preset``:
 the preset's profile), as a user who states an SLO would; the baselines never read it.
-``--json`` writes per policy ``slo_attainment``, ``starvation_seconds`` and
-``replica_hours`` (under ``summary``), every result in full, and the calibration used
-(preset, file, profile, the replica model's fields).
+A run that judged no request, or rejected every one, is warned about on stderr: its SLO
+and latency columns mean nothing. ``--json`` writes per policy ``slo_attainment``,
+``starvation_seconds`` and ``replica_hours`` (under ``summary``), every result in full,
+and the calibration used (preset, file, profile, the replica model's fields).
 """
 
 from __future__ import annotations
@@ -256,6 +257,30 @@ def _check_output(flag: str, path: str | None) -> None:
                          f" ({parent} is not writable)")
 
 
+def _degenerate(results: list[SimResult]) -> list[str]:
+    """Warnings for runs whose SLO and latency columns mean nothing: no request judged
+    (``slo_judged`` 0: SLO shows 100%, TTFT and ITL 0), or every request rejected (no
+    prompt fit a replica's KV: SLO 0%, TTFT and ITL 0). One per trace and routing, naming
+    the policies when not all of them."""
+    warnings = []
+    runs: dict[tuple[str, str], list[SimResult]] = {}
+    for r in results:
+        runs.setdefault((r.trace, r.routing), []).append(r)
+    for (trace, routing), rows in runs.items():
+        for bad, what in (
+            ([r for r in rows if r.slo_judged == 0],
+             "no request was judged after the warm-up (SLO 100% and TTFT/ITL 0 mean"
+             " nothing): raise --replicas or --duration, or lower --warmup"),
+            ([r for r in rows if r.requests > 0 and r.rejected == r.requests],
+             "every request was rejected, none fitting a replica's KV cache (SLO 0%, and"
+             " TTFT/ITL 0 are not measurements): raise --kv-capacity-tokens"),
+        ):
+            if bad:
+                who = "" if len(bad) == len(rows) else " (" + ", ".join(r.policy for r in bad) + ")"
+                warnings.append(f"kvpilot simulate: warning: {trace} {routing}{who}: {what}")
+    return warnings
+
+
 def _model(args: argparse.Namespace) -> ReplicaModel:
     """Preset, then calibration file, then single flags (raises ValueError on bad input)."""
     model = preset(args.replica_model)
@@ -336,6 +361,8 @@ def run(args: argparse.Namespace) -> int:
         if r.rules:
             moves = ", ".join(f"{k} {v}" for k, v in sorted(r.rules.items()))
             print(f"{r.trace} {r.routing} {r.policy} decisions that moved the count: {moves}")
+    for warning in _degenerate(results):
+        print(warning, file=sys.stderr)
     if args.json:
         payload = {
             "scenario": vars(scenario),
