@@ -263,7 +263,7 @@ def test_simulate_cli_writes_the_slo_summary_and_refuses_bad_targets(tmp_path, c
     assert all(0.0 <= s["slo_attainment"] <= 1.0 and s["replica_hours"] > 0 for s in data["summary"])
     capsys.readouterr()
     assert main(["simulate", "--slo-itl", "-0.1", "--duration", "600"]) == 2
-    assert "--slo-itl must be a finite number of seconds > 0; got -0.1" in capsys.readouterr().err
+    assert "--slo-itl must be finite and in (0, 86400] seconds; got -0.1" in capsys.readouterr().err
     assert main(["simulate", "--max-num-batched-tokens", "0", "--duration", "600"]) == 2
     assert "--max-num-batched-tokens must be finite and > 0; got 0" in capsys.readouterr().err
     cpu = Scenario(slo_ttft_seconds=10.0, slo_itl_seconds=0.5)
