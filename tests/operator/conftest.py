@@ -1,6 +1,5 @@
 """Fixtures the operator's metric-source tests share."""
 
-import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
@@ -11,6 +10,7 @@ import pytest
 from kvpilot.operator.autoscaling.metrics_source import PodScrapeSource
 
 from .engine_pages import Pages
+from .fake_apiserver import send_json
 
 
 @pytest.fixture
@@ -35,12 +35,7 @@ class ScriptedPrometheus(BaseHTTPRequestHandler):
                 status, payload = answer if isinstance(answer, tuple) else (200, {
                     "status": "success", "data": {"resultType": "vector", "result": answer}})
                 break
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, status, payload)
 
     def log_message(self, *args):
         pass

@@ -22,6 +22,17 @@ from urllib.parse import parse_qs, urlsplit
 
 from .crdschema import merge_patch
 
+
+def send_json(handler: BaseHTTPRequestHandler, status: int, payload: Any) -> None:
+    """Answer ``payload`` as JSON with ``status`` (the test servers' one response shape)."""
+    data = json.dumps(payload).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 # (group, version) -> [(plural, kind, namespaced, subresources)]
 RESOURCES = {
     ("", "v1"): [("services", "Service", True, ()), ("events", "Event", True, ()),
@@ -139,12 +150,7 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
     def _send(self, status: int, payload: Any) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, status, payload)
 
     def _not_found(self, what: str) -> None:
         self._send(404, {"kind": "Status", "status": "Failure", "reason": "NotFound",

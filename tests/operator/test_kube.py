@@ -18,6 +18,8 @@ from kvpilot.operator.builders import Owner, build_children
 from kvpilot.operator.kube import KubernetesApi, resource_path
 from kvpilot.operator.spec import parse_spec
 
+from .fake_apiserver import send_json
+
 
 class Scripted(BaseHTTPRequestHandler):
     """Answers from ``server.responses[(method, path)]`` (a list, consumed in order; the
@@ -35,12 +37,7 @@ class Scripted(BaseHTTPRequestHandler):
         })
         answers = self.server.responses.get((self.command, url.path)) or [(404, {"message": "nf"})]
         status, payload = answers.pop(0) if len(answers) > 1 else answers[0]
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, status, payload)
 
     do_GET = do_PATCH = do_DELETE = _serve
 

@@ -27,6 +27,8 @@ from kvpilot.operator.builders.router import retry_args
 from kvpilot.operator.spec import parse_spec
 from tests.serverproc import free_port
 
+from .fake_apiserver import send_json
+
 pytestmark = [pytest.mark.server]
 EMBEDDED = {"uri": "embedded://smollm2-135m-instruct"}
 
@@ -40,12 +42,7 @@ class _Engine(BaseHTTPRequestHandler):
     """Answers health checks and one completion, like an engine that just became ready."""
 
     def _send(self, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, 200, body)
 
     def do_GET(self) -> None:
         self._send({"status": "ok"})

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 
 from kvpilot.autoscaler.forecast import fit_trend, still_rising
-from kvpilot.autoscaler.rules import ceil_replicas
+from kvpilot.autoscaler.latency import ceil_replicas
 from kvpilot.autoscaler.spec import AutoscalingSpec
 from kvpilot.autoscaler.state import PolicyState
 from kvpilot.autoscaler.windows import settled_demand

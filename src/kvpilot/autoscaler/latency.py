@@ -471,17 +471,25 @@ class TtftView:
             return None
         if self.waiting_tokens <= 0:
             return 1
-        return max(1, _ceil(self.waiting_tokens / (self.prefill_rate * (target - self.base))))
+        return max(1, ceil_replicas(self.waiting_tokens / (self.prefill_rate * (target - self.base))))
 
 
-def _ceil(x: float) -> int:
-    """``ceil(x - 1e-9)`` that never raises: an infinite ``x`` (sums of huge, finite
-    signals overflow) is 2**31 - 1, which the bounds clamp to maxReplicas; NaN is 0."""
+# A hair below 1 so ceil(3.0000000001) from float noise stays 3.
+_EPS = 1e-9
+# What ceil_replicas answers for an infinite count (a sum of finite rates can overflow);
+# the bounds clamp it to maxReplicas.
+_UNBOUNDED = 2**31 - 1
+
+
+def ceil_replicas(x: float) -> int:
+    """ceil() that forgives float noise, floored at 0; an infinite ``x`` (a sum of huge,
+    finite signals that overflowed) is :data:`_UNBOUNDED` and NaN is 0, never a raise.
+    The rules' replica counts and the latency model's share it."""
     if math.isnan(x):
         return 0
     if math.isinf(x):
-        return 2**31 - 1 if x > 0 else 0
-    return math.ceil(x - 1e-9)
+        return _UNBOUNDED if x > 0 else 0
+    return max(0, math.ceil(x - _EPS))
 
 
 def prefill_capacity(a: float, d: float, budget: int | None) -> float | None:
@@ -631,7 +639,7 @@ class LatencyView:
             cap = min(cap, float(self.max_num_seqs))
         if math.isinf(cap) or self.requests <= 0:
             return 1
-        open_loop = _ceil(self.requests / cap)
+        open_loop = ceil_replicas(self.requests / cap)
         # Closed loop (closed_loop): n replicas meet the target when
         # now x (1 - k0) / (1 - c x requests / (n x m)) does, i.e.
         # n >= c x requests / (m x (1 - now x (1 - k0) / target)). At most the current
@@ -643,7 +651,7 @@ class LatencyView:
             now, m, k0 = loop
             floor = now * (1.0 - k0)  # the prediction with unbounded replicas
             if floor < target:
-                closed = _ceil(self.fit.c * self.requests / (m * (1.0 - floor / target)))
+                closed = ceil_replicas(self.fit.c * self.requests / (m * (1.0 - floor / target)))
         return max(1, open_loop, closed)
 
     def _loop(self) -> tuple[float, float, float] | None:

@@ -20,6 +20,7 @@ from kvpilot.autoscaler.latency import (
     MIN_INFORMED_READS,
     PREFILL_UTILIZATION_TARGET,
     LatencyView,
+    ceil_replicas,
 )
 from kvpilot.autoscaler.signals import FleetLoad
 from kvpilot.autoscaler.spec import AutoscalingSpec
@@ -27,24 +28,6 @@ from kvpilot.autoscaler.spec import AutoscalingSpec
 # What a fleet with an SLO but no latency histogram (an older engine) is told, in the
 # latency candidate and appended to the decision's reason.
 NO_HISTOGRAMS = "no latency histograms: sizing on saturation"
-
-# A hair below 1 so ceil(3.0000000001) from float noise stays 3.
-_EPS = 1e-9
-
-
-# What ceil_replicas answers for an infinite count (a sum of finite rates can overflow);
-# the bounds clamp it to maxReplicas.
-_UNBOUNDED = 2**31 - 1
-
-
-def ceil_replicas(x: float) -> int:
-    """ceil() that forgives float noise, floored at 0; an infinite ``x`` (a sum of huge,
-    finite signals that overflowed) is :data:`_UNBOUNDED` and NaN is 0, never a raise."""
-    if math.isnan(x):
-        return 0
-    if math.isinf(x):
-        return _UNBOUNDED if x > 0 else 0
-    return max(0, math.ceil(x - _EPS))
 
 
 @dataclass(frozen=True)
