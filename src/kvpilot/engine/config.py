@@ -115,6 +115,11 @@ class EngineArgs:
     kv_events_config: KVEventsConfig | None = _DEFAULT["kv_events_config"]
     disable_sliding_window: bool = _DEFAULT["disable_sliding_window"]
     tensor_parallel_size: int = _DEFAULT["tensor_parallel_size"]
+    # LoRA (provisional here; the flag table carries them).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _choice("--dtype", self.dtype, ["auto", *DTYPES])
