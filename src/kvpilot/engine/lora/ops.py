@@ -155,7 +155,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     the Triton SGMV kernels on CUDA (``widths_t``: ``widths`` as an int32 device tensor),
     else :func:`add_lora_cpu`. Mutates ``y``."""
     if y.device.type == "cuda":
-        from kvpilot.kernels.lora_sgmv import sgmv_lora
+        from kvpilot.kernels.lora_sgmv import sgmv_lora  # type: ignore[import-not-found]
 
         if mapping.seg_starts_t is None:
             mapping.to_device(y.device)
