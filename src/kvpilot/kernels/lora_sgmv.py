@@ -68,7 +68,7 @@ from .triton_utils import (
 
 # Launch settings a config may name (:func:`default_config`).
 CONFIG_KEYS = frozenset(
-    {"SHRINK_BLOCK_M", "BLOCK_K", "SPLIT_K", "EXPAND_BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+    {"SHRINK_BLOCK_M", "BLOCK_K", "SPLIT_K", "EXPAND_BLOCK_M", "BLOCK_N", "BLOCK_G", "num_warps", "num_stages"}
 )
 
 
@@ -300,8 +300,9 @@ def default_config(
 
     ``*_BLOCK_M`` follows the mean segment length (16 for decode, up to 64 for prefill);
     ``SPLIT_K`` cuts the ``in_features`` reduction when the shrink's tiles would leave
-    most of the device idle. Not yet tuned on a GPU. Under the interpreter, tiles small
-    enough that test sizes cover the loops and masks.
+    most of the device idle; ``BLOCK_G`` is the chunk of segments each program scans at a
+    time to find its tile (one chunk up to 1,024 segments). Not yet tuned on a GPU. Under
+    the interpreter, tiles small enough that test sizes cover the loops and masks.
     """
     mean_len = num_tokens / max(num_segs, 1)
     block_m = 16 if mean_len <= 16 else 32 if mean_len <= 32 else 64
@@ -315,6 +316,7 @@ def default_config(
         "SPLIT_K": split_k,
         "EXPAND_BLOCK_M": block_m,
         "BLOCK_N": 32 if INTERPRET else 128,
+        "BLOCK_G": min(1024, max(16, triton.next_power_of_2(num_segs))),
         "num_warps": 4,
         "num_stages": 1 if INTERPRET else 3,
     }
@@ -381,9 +383,9 @@ def sgmv_lora_with_config(
     check(not unknown, f"config keys {unknown} are not among {sorted(CONFIG_KEYS)}")
     cfg = default_config(x.shape[0], seg_slots.shape[0], x.shape[1], lora_a.shape[1], x.device)
     cfg.update(config)
-    for key in ("SHRINK_BLOCK_M", "BLOCK_K", "EXPAND_BLOCK_M", "BLOCK_N"):
+    for key in ("SHRINK_BLOCK_M", "BLOCK_K", "EXPAND_BLOCK_M", "BLOCK_N", "BLOCK_G"):
         v = cfg[key]
-        check(v >= 16 and v & (v - 1) == 0, f"config {key} must be a power of two >= 16 (tl.dot); got {v}")
+        check(v >= 16 and v & (v - 1) == 0, f"config {key} must be a power of two >= 16; got {v}")
     check(cfg["SPLIT_K"] >= 1, f"config SPLIT_K must be >= 1; got {cfg['SPLIT_K']}")
     _launch(y, x, lora_a, lora_b, seg_starts, seg_slots, ranks, cfg)
 
@@ -406,7 +408,6 @@ def _launch(
     if num_segs == 0 or num_tokens == 0 or num_slots == 0 or width == 0 or out_features == 0:
         return
     block_r = max(16, triton.next_power_of_2(width))
-    block_g = min(1024, max(16, triton.next_power_of_2(num_segs)))
     k_blocks = triton.cdiv(in_features, cfg["BLOCK_K"])
     split_k = max(1, min(cfg["SPLIT_K"], k_blocks))
     k_per_split = triton.cdiv(k_blocks, split_k) * cfg["BLOCK_K"]
@@ -415,7 +416,7 @@ def _launch(
     common = {
         "HAS_RANKS": ranks is not None,
         "BLOCK_R": block_r,
-        "BLOCK_G": block_g,
+        "BLOCK_G": cfg["BLOCK_G"],
         "DOT_DTYPE": dot_dtype(x.dtype),
         "DOT_PRECISION": dot_precision(x.dtype),
         "num_warps": cfg["num_warps"],
