@@ -41,9 +41,11 @@ or of a slot of rank 0, exit at once.
 Rows of ``A`` and columns of ``B`` past a slot's rank (``ranks``) are neither read nor
 used. Products accumulate in fp32; fp32 inputs use IEEE products (no TF32). On the GPU
 the 16-bit operands go to the tensor cores as they are; the fp32 intermediate is rounded
-to the activation dtype as the expand's operand (as vLLM and Punica do; a relative
+to the activation dtype as the expand's operand (as vLLM's expand does; a relative
 ``2^-9`` on the LoRA delta in bf16, below ``y``'s own rounding). Under the interpreter
-every product is fp32 (:func:`~kvpilot.kernels.triton_utils.dot_dtype`).
+every product is fp32 (:func:`~kvpilot.kernels.triton_utils.dot_dtype`) and the bf16
+store is rounded to nearest first (:func:`_round_to_bf16_grid`), so on CPU the kernels
+give the reference's bf16 values.
 
 :func:`sgmv_lora_reference` is the torch oracle, a loop over the segments.
 """
