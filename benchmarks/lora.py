@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import vllm_cpu as vc  # noqa: E402  (the shared server, client and model setup)
+import vllm_cpu as vc
 
 MODES = ("base", "mixed8", "swap32")
 ADAPTER_DIR = vc.BENCH_DIR / "lora-adapters"

@@ -231,3 +231,22 @@ def test_greedy_decode_batches_of_interleaved_adapters_match_peft(family):
         t = torch.tensor([ids])
         want = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=8, do_sample=False)
         assert got[f"g{i}"] == want[0, len(ids):].tolist(), f"{arch}/{name or 'base'} request {i}"
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize("family", ["llama"], indirect=True)  # one family: the kernels are per projection
+def test_the_cuda_path_kernels_serve_adapters_like_peft(family, monkeypatch):
+    """The projections through the Triton SGMV kernels (the CUDA path, under the
+    interpreter): a mixed batch still matches PEFT."""
+    from kvpilot.engine.lora import layers, ops
+
+    monkeypatch.setattr(layers, "add_lora", lambda y, x, a, b, m, widths, widths_t: ops.add_lora_triton(
+        y, x, a, b, m, widths_t))
+    _arch, base, adapters, hf = family
+    engine = make_engine(base, enable_lora=True, max_loras=4, max_lora_rank=16, max_cpu_loras=4)
+    register_all(engine, adapters)
+    names: list[str | None] = [None, *adapters]
+    batch = prompts(len(names), 12, seed=6)
+    jobs = [(ids, names[i]) for i, ids in enumerate(batch)]
+    for (ids, name), out in zip(jobs, run(engine, jobs)):
+        check(out, ids, reference(hf if name is None else adapters[name][1], ids), f"triton/{name or 'base'}")
