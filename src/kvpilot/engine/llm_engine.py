@@ -138,7 +138,7 @@ class LLMEngine:
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=cfg.max_model_len,
                 # EngineArgs' LoRA fields may not exist yet in every build: getattr.
-                max_loras=(getattr(args, "max_loras", 1) if getattr(args, "enable_lora", False) else 0),
+                max_loras=args.max_loras if args.enable_lora else 0,
             ),
             KVCacheManager(cfg.num_blocks, cfg.block_size, args.enable_prefix_caching, self.kv_events,
                            sliding_window=(self.model_config.sliding_window
@@ -203,9 +203,9 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
+            lora_request=lora_request,
         )
         req.grammar = state
-        req.lora_request = lora_request
         req.lora_weights = lora_weights
         self.scheduler.add_request(req)
         if self.tokenizer is None:

@@ -208,7 +208,8 @@ class KVCacheManager:
         lora_id = request.lora_int_id or None
         for i in range(request.num_published_blocks, num_full):
             own = request.block_ids[i]
-            node, inserted = radix.insert(parent, tuple(request.token_ids[i * bs : (i + 1) * bs]), own, lora_id)
+            node, inserted = radix.insert(parent, tuple(request.token_ids[i * bs : (i + 1) * bs]), own, lora_id,
+                                          request.lora_name)
             if not inserted and node.block_id != own:
                 if self.pool.incref(node.block_id) == 1:
                     radix.on_referenced(node.block_id)

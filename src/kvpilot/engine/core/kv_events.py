@@ -152,16 +152,21 @@ class KVEventCollector:
         self.events: list[KVEvent] = []
 
     def block_stored(self, parent_hash: int | None, token_ids: Sequence[int], salt: str | None,
-                     lora_name: str | None = None, lora_id: int | None = None) -> int:
+                     lora_name: str | None = None, lora_id: int | None = None,
+                     event_lora_name: str | None = None) -> int:
         """Record one block entering the tree under a parent with ``parent_hash`` (None
-        at a root) and return its hash (:func:`block_hash`). ``lora_name`` and
-        ``lora_id`` name the adapter of the block's tree (None: the base model).
+        at a root) and return its hash (:func:`block_hash`). ``lora_name`` (the adapter's
+        cache key, mixed into the hash) and ``lora_id`` name the adapter of the block's
+        tree (None: the base model); ``event_lora_name`` is the adapter's name as the
+        event and its ``extra_keys`` carry it (default ``lora_name``).
 
         A block whose parent is the last block of the previous event (a request
         publishing several blocks) extends that event, as vLLM sends one ``BlockStored``
         per request and step; a chain has one adapter and one salt, so the event's
         ``lora_id``, ``lora_name`` and ``extra_keys`` layout hold for every block."""
         h = block_hash(parent_hash, token_ids, salt, lora_name)
+        if lora_name is not None and event_lora_name is not None:
+            lora_name = event_lora_name
         keys = extra_keys(lora_name, salt)
         events = self.events
         last = events[-1] if events else None

@@ -149,7 +149,7 @@ class RadixCache:
             self._maybe_push(node)
 
     def insert(self, parent: RadixNode, key: tuple[int, ...], block_id: int,
-               lora_id: int | None = None) -> tuple[RadixNode, bool]:
+               lora_id: int | None = None, lora_name: str | None = None) -> tuple[RadixNode, bool]:
         """Publish ``block_id`` holding ``key`` under ``parent``.
 
         Returns ``(node, inserted)``. If ``parent`` already has a child with this key the
@@ -158,8 +158,9 @@ class RadixCache:
 
         The block must be referenced by the caller (it is the caller's own computed block).
         With events on, a new node is reported stored (its hash chained from ``parent``'s
-        and mixed with the tree's adapter name and salt); ``lora_id`` is the inserting
-        request's ``lora_int_id`` for the event (None for the base model).
+        and mixed with the tree's adapter key and salt); ``lora_id`` and ``lora_name`` are
+        the inserting request's adapter for the event (None for the base model; the name
+        defaults to the tree's adapter key).
         """
         if len(key) != self.block_size:
             raise ValueError(f"key has {len(key)} tokens, block_size is {self.block_size}")
@@ -176,10 +177,11 @@ class RadixCache:
         parent.children[key] = node
         self._node_of_block[block_id] = node
         if self.events is not None:
-            lora_name, salt = node.namespace
+            lora_key, salt = node.namespace
             node.block_hash = self.events.block_stored(
                 parent.block_hash if parent.block_id >= 0 else None, key, salt,
-                lora_name=lora_name, lora_id=lora_id if lora_name is not None else None)
+                lora_name=lora_key, lora_id=lora_id if lora_key is not None else None,
+                event_lora_name=lora_name)
         return node, True
 
     def on_unreferenced(self, block_id: int) -> bool:

@@ -92,7 +92,7 @@ class Request:
         self.cache_salt = cache_salt
         self.arrival_time = arrival_time
         self.lora_request = lora_request
-        self.lora_weights: object | None = None
+        self.lora_weights: Any = None  # the engine's LoRAWeights, opaque here
 
         self.token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -110,8 +110,6 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = 0
         self.grammar: GrammarState | None = None
-        self.lora_request: LoRARequest | None = None
-        self.lora_weights: Any = None  # the engine's LoRAWeights, opaque here
         self.prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = (
             [] if sampling_params.prompt_logprobs is not None else None)
         # Per-step sampling results, filled by the engine for outputs.
@@ -134,9 +132,11 @@ class Request:
 
     @property
     def cache_namespace(self) -> CacheNamespace:
-        """The prefix-cache namespace ``(adapter name, cache salt)``: the radix tree's
-        root and the first link of every block hash. Requests share KV only within one."""
-        return (self.lora_name, self.cache_salt)
+        """The prefix-cache namespace ``(adapter cache key, cache salt)``: the radix tree's
+        root and the first link of every block hash. Requests share KV only within one.
+        The adapter's key is its name and a digest of its files
+        (:attr:`~kvpilot.engine.lora.request.LoRARequest.cache_key`)."""
+        return (self.lora_request.cache_key if self.lora_request is not None else None, self.cache_salt)
 
     @property
     def num_tokens(self) -> int:

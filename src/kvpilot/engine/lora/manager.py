@@ -43,7 +43,7 @@ from kvpilot.engine.errors import (
     LoRAAdapterExistsError,
     LoRAAdapterNotFoundError,
 )
-from kvpilot.engine.lora.adapter import LoRAWeights, load_adapter, module_slices
+from kvpilot.engine.lora.adapter import LoRAWeights, fingerprint, load_adapter, module_slices
 from kvpilot.engine.lora.layers import LoRALinear, LoRAStep
 from kvpilot.engine.lora.ops import LoRAMapping
 from kvpilot.engine.lora.request import LoRARequest
@@ -152,7 +152,7 @@ class LoRAManager:
             int_id = next(self._ids)
         local = resolve(str(path), name, logger.info)  # fetched first when it is a URI
         weights = self._read(local, name, int_id)
-        request = LoRARequest(name, int_id, str(path), base_model_name)
+        request = LoRARequest(name, int_id, str(path), base_model_name, fingerprint(local))
         with self._lock:
             if name in self._registry:  # registered by another thread meanwhile
                 raise LoRAAdapterExistsError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
