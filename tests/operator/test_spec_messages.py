@@ -44,7 +44,7 @@ CASES = [
     ('secret_on_embedded',
      {'model': {'uri': 'embedded://smollm2-135m-instruct', 'credentialsSecret': 's'}},
      'model.credentialsSecret',
-     "spec.model.credentialsSecret: got 's'; model.credentialsSecret is for s3:// and oci:// models; this embedded model has no use for it (hf:// reads HF_TOKEN from env)"),
+     "spec.model.credentialsSecret: got 's'; model.credentialsSecret is for s3:// and oci:// models and for LoRA adapters; this embedded model has no use for it and LoRA is off (hf:// reads HF_TOKEN from env)"),
     ('replicas_and_autoscaling',
      {'model': E, 'replicas': 2, 'autoscaling': {'maxReplicas': 3}},
      'replicas',
