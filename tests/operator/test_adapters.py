@@ -192,10 +192,10 @@ def test_engine_flags_env_mount_and_credentials():
     # The engine downloads the adapters: the Secret after the user's envFrom (its keys win).
     assert container["envFrom"] == [{"configMapRef": {"name": "proxy"}},
                                     {"secretRef": {"name": "store"}}]
-    assert {"name": "adapters", "mountPath": "/etc/kvpilot/adapters", "readOnly": True} in \
+    assert {"name": "kvpilot-adapters", "mountPath": "/etc/kvpilot/adapters", "readOnly": True} in \
         container["volumeMounts"]
     pod = built.deployment["spec"]["template"]["spec"]
-    assert {"name": "adapters", "configMap": {"name": "chat-adapters"}} in pod["volumes"]
+    assert {"name": "kvpilot-adapters", "configMap": {"name": "chat-adapters"}} in pod["volumes"]
     for o in built.all():
         kubernetes_validate.validate(o, "1.36.0", strict=True)
 
@@ -221,7 +221,7 @@ def test_limits_alone_write_an_empty_list_and_lora_off_writes_nothing():
     assert ("ConfigMap", "chat-adapters") in {(r.kind, r.name) for r in off.unwanted}
     assert not any("lora" in a for a in container["args"])
     assert c.RUNTIME_LORA_ENV not in {e["name"] for e in container["env"]}
-    assert "adapters" not in {v["name"] for v in off.deployment["spec"]["template"]["spec"]["volumes"]}
+    assert "kvpilot-adapters" not in {v["name"] for v in off.deployment["spec"]["template"]["spec"]["volumes"]}
 
 
 def test_credentials_stay_off_the_engine_without_lora():
