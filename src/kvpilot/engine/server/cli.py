@@ -49,10 +49,11 @@ EXIT_GRACE_SECONDS = 2.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Put ``kvpilot serve``'s flags (:mod:`kvpilot.flags.serve`: server, chat, engine) on
-    ``parser``. Mutates ``parser``."""
+    """Put ``kvpilot serve``'s flags (:mod:`kvpilot.flags.serve`: server, chat, engine,
+    LoRA) on ``parser``. Mutates ``parser``."""
     flags.add_arguments(parser, flags.SERVER + flags.CHAT)
     EngineArgs.add_cli_args(parser)
+    EngineArgs.add_lora_cli_args(parser)
 
 
 def chat_options(args: argparse.Namespace) -> ChatOptions:
