@@ -33,3 +33,11 @@ class RequestFailedError(RuntimeError):
 
 class RequestAbortedError(RuntimeError):
     """The request was aborted (its client went away or a sibling choice failed)."""
+
+
+class LoRAAdapterExistsError(InvalidRequestError):
+    """An adapter of that name is registered already (HTTP 400)."""
+
+
+class LoRAAdapterNotFoundError(ModelNotFound):
+    """No adapter of that name is registered (HTTP 404)."""

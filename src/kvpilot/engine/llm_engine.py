@@ -20,6 +20,9 @@ from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig
 from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.kv_events import EventPublisher, make_publisher
+from kvpilot.engine.lora.adapter import LoRAWeights
+from kvpilot.engine.lora.manager import LoRAManager
+from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.model_runner import LoadedModel, ModelRunner
 from kvpilot.engine.outputs import (
     FinishedRequestStats,
@@ -140,6 +143,7 @@ class LLMEngine:
                                            if self.model_config.all_layers_slide else None)),
             clock,
         )
+        self.lora: LoRAManager | None = self.runner.lora
         self.sampler = Sampler(cfg.device, args.seed, vocab_size=self.model_config.vocab_size)
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
@@ -158,6 +162,8 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         grammar: Any = None,
+        lora_request: LoRARequest | None = None,
+        lora_weights: LoRAWeights | None = None,
     ) -> None:
         """Queue one sequence (``params.n`` is handled by the caller's fan-out).
 
@@ -165,6 +171,9 @@ class LLMEngine:
             grammar: the compiled grammar of ``params.structured_outputs``
                 (:meth:`compile_grammar`, which the server runs off its event loop);
                 compiled here when None.
+            lora_request: the adapter to run with (None: the base model).
+            lora_weights: its host weights (:meth:`LoRAManager.acquire`, which the server
+                runs off its event loop); acquired here when None (may read the disk).
 
         Raises:
             InvalidRequestError: empty or too-long prompt, prompt, stop or logit-bias
@@ -172,6 +181,14 @@ class LLMEngine:
                 duplicate id; the engine state is unchanged.
         """
         self.check_request(prompt_token_ids, params)
+        if lora_request is not None:
+            if self.lora is None:
+                raise InvalidRequestError(f"model: {lora_request.lora_name!r} is a LoRA adapter, and this engine "
+                                          "runs without adapters (--enable-lora)", "model")
+            if lora_weights is None:
+                lora_weights = self.lora.acquire(lora_request)
+            elif lora_weights.int_id != lora_request.lora_int_id:
+                raise ValueError(f"lora_weights are adapter {lora_weights.int_id}'s, not {lora_request.lora_int_id}'s")
         state = None
         if params.structured_outputs is not None:
             compiled = grammar if grammar is not None else self.compile_grammar(params.structured_outputs)
@@ -186,6 +203,8 @@ class LLMEngine:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
         )
         req.grammar = state
+        req.lora_request = lora_request
+        req.lora_weights = lora_weights
         self.scheduler.add_request(req)
         if self.tokenizer is None:
             self._detok[request_id] = _NoText()

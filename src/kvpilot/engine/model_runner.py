@@ -37,6 +37,7 @@ from kvpilot.engine.kv_scales import (
     calibrate_at_startup,
     calibration_token_ids,
 )
+from kvpilot.engine.lora.manager import LoRAConfig, LoRAManager
 from kvpilot.engine.model.config import GEMMA_ARCHITECTURES, ModelConfig
 from kvpilot.engine.model.gemma import GemmaForCausalLM
 from kvpilot.engine.model.layers import can_pack_linears, probe_batch_invariance
@@ -329,6 +330,15 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.model = loaded.model
+        # Adapter slots are allocated before the KV cache is sized (on CUDA they count
+        # as memory in use).
+        self.lora: LoRAManager | None = None
+        if args.enable_lora:
+            if self.tp is not None:
+                raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet: the adapter "
+                                 "products are not split over the ranks; serve adapters with one rank")
+            self.lora = LoRAManager(self.model, model_config, LoRAConfig(
+                args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras), device, dtype)
         num_blocks = num_kv_blocks(
             args, model_config, kv_dtype, device, loaded.weight_bytes, model_config.num_layers, kv4, dtype
         )
@@ -497,7 +507,14 @@ class ModelRunner:
         (:meth:`kvpilot.engine.tp_executor.TPExecutor.execute_model`: the same calls, and
         the step's inputs sent to the workers first)."""
         inputs = self.flatten(out)
-        return self.finish_step(self.run_inputs(inputs))
+        if self.lora is None:
+            return self.finish_step(self.run_inputs(inputs))
+        self.lora.prepare_step([it.num_tokens for it in out.scheduled],
+                               [it.request.lora_weights for it in out.scheduled])
+        try:
+            return self.finish_step(self.run_inputs(inputs))
+        finally:
+            self.lora.finish_step()
 
     @torch.inference_mode()
     def finish_step(self, parts: list[torch.Tensor]) -> torch.Tensor:

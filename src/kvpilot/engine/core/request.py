@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvpilot.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvpilot.engine.core.radix_cache import RadixNode
+    from kvpilot.engine.lora.request import LoRARequest
     from kvpilot.engine.structured_output import GrammarState
 
 
@@ -95,6 +96,8 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = 0
         self.grammar: GrammarState | None = None
+        self.lora_request: LoRARequest | None = None
+        self.lora_weights: Any = None  # the engine's LoRAWeights, opaque here
         self.prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = (
             [] if sampling_params.prompt_logprobs is not None else None)
         # Per-step sampling results, filled by the engine for outputs.
