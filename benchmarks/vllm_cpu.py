@@ -424,7 +424,8 @@ class Server:
     """One engine's OpenAI server on 127.0.0.1:<free port>, in a process group of its
     own; always stopped by ``with``."""
 
-    def __init__(self, engine: str, budget: int, cfg: argparse.Namespace, label: str = "serve") -> None:
+    def __init__(self, engine: str, budget: int, cfg: argparse.Namespace, label: str = "serve",
+                 extra: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.engine = engine
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -442,12 +443,14 @@ class Server:
             cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", *common, "--enforce-eager",
                    "--disable-uvicorn-access-log"]
             self.ready_path = "/health"
+        cmd += extra or []
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = cfg.log_dir / f"{engine}-{label}-{time.strftime('%H%M%S')}-{self.port}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(BENCH_DIR),
-                                     env=engine_env(engine, cfg.vllm_threads_bind, cfg.vllm_preload),
+                                     env={**engine_env(engine, cfg.vllm_threads_bind, cfg.vllm_preload),
+                                          **(env or {})},
                                      start_new_session=True)
         self.monitor = TreeMonitor(self.proc.pid)
         self.memory: dict[str, Any] = {}

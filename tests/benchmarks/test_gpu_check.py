@@ -19,7 +19,8 @@ def test_smoke_run_passes_every_section_and_writes_results(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["smoke"] and set(summary["sections"]) == {"env", "kernel_tests", "decode_bench", "decode_tune", "engine", "moe"}
+    assert summary["smoke"] and set(summary["sections"]) == {"env", "kernel_tests", "decode_bench", "decode_tune", "engine", "moe",
+                                                            "lora"}
     assert all(r["ok"] for r in summary["sections"].values())
     tests = summary["sections"]["kernel_tests"]
     assert tests["failed"] == 0 and tests["passed"] >= 7
@@ -40,6 +41,10 @@ def test_smoke_run_passes_every_section_and_writes_results(tmp_path):
     # a 4-bit cache holds more tokens than the model-dtype one in the same memory
     cap = {r["kv_cache_dtype"]: r["kv_capacity_tokens"] for r in engine["rows"]}
     assert cap["fp4_e2m1"] > cap["fp8_e4m3"] > cap["auto"]
+    lora = summary["sections"]["lora"]["rows"]
+    assert [r["batch"] for r in lora] == ["decode 4 x 1"] * 2 + ["prefill 2 x 20"] * 2
+    assert all(r["ok"] and r["delta_max_abs"] > 0 for r in lora)
+    assert "| decode 4 x 1 | 64 x 80 | yes |" in proc.stdout
 
 
 def test_a_section_past_the_deadline_is_reported_not_lost(tmp_path):

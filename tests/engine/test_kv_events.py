@@ -36,7 +36,7 @@ from kvpilot.engine.kv_events import (
     ZmqEventPublisher,
     split_salted,
 )
-from tests.engine.core.helpers import make_request
+from tests.engine.core.helpers import adapter, make_request
 
 BS = 4
 
@@ -197,6 +197,48 @@ def test_salted_blocks_carry_the_salt_and_differ_from_unsalted_ones():
     assert set(salted.block_hashes).isdisjoint(plain.block_hashes)
 
 
+def test_adapter_blocks_name_the_adapter_and_differ_from_base_blocks():
+    """vLLM's BlockStored for a LoRA request: lora_id = lora_int_id, lora_name, and per
+    block extra_keys holding the LoRA name first, then the salt (when salted)."""
+    kv, events = manager(20)
+    tokens = list(range(1, 9))
+    alpha, beta = adapter("alpha", 3), adapter("beta", 4)
+    run(kv, make_request("base", [*tokens, 0]))
+    run(kv, make_request("a", [*tokens, 0], lora=alpha))
+    run(kv, make_request("b", [*tokens, 0], lora=beta))
+    run(kv, make_request("as", [*tokens, 0], lora=alpha, salt="tenant-a"))
+    base, a, b, a_salted = events.drain()
+    assert (base.lora_id, base.lora_name, base.extra_keys) == (None, None, None)
+    assert (a.lora_id, a.lora_name, a.extra_keys) == (3, "alpha", [("alpha",), ("alpha",)])
+    assert (b.lora_id, b.lora_name, b.extra_keys) == (4, "beta", [("beta",), ("beta",)])
+    assert a_salted.extra_keys == [("alpha", "tenant-a"), ("alpha", "tenant-a")]
+    assert a.block_hashes == [block_hash(None, tokens[:4], None, "alpha"),
+                              block_hash(a.block_hashes[0], tokens[4:], None, "alpha")]
+    assert a_salted.block_hashes[0] == block_hash(None, tokens[:4], "tenant-a", "alpha")
+    every = [set(ev.block_hashes) for ev in (base, a, b, a_salted)]
+    for i in range(len(every)):
+        for j in range(i + 1, len(every)):
+            assert every[i].isdisjoint(every[j]), (i, j)
+    assert base.block_hashes == chain(tokens)  # the base model's hashes are unchanged
+    assert a.parent_block_hash is None and a.token_ids == tokens
+    assert all(ev.medium == "GPU" for ev in (base, a, b, a_salted))
+    # Its wire map: lora_id and lora_name set, extra_keys after them.
+    wire = a.to_wire()
+    assert list(wire) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                          "medium", "lora_name", "extra_keys"]
+    assert (wire["lora_id"], wire["lora_name"]) == (3, "alpha")
+
+
+def test_adapter_name_and_salt_never_alias_in_the_hash():
+    tokens = [1, 2, 3, 4]
+    # An adapter called "s" differs from the salt "s", and (adapter, salt) pairs differ.
+    hashes = {block_hash(None, tokens, salt, name)
+              for name, salt in ((None, None), (None, "s"), ("s", None), ("s", "s"), ("a", "s"), ("s", "a"),
+                                 ("", None), (None, ""))}
+    assert len(hashes) == 8
+    assert block_hash(None, tokens, None, None) == block_hash(None, tokens, None)
+
+
 def test_eviction_emits_block_removed_for_the_lru_leaves():
     kv, events = manager(num_blocks=6)
     a = make_request("a", list(range(1, 10)))  # 2 full blocks + 1 partial
@@ -251,6 +293,21 @@ def test_split_salted_keeps_order_and_never_puts_a_removal_with_salted_stores():
     runs = split_salted([removed, salted, salted, plain, removed, salted, AllBlocksCleared()])
     assert runs == [[removed], [salted, salted], [plain, removed], [salted], [AllBlocksCleared()]]
     assert split_salted([]) == []
+
+
+def test_split_salted_puts_adapter_stores_in_batches_of_their_own():
+    kv, events = manager(20)
+    # One step: a base request and an adapter request publish, then something is evicted.
+    run(kv, make_request("base", [1, 2, 3, 4, 0]))
+    run(kv, make_request("a", [1, 2, 3, 4, 0], lora=adapter("alpha", 1)))
+    run(kv, make_request("base2", [5, 6, 7, 8, 0]))
+    base, a, base2 = events.drain()
+    removed = BlockRemoved([base.block_hashes[0]])
+    runs = split_salted([base, a, base2, removed])
+    assert runs == [[base], [a], [base2, removed]]
+    # An adapter store without extra keys (as some producers send it) still travels alone.
+    bare = BlockStored([9], None, [0] * BS, BS, lora_id=2, lora_name="beta")
+    assert split_salted([base, bare, removed]) == [[base], [bare], [removed]]
 
 
 # ------------------------------------------------------------------ publisher

@@ -65,3 +65,51 @@ def test_a_full_64_bit_hash_and_the_rank_are_golden_bytes():
         "657391cfffffffffffffffffb1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f6964"
         "739400000000aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3475055a96c"
         "6f72615f6e616d65c003")
+
+
+# LoRA adapter blocks: the hash mixes the adapter name (then the salt), the store names
+# the adapter (lora_id, lora_name) and carries [name] or [name, salt] per block, and
+# split_salted sends it alone so the base-model store of the same step stays creditable.
+ADAPTER_HASHES = (10014023254221326127, 8125639080724078713, 3991422119832322350)
+ADAPTER_BATCHES = (
+    # the base-model store, alone (byte-identical to a store before adapters existed)
+    "93cb41da556e401000009188a474797065ab426c6f636b53746f726564ac626c6f636b5f6861736865"
+    "7391cf4d1e4a218e6983dbb1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f69647394"
+    "01020304aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3475055a96c6f7261"
+    "5f6e616d65c000",
+    # the adapter's stores: lora_id 1, lora_name, extra_keys [[name], [name]] and [[name, salt]]
+    "93cb41da556e401000009289a474797065ab426c6f636b53746f726564ac626c6f636b5f6861736865"
+    "7392cf8af8f517d85d072fcf70c411b143972079b1706172656e745f626c6f636b5f68617368c0a974"
+    "6f6b656e5f696473980102030405060708aa626c6f636b5f73697a6504a76c6f72615f696401a66d65"
+    "6469756da3475055a96c6f72615f6e616d65a873716c2d6c6f7261aa65787472615f6b6579739291a8"
+    "73716c2d6c6f726191a873716c2d6c6f726189a474797065ab426c6f636b53746f726564ac626c6f63"
+    "6b5f68617368657391cf37646145413e012eb1706172656e745f626c6f636b5f68617368c0a9746f6b"
+    "656e5f6964739401020304aa626c6f636b5f73697a6504a76c6f72615f696401a66d656469756da347"
+    "5055a96c6f72615f6e616d65a873716c2d6c6f7261aa65787472615f6b6579739192a873716c2d6c6f"
+    "7261a874656e616e742d6100",
+    # the removal of the base block, in a batch the router accepts
+    "93cb41da556e401000009183a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368"
+    "657391cf4d1e4a218e6983dba66d656469756da347505500",
+)
+
+
+def adapter_step_events() -> tuple[tuple[int, int, int], list]:
+    c = KVEventCollector(4)
+    base = c.block_stored(None, [1, 2, 3, 4], None)
+    a0 = c.block_stored(None, [1, 2, 3, 4], None, lora_name="sql-lora", lora_id=1)
+    a1 = c.block_stored(a0, [5, 6, 7, 8], None, lora_name="sql-lora", lora_id=1)
+    a_salted = c.block_stored(None, [1, 2, 3, 4], "tenant-a", lora_name="sql-lora", lora_id=1)
+    c.blocks_removed([base])
+    return (a0, a1, a_salted), c.drain()
+
+
+def test_adapter_block_hashes_are_golden():
+    hashes, _ = adapter_step_events()
+    assert hashes == ADAPTER_HASHES
+    assert block_hash(None, [1, 2, 3, 4], None, "sql-lora") == ADAPTER_HASHES[0]
+
+
+def test_a_step_with_adapter_blocks_is_golden_bytes():
+    _, events = adapter_step_events()
+    payloads = [encode_batch(TS, run, 0).hex() for run in split_salted(events)]
+    assert payloads == list(ADAPTER_BATCHES)

@@ -231,3 +231,116 @@ def test_greedy_decode_batches_of_interleaved_adapters_match_peft(family):
         t = torch.tensor([ids])
         want = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=8, do_sample=False)
         assert got[f"g{i}"] == want[0, len(ids):].tolist(), f"{arch}/{name or 'base'} request {i}"
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize("family", ["llama"], indirect=True)  # one family: the kernels are per projection
+def test_the_cuda_path_kernels_serve_adapters_like_peft(family, monkeypatch):
+    """The projections through the Triton SGMV kernels (the CUDA path, under the
+    interpreter): a mixed batch still matches PEFT."""
+    from kvpilot.engine.lora import layers, ops
+
+    monkeypatch.setattr(layers, "add_lora", lambda y, x, a, b, m, widths, widths_t: ops.add_lora_triton(
+        y, x, a, b, m, widths_t))
+    _arch, base, adapters, hf = family
+    engine = make_engine(base, enable_lora=True, max_loras=4, max_lora_rank=16, max_cpu_loras=4)
+    register_all(engine, adapters)
+    names: list[str | None] = [None, *adapters]
+    batch = prompts(len(names), 12, seed=6)
+    jobs = [(ids, names[i]) for i, ids in enumerate(batch)]
+    for (ids, name), out in zip(jobs, run(engine, jobs)):
+        check(out, ids, reference(hf if name is None else adapters[name][1], ids), f"triton/{name or 'base'}")
+
+
+def test_more_adapters_than_slots_swap_and_stay_exact(family):
+    """Four adapters and the base through two slots: the scheduler holds at most two
+    adapters in a step, the slots are refilled as requests finish, and every request
+    still matches PEFT."""
+    arch, base, adapters, hf = family
+    engine = make_engine(base, enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=4)
+    register_all(engine, adapters)
+    names: list[str | None] = [None, *adapters]
+    batch = prompts(3 * len(names), 16, seed=7)
+    jobs = [(ids, names[i % len(names)]) for i, ids in enumerate(batch)]
+    outs = run(engine, jobs)
+    assert engine.lora.slot_loads > 2  # slots were refilled
+    for (ids, name), out in zip(jobs, outs):
+        check(out, ids, reference(hf if name is None else adapters[name][1], ids), f"{arch}/{name} swapped")
+
+
+def test_preemption_and_prefix_hits_keep_adapters_apart(family):
+    """A pool too small for the batch (preemption) and the same prompts sent again
+    (prefix hits): each adapter's prompt hits only its own blocks, and every answer
+    still matches PEFT."""
+    arch, base, adapters, hf = family
+    engine = make_engine(base, enable_lora=True, max_loras=4, max_lora_rank=16, max_cpu_loras=4,
+                         num_gpu_blocks_override=40, max_model_len=64, max_num_seqs=8)
+    register_all(engine, adapters)
+    names: list[str | None] = [None, *adapters]
+    (shared,) = prompts(1, 24, seed=8)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    preempted = 0
+    for round_ in range(2):
+        for i, name in enumerate(names):
+            engine.add_request(f"p{round_}-{i}", shared, params,
+                               lora_request=engine.lora.get(name) if name else None)
+        got = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    got[out.request_id] = out
+            preempted = engine.scheduler.num_preemptions_total
+        for i, name in enumerate(names):
+            out = got[f"p{round_}-{i}"]
+            model = hf if name is None else adapters[name][1]
+            model.generation_config.eos_token_id = None
+            t = torch.tensor([shared])
+            want = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=12, do_sample=False)
+            assert out.output_token_ids == want[0, len(shared):].tolist(), f"{arch}/{name} round {round_}"
+            if round_ == 0:
+                # the first of all five to run computes its prompt; the others share it only
+                # within their own adapter, so none of them hits in round 0
+                assert out.num_cached_tokens == 0, f"{name} hit another adapter's blocks"
+            else:
+                assert out.num_cached_tokens > 0, f"{name} missed its own cached prompt"
+    assert preempted > 0, "the pool was meant to be too small for the batch"
+
+
+def greedy(engine, ids: list[int], name: str | None, n: int = 8):
+    """One greedy request (no prompt logprobs, so the prefix cache may serve it)."""
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    engine.add_request(f"g-{name}-{len(engine.lora.list())}-{id(params)}", ids, params,
+                       lora_request=engine.lora.get(name) if name else None)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                return out
+    raise AssertionError("the request did not finish")
+
+
+def hf_greedy(model, ids: list[int], n: int = 8) -> list[int]:
+    model.generation_config.eos_token_id = None
+    t = torch.tensor([ids])
+    return model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+
+
+def test_reloading_a_name_with_other_weights_never_reads_the_old_kv(tmp_path):
+    hf = tiny_checkpoint("llama", tmp_path / "base")
+    first = make_adapter(hf, tmp_path / "v1", 4, 8, ["q_proj", "v_proj"], False, seed=1)
+    second = make_adapter(hf, tmp_path / "v2", 4, 8, ["q_proj", "v_proj"], False, seed=2)
+    assert hf_greedy(first, prompts(1, PROMPT_LEN, seed=9)[0]) != hf_greedy(second, prompts(1, PROMPT_LEN, seed=9)[0])
+    engine = make_engine(tmp_path / "base", enable_lora=True)
+    (ids,) = prompts(1, PROMPT_LEN, seed=9)
+    engine.lora.register("team", tmp_path / "v1")
+    out = greedy(engine, ids, "team")
+    assert out.output_token_ids == hf_greedy(first, ids) and out.num_cached_tokens == 0
+    assert greedy(engine, ids, "team").num_cached_tokens > 0  # its own blocks: a hit
+    engine.lora.unregister("team")
+    engine.lora.register("team", tmp_path / "v2")
+    out = greedy(engine, ids, "team")
+    assert out.num_cached_tokens == 0, "the new weights read the old weights' KV"
+    assert out.output_token_ids == hf_greedy(second, ids)
+    engine.lora.unregister("team")
+    engine.lora.register("team", tmp_path / "v1")  # the same files again: the same key, a hit
+    out = greedy(engine, ids, "team")
+    assert out.num_cached_tokens > 0 and out.output_token_ids == hf_greedy(first, ids)

@@ -1,11 +1,12 @@
-"""The CPU adapter products against their definition, on hand-made segment layouts."""
+"""The adapter products (the CPU path, and the CUDA path's Triton kernels under the
+interpreter) against their definition, on hand-made segment layouts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvpilot.engine.lora.ops import LoRAMapping, add_lora_cpu, add_lora_reference
+from kvpilot.engine.lora.ops import LoRAMapping, add_lora_cpu, add_lora_reference, add_lora_triton
 
 
 @pytest.mark.parametrize("lengths,slots", [
@@ -16,7 +17,8 @@ from kvpilot.engine.lora.ops import LoRAMapping, add_lora_cpu, add_lora_referenc
     ([2, 2], [-1, -1]),                          # the base model only
     ([0, 3], [0, 1]),                            # an empty segment
 ])
-def test_cpu_products_equal_the_reference(lengths, slots):
+@pytest.mark.parametrize("impl", ["cpu", pytest.param("triton", marks=pytest.mark.triton_interpreter)])
+def test_products_equal_the_reference(lengths, slots, impl):
     gen = torch.Generator().manual_seed(0)
     slots_n, width, fin, fout = 3, 6, 11, 13
     a = torch.randn(slots_n, width, fin, generator=gen)
@@ -32,7 +34,10 @@ def test_cpu_products_equal_the_reference(lengths, slots):
     y0 = torch.randn(t, fout, generator=gen)
     want, got = y0.clone(), y0.clone()
     add_lora_reference(want, x, a, b, mapping)
-    add_lora_cpu(got, x, a, b, mapping, widths)
+    if impl == "cpu":
+        add_lora_cpu(got, x, a, b, mapping, widths)
+    else:  # the CUDA path's kernels, under Triton's interpreter
+        add_lora_triton(got, x, a, b, mapping, torch.tensor(widths, dtype=torch.int32))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     base_rows = torch.cat([torch.full((n,), s) for n, s in zip(lengths, slots)]) < 0 if t else torch.zeros(0, dtype=torch.bool)
     assert torch.equal(got[base_rows], y0[base_rows])  # base-model rows untouched

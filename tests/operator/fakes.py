@@ -44,7 +44,7 @@ class Clock:
 
 # Kinds whose objects the API server gives no metadata.generation (it moves only for
 # kinds with a spec/status split that count spec changes).
-NO_GENERATION = frozenset({"Service", "ServiceAccount"})
+NO_GENERATION = frozenset({"Service", "ServiceAccount", "ConfigMap"})
 
 
 class FakeKubeApi:

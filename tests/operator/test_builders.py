@@ -396,10 +396,12 @@ def test_no_platform_fields_no_keys():
 
 def test_reserved_names_and_paths_are_what_the_builders_use():
     """spec.py refuses user volumes and mounts that clash with kvpilot's; its lists must
-    name every volume and path the builders create (an hf:// model on a GPU has them all)."""
+    name every volume and path the builders create (an hf:// model with adapters on a GPU
+    has them all)."""
     from kvpilot.operator.spec.pod import RESERVED_MOUNT_PATHS, RESERVED_VOLUME_NAMES
 
-    children = build({"model": {"uri": "hf://org/model"}, "resources": {"limits": {"nvidia.com/gpu": 1}}})
+    children = build({"model": {"uri": "hf://org/model"}, "resources": {"limits": {"nvidia.com/gpu": 1}},
+                      "adapters": [{"name": "a", "uri": "hf://org/a"}]})
     pod = children.deployment["spec"]["template"]["spec"]
     assert {v["name"] for v in pod["volumes"]} == set(RESERVED_VOLUME_NAMES)
     paths = {m["mountPath"] for c_ in pod["containers"] + pod["initContainers"] for m in c_["volumeMounts"]}

@@ -250,7 +250,7 @@ def test_rbac_covers_what_the_operator_does(rendered, scenario):
               "PodMonitor": "monitoring.coreos.com", "ServiceAccount": "",
               "RoleBinding": "rbac.authorization.k8s.io",
               c.INFERENCE_POOL_KIND: "inference.networking.k8s.io", c.KIND: c.GROUP,
-              "ScaledObject": "keda.sh"}
+              "ScaledObject": "keda.sh", "ConfigMap": ""}
     for kind, plural in PLURALS.items():
         if kind == c.KIND:
             continue
@@ -272,10 +272,10 @@ def test_rbac_covers_what_the_operator_does(rendered, scenario):
 
 @pytest.mark.parametrize("scenario", ["default", "namespaced"])
 def test_rbac_is_least_privilege(rendered, scenario):
-    # Deletes only of kinds the router objects have, and the KEDA ScaledObject (the
-    # operator deletes nothing else).
+    # Deletes only of kinds the router objects have, the KEDA ScaledObject and the adapters
+    # ConfigMap (the operator deletes nothing else).
     deletable = {"deployments", "services", "serviceaccounts", "poddisruptionbudgets",
-                 "podmonitors", "rolebindings", "inferencepools", "scaledobjects"}
+                 "podmonitors", "rolebindings", "inferencepools", "scaledobjects", "configmaps"}
     for rule in _rules(rendered[scenario]):
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
         assert not {"deletecollection", "escalate", "impersonate"} & set(rule["verbs"]), rule

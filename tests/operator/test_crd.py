@@ -102,6 +102,7 @@ def test_crd_printer_columns_point_at_declared_fields(crd):
         "TTFT-P90": ".status.signals.ttftP90Seconds",
         "Hit-Rate": ".status.signals.prefixCacheHitRate",
         "Reason": ".status.lastScaleReason",
+        "Adapters": ".status.adaptersReady",
         "Endpoint": ".status.endpoint",
     }
     schema = root_schema(crd)

@@ -48,9 +48,8 @@ def test_the_operator_knows_the_engines_flags():
     ["--attention-backend", "torch", "--seed=7"],
     ["--enforce-eager", "--enable-chunked-prefill", "--trust-remote-code"],
     ["--pipeline-parallel-size", "1", "-pp=1", "--swap-space", "4", "--disable-log-stats"],
-    ["--no-enable-lora", "--distributed-executor-backend=uni", "--kv-cache-memory", "0.25"],
-    ["--enable-lora", "--lora-modules", "sql=/adapters/sql", '{"name": "b", "path": "/adapters/b"}',
-     "--max-loras", "2", "--max-lora-rank=64"],
+    ["--distributed-executor-backend=uni", "--kv-cache-memory", "0.25"],
+    ["--lora-modules", "sql=/adapters/sql", '{"name": "b", "path": "/adapters/b"}'],
 ])
 def test_flags_the_engine_accepts_pass(extra):
     assert spec_with(extra).engine.extra_args == tuple(extra)

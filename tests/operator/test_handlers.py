@@ -189,7 +189,7 @@ def test_register_wires_every_trigger():
     assert set(changing) == {"reconcile-create", "reconcile-update", "reconcile-resume", "forget"}
     assert changing["forget"].requires_finalizer is False  # optional: never blocks deletion
     spawning = {h.id: h for h in registry._spawning.get_all_handlers()}
-    assert set(spawning) == {"resync", "autoscaler"}
+    assert set(spawning) == {"resync", "autoscaler", "adapters"}
     timer = spawning["resync"]
     assert (timer.interval, timer.initial_delay) == (120, 120)
     # The autoscaler: a daemon per resource, only where spec.autoscaling is set.
@@ -197,6 +197,10 @@ def test_register_wires_every_trigger():
     assert daemon.cancellation_timeout == DAEMON_CANCELLATION_TIMEOUT_SECONDS
     assert daemon.when(spec={"autoscaling": {"maxReplicas": 3}}) is True
     assert daemon.when(spec={"replicas": 2}) is False
+    # The adapter sync: a daemon per resource with LoRA on.
+    adapters = spawning["adapters"]
+    assert adapters.when(spec={"adapters": [{"name": "a", "uri": "hf://o/a"}]}) is True
+    assert adapters.when(spec={"replicas": 2}) is False
     watching = {h.id: h for h in registry._watching.get_all_handlers()}
     assert set(watching) == {"child-deployment", "child-service", "engine-restarts"}
     watch = watching["child-deployment"]  # engine and router Deployments

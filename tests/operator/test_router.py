@@ -278,7 +278,8 @@ def test_disabled_router_builds_nothing_and_lists_what_to_delete():
         ("Deployment", "chat-router"), ("Service", "chat-router"),
         ("PodDisruptionBudget", "chat-router"), ("PodMonitor", "chat-router"),
         ("InferencePool", "chat"),
-        ("Deployment", "chat-headroom")}  # no node headroom asked for either
+        ("Deployment", "chat-headroom"),  # no node headroom asked for either
+        ("ConfigMap", "chat-adapters")}  # nor LoRA adapters
 
 
 def test_gateway_mode_builds_an_inference_pool_valid_against_its_crd():

@@ -268,8 +268,21 @@ def test_c14_policy_state_after_a_scale_down_survives_pruning():
     assert PolicyState.from_dict(stored["autoscaler"]["policyState"]) == state
 
 
+def test_c14_adapter_sync_statuses_survive_pruning():
+    from .test_adapter_sync import adapter_sync_statuses
+
+    stored = stored_status(*adapter_sync_statuses())
+    assert stored["adaptersReady"] == "2/2"
+    assert stored["adapters"][1] == {"name": "chat", "uri": "hf://acme/chat-lora", "readyPods": 2,
+                                     "pods": ["chat-a", "chat-b"]}
+    assert [c["type"] for c in stored["conditions"]] == ["AdaptersReady"]
+
+
 def test_c14_every_declared_status_field_is_written():
-    written = set().union(*(paths(p) for p in reconcile_statuses() + autoscaler_fragments()))
+    from .test_adapter_sync import adapter_sync_statuses
+
+    written = set().union(*(paths(p) for p in reconcile_statuses() + autoscaler_fragments()
+                            + adapter_sync_statuses()))
     loop_written = set().union(*(paths(p) for p in autoscale_loop_statuses()))
     # An empty list of objects (no candidates on missing data) is one leaf, "candidates".
     declared = declared_paths(STATUS_SCHEMA)

@@ -3,7 +3,8 @@ The operator's permissions, shared by the ClusterRole (all namespaces) and the p
 Roles (values.watchNamespaces). Each rule says why it is needed. Children go with their
 InferenceDeployment by garbage collection (owner references); the only deletes are of the
 request-router objects the operator made, when a spec turns its router off or switches mode,
-the node-headroom placeholders, and the KEDA ScaledObject when a spec leaves KEDA mode.
+the node-headroom placeholders, the KEDA ScaledObject when a spec leaves KEDA mode, and the
+adapters ConfigMap when a spec turns LoRA off.
 */}}
 {{- define "kvpilot.rules" -}}
 # Watch InferenceDeployments and patch their metadata for Kopf's finalizer and its
@@ -71,6 +72,12 @@ the node-headroom placeholders, and the KEDA ScaledObject when a spec leaves KED
 # apply needs no update.
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
+  verbs: ["get", "create", "patch", "delete"]
+# LoRA adapters: the ConfigMap NAME-adapters the engine pods mount (the adapter list they
+# load at start-up); the same apply and read-first rules, deleted when a spec turns LoRA
+# off. Nothing lists or watches ConfigMaps (the resync restores a deleted one).
+- apiGroups: [""]
+  resources: ["configmaps"]
   verbs: ["get", "create", "patch", "delete"]
 # Find the ready engine pods whose /metrics the autoscaler scrapes (metrics.source: pods)
 # and count pending pods as supply (one list per interval); watch the engine pods for

@@ -34,11 +34,16 @@ docs/engine.md, "KV cache events"):
   then the end marker ``(identity, b"", b"", -1 as 8 signed big-endian bytes, b"")``.
 
 Block hashes are unsigned 64-bit ints
-(:func:`~kvpilot.engine.core.kv_events.block_hash`). A salted block carries its salt in
-``extra_keys`` (one entry per block), as vLLM does for the keys it mixes into a hash;
-``vllm-router`` 0.1.17 refuses a whole batch that holds any ``extra_keys`` (it cannot
-tell salts apart), so salted stores go out in batches of their own and the router never
-credits salted KV to anyone.
+(:func:`~kvpilot.engine.core.kv_events.block_hash`). A salted block, and a block of a
+LoRA adapter, carries its keys in ``extra_keys`` (one entry per block: adapter name,
+then salt), as vLLM does for the keys it mixes into a hash; an adapter's block also sets
+``lora_id`` and ``lora_name``. ``vllm-router`` 0.1.17 refuses a whole batch that holds
+a store whose ``extra_keys`` carry a salt, an adapter's salted blocks included ("dense
+batch rejected ... reason=ExtraKeys"; it cannot tell salts apart); it accepts an
+adapter's unsalted stores (``extra_keys`` of the adapter name only) and never credits
+them to a base-model request. Salted and adapter stores go out in batches of their own,
+so a base-model store or a removal of the same step is never lost with them (checked
+against the binary: tests/engine/server/test_router_kv_aware.py).
 
 Design after vLLM's ``vllm/distributed/kv_events.py`` (event types, PUB + ROUTER replay,
 replay buffer) and TensorRT-LLM's publisher (the map-tagged events and the topic frame in
@@ -192,15 +197,21 @@ def _endpoint_problem(value: object) -> str:
 
 # ------------------------------------------------------------------- batches
 def _is_salted_store(ev: KVEvent) -> bool:
-    return type(ev) is BlockStored and ev.extra_keys is not None
+    """A store that travels in batches of its own: salted or of a LoRA adapter
+    (``extra_keys``, ``lora_id`` or ``lora_name`` set)."""
+    return type(ev) is BlockStored and (
+        ev.extra_keys is not None or ev.lora_id is not None or ev.lora_name is not None)
 
 
 def split_salted(events: Iterable[KVEvent]) -> list[list[KVEvent]]:
-    """Cut ``events`` into maximal consecutive runs of salted stores (with
-    ``extra_keys``) and of everything else (unsalted stores, removals, clears), keeping
-    the order. vllm-router 0.1.17 drops a whole batch that holds a salted store, so each
-    run is sent as a batch of its own: the router loses only the salted stores, never a
-    removal or an unsalted store sent in the same step."""
+    """Cut ``events`` into maximal consecutive runs of stores with extra keys (salted
+    or of a LoRA adapter) and of everything else (base-model unsalted stores, removals,
+    clears), keeping the order. Returns the runs (``[]`` for no events); the input is
+    not mutated. vllm-router 0.1.17 drops a whole batch that holds a salted store (an
+    adapter's salted ones included), so each run is sent as a batch of its own: the
+    router loses at most the salted stores, never a removal or a base-model store sent
+    in the same step. An adapter's unsalted stores are accepted by 0.1.17; they travel
+    apart all the same, so a router that refuses adapter stores loses only those."""
     runs: list[list[KVEvent]] = []
     previous: bool | None = None
     for ev in events:

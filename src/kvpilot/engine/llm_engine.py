@@ -137,6 +137,8 @@ class LLMEngine:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=cfg.max_model_len,
+                # EngineArgs' LoRA fields may not exist yet in every build: getattr.
+                max_loras=args.max_loras if args.enable_lora else 0,
             ),
             KVCacheManager(cfg.num_blocks, cfg.block_size, args.enable_prefix_caching, self.kv_events,
                            sliding_window=(self.model_config.sliding_window
@@ -201,9 +203,9 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
+            lora_request=lora_request,
         )
         req.grammar = state
-        req.lora_request = lora_request
         req.lora_weights = lora_weights
         self.scheduler.add_request(req)
         if self.tokenizer is None:
@@ -466,8 +468,12 @@ class LLMEngine:
 
     # --------------------------------------------------------------- stats
     def take_stats(self) -> IterationStats:
-        """Statistics since the previous call (steps and aborts), exactly once."""
+        """Statistics since the previous call (steps and aborts), exactly once; the LoRA
+        adapters with running and waiting requests are a snapshot taken now."""
         stats, self._stats = self._stats, IterationStats()
+        s = self.scheduler
+        stats.running_lora_adapters = tuple(s.running_lora_names())
+        stats.waiting_lora_adapters = tuple(s.waiting_lora_names())
         return stats
 
     def scheduler_stats(self) -> SchedulerStats:

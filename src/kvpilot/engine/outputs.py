@@ -99,6 +99,10 @@ class IterationStats:
         prefix_queries, prefix_hits: prefix-cache tokens (first admissions only).
         num_batched_tokens: tokens the scheduled steps computed (prefill chunks and
             decodes); 0 when no step ran since the last :meth:`LLMEngine.take_stats`.
+        running_lora_adapters, waiting_lora_adapters: names of the LoRA adapters with
+            running / waiting requests when the statistics were taken (a snapshot, not
+            a delta; sorted; empty without adapters), as vLLM's scheduler stats report
+            them for ``vllm:lora_requests_info``.
     """
 
     num_prompt_tokens: int = 0
@@ -110,6 +114,8 @@ class IterationStats:
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_batched_tokens: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 @dataclass

@@ -267,8 +267,16 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
 # Every kvpilot serve flag, in --help order.
 FLAGS: tuple[Flag, ...] = SERVER + CHAT + ENGINE + LORA
 
+# The LoRA flags the operator writes from spec.adapters and spec.engine.lora (vLLM's
+# names, and kvpilot's --lora-adapters-file), by name: the table's LoRA entries, where the
+# engine defines them, need not be marked managed for the operator to refuse them.
+OPERATOR_LORA_FLAGS: tuple[str, ...] = (
+    "--enable-lora", "--no-enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
+    "--lora-adapters-file",
+)
 # Flags the operator derives from spec fields; engine.extraArgs may not repeat them.
-MANAGED_FLAGS: tuple[str, ...] = tuple(s for f in FLAGS if f.managed for s in f.spellings)
+MANAGED_FLAGS: tuple[str, ...] = tuple(dict.fromkeys(
+    (*(s for f in FLAGS if f.managed for s in f.spellings), *OPERATOR_LORA_FLAGS)))
 
 
 def _spellings_are_unique() -> None:

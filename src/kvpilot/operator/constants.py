@@ -38,6 +38,19 @@ HEADROOM_SUFFIX = "-headroom"
 DEFAULT_HEADROOM_PRIORITY_CLASS = "kvpilot-headroom"
 ROUTER_NAME = "kvpilot-router"
 
+# LoRA adapters (spec.adapters): the ConfigMap NAME + ADAPTERS_SUFFIX holds the list the
+# engine loads at start-up (key ADAPTERS_FILE_KEY, mounted read-only at ADAPTERS_DIR); the
+# operator keeps running pods in step through the engine's runtime LoRA API, which the
+# engine mounts only with RUNTIME_LORA_ENV true (vLLM's switch).
+ADAPTERS_SUFFIX = "-adapters"
+ADAPTERS_DIR = "/etc/kvpilot/adapters"
+ADAPTERS_FILE_KEY = "adapters.json"
+ADAPTERS_VOLUME = "kvpilot-adapters"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+MODELS_LIST_PATH = "/v1/models"
+LOAD_ADAPTER_PATH = "/v1/load_lora_adapter"
+UNLOAD_ADAPTER_PATH = "/v1/unload_lora_adapter"
+
 # The engine's HTTP port and endpoints (docs/architecture.md, "HTTP (engine)").
 ENGINE_PORT = 8000
 ENGINE_PORT_NAME = "http"
@@ -74,7 +87,7 @@ SERIES_LABEL = "inference_deployment"
 
 # Condition types, in the order they are listed in status.
 CONDITION_TYPES = ("Ready", "Progressing", "RouterReady", "MetricsAvailable", "ScalingActive",
-                   "ScalingLimited")
+                   "ScalingLimited", "AdaptersReady")
 # The ones the reconcile loop owns (RouterReady only while a router is wanted); the
 # autoscaler timer owns the rest.
 RECONCILE_CONDITIONS = ("Ready", "Progressing", "RouterReady")
@@ -82,3 +95,5 @@ RECONCILE_CONDITIONS = ("Ready", "Progressing", "RouterReady")
 WORKLOAD_CONDITIONS = ("Ready", "Progressing")
 ROUTER_CONDITION = "RouterReady"
 AUTOSCALER_CONDITIONS = ("MetricsAvailable", "ScalingActive", "ScalingLimited")
+# The one the adapter sync owns (kvpilot.operator.adapters).
+ADAPTERS_CONDITION = "AdaptersReady"

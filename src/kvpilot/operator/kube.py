@@ -44,6 +44,7 @@ PLURALS = {
     "RoleBinding": "rolebindings",
     c.INFERENCE_POOL_KIND: "inferencepools",
     "ScaledObject": "scaledobjects",
+    "ConfigMap": "configmaps",
     c.KIND: c.PLURAL,
 }
 REQUEST_TIMEOUT_SECONDS = 30

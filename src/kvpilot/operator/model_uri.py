@@ -87,20 +87,21 @@ OCI_MOUNTS = ("InitContainer", "ImageVolume")
 
 
 def with_fetch_options(source: ModelSource, credentials_secret: str | None,
-                       oci_mount: str | None) -> ModelSource:
+                       oci_mount: str | None, lora: bool = False) -> ModelSource:
     """``source`` with ``model.credentialsSecret`` and ``model.ociMount``; raises ValueError
-    naming the field when the URI's scheme has no use for it."""
-    if credentials_secret is not None and not source.fetched:
-        raise ValueError(f"model.credentialsSecret is for s3:// and oci:// models; this"
-                         f" {source.scheme} model has no use for it (hf:// reads HF_TOKEN"
-                         " from env)")
+    naming the field when nothing has a use for it. ``lora``: LoRA is on (the engines
+    download ``spec.adapters`` with the same Secret)."""
+    if credentials_secret is not None and not source.fetched and not lora:
+        raise ValueError(f"model.credentialsSecret is for s3:// and oci:// models and for"
+                         f" LoRA adapters; this {source.scheme} model has no use for it and"
+                         " LoRA is off (hf:// reads HF_TOKEN from env)")
     if oci_mount is not None:
         if oci_mount not in OCI_MOUNTS:
             raise ValueError(f"model.ociMount must be one of {', '.join(OCI_MOUNTS)};"
                              f" got {oci_mount!r}")
         if source.scheme != "oci":
             raise ValueError(f"model.ociMount is for oci:// models; got a {source.scheme} model")
-        if oci_mount == "ImageVolume" and credentials_secret is not None:
+        if oci_mount == "ImageVolume" and credentials_secret is not None and not lora:
             raise ValueError("model.credentialsSecret is not used with model.ociMount ImageVolume:"
                              " the kubelet pulls with the pod's imagePullSecrets")
     return replace(source, credentials_secret=credentials_secret,

@@ -7,13 +7,15 @@ report.
     GET Deployment --replica_target--> ReplicaTarget --build_children--> Children
         (once per attempt); first attempt: GET every other child (never write over one
         we do not control), then the Deployment's owner checked
+    SSA ConfigMap NAME-adapters while LoRA is on (the engine pods mount it)
     SSA Deployment (resourceVersion precondition; 409 -> re-read, up to CONFLICT_ATTEMPTS)
     SSA Service, PodDisruptionBudget[, PodMonitor], spec.router's objects (router:
         ServiceAccount, RoleBinding, Deployment, Service[, PDB][, PodMonitor], all
         NAME-router; gateway: InferencePool NAME, where the cluster serves the kind)
     SSA ScaledObject NAME in KEDA mode (spec.autoscaling.engine: keda)
     DELETE router objects the spec no longer wants, the headroom placeholders when off, the
-        ScaledObject outside KEDA mode (only our own, uid precondition)
+        ScaledObject outside KEDA mode, the adapters ConfigMap with LoRA off (only our own,
+        uid precondition)
     -> ReconcileResult(status merge patch, events, condition types to drop)
 
 Idempotent: running it twice on an unchanged object applies identical configurations and
@@ -340,6 +342,9 @@ def _apply_deployment(api: KubeApi, resource: Resource, spec: InferenceSpec,
         children = _build(resource, spec, options, target.replicas, wants)
         if attempt == 1:
             _check_children_owners(api, resource, children)
+            if children.adapters is not None:
+                # Before the Deployment: a pod it creates mounts this ConfigMap.
+                api.apply(children.adapters)
         if current is not None:
             _check_owner(current, resource)
             keda = spec.autoscaling is not None and spec.autoscaling.keda
@@ -429,7 +434,11 @@ def reconcile(api: KubeApi, resource: Resource, options: OperatorOptions, now: d
     target = done.target
     applied = [f"Deployment/{resource.name}"]
     stored_router: dict[str, dict[str, Any]] = {}
+    if done.children.adapters is not None:
+        applied.insert(0, f"ConfigMap/{done.children.adapters['metadata']['name']}")
     for obj in done.children.all()[1:]:
+        if obj is done.children.adapters:
+            continue  # applied before the Deployment
         stored = api.apply(obj)
         applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
         if any(obj is r for r in done.children.router):
@@ -456,6 +465,14 @@ def reconcile(api: KubeApi, resource: Resource, options: OperatorOptions, now: d
         drop += c.AUTOSCALER_CONDITIONS
         status["conditions"] = [cond for cond in status["conditions"]
                                 if cond.get("type") not in c.AUTOSCALER_CONDITIONS]
+    if not spec.lora_enabled:
+        # LoRA off: the adapter sync stops, and what it last reported goes.
+        drop += (c.ADAPTERS_CONDITION,)
+        status["conditions"] = [cond for cond in status["conditions"]
+                                if cond.get("type") != c.ADAPTERS_CONDITION]
+        for key in ("adapters", "adaptersReady"):
+            if key in resource.status:
+                status[key] = None
     events: list[Event] = []
     if done.created:
         events.append(Event("Normal", "Created",

@@ -16,6 +16,9 @@ engine pod event (watch)               :func:`~kvpilot.operator.handlers.pods.on
 InferenceDeployment delete             :func:`~kvpilot.operator.handlers.lifecycle.on_delete`
 ``spec.autoscaling`` set (and          :func:`~kvpilot.operator.autoscaling.loop.autoscaler_daemon`
 ``engine`` not ``keda``)               (one loop per resource, every ``intervalSeconds``)
+LoRA on (``spec.adapters`` or          :func:`~kvpilot.operator.adapters.loop.adapter_daemon`
+``spec.engine.lora``)                  (adapters loaded and unloaded in the running
+                                       pods every 30 s and after a spec change)
 =====================================  ===============================================
 """
 
@@ -26,6 +29,7 @@ import logging
 import kopf
 
 from kvpilot.operator import constants as c
+from kvpilot.operator.adapters.loop import adapter_daemon, has_lora
 from kvpilot.operator.autoscaling.loop import autoscaler_daemon, has_autoscaling
 from kvpilot.operator.handlers.children import on_deployment_event, on_service_event
 from kvpilot.operator.handlers.lifecycle import on_delete, on_resync, on_spec
@@ -81,3 +85,5 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
     kopf.on.delete(*resource, registry=registry, id="forget", optional=True)(on_delete)
     kopf.daemon(*resource, registry=registry, id="autoscaler", when=has_autoscaling,
                 cancellation_timeout=DAEMON_CANCELLATION_TIMEOUT_SECONDS)(autoscaler_daemon)
+    kopf.daemon(*resource, registry=registry, id="adapters", when=has_lora,
+                cancellation_timeout=DAEMON_CANCELLATION_TIMEOUT_SECONDS)(adapter_daemon)

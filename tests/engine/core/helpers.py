@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.sampling_params import SamplingParams
 
 EOS = 2
@@ -22,17 +23,26 @@ def make_scheduler(
     max_num_seqs: int = 8,
     max_model_len: int | None = None,
     prefix_caching: bool = True,
+    max_loras: int = 0,
 ) -> Scheduler:
     cfg = SchedulerConfig(
         max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len or num_blocks * block_size,
+        max_loras=max_loras,
     )
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size, prefix_caching), clock=lambda: 0.0)
 
 
-def make_request(rid: str, prompt: list[int], max_tokens: int = 4, salt: str | None = None, **kw) -> Request:
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw), eos_token_ids=[EOS], cache_salt=salt)
+def make_request(rid: str, prompt: list[int], max_tokens: int = 4, salt: str | None = None,
+                 lora: LoRARequest | None = None, **kw) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw), eos_token_ids=[EOS],
+                   cache_salt=salt, lora_request=lora)
+
+
+def adapter(name: str, lora_int_id: int) -> LoRARequest:
+    """A registered adapter as the engine would hand it to the core (no weights needed)."""
+    return LoRARequest(name, lora_int_id, f"/adapters/{name}")
 
 
 def step(sched: Scheduler) -> SchedulerOutput:

@@ -373,3 +373,93 @@ def test_finished_requests_read_zero_before_the_first_one_finishes():
     text = generate_latest(EngineMetrics("m").registry).decode()
     for reason in ("stop", "length", "abort"):
         assert f'kvpilot:request_success_total{{finished_reason="{reason}",model_name="m"}} 0.0' in text
+
+
+# ------------------------------------------------------------------------ LoRA
+def picker_lora_view(text: str) -> tuple[set[str], set[str], int] | None:
+    """What the Gateway API Inference Extension's endpoint picker takes from
+    ``vllm:lora_requests_info`` (``getLatestLoraMetric`` and ``promToPodMetrics`` in its
+    metrics client): among the series whose running and waiting labels are not both
+    empty, the one with the largest value (a timestamp); its comma-split adapter names
+    and ``max_lora`` as an int. None: no such series (the picker keeps what it had)."""
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "vllm:lora_requests_info"]
+    assert family.type == "gauge"
+    named = [s for s in family.samples if s.labels["running_lora_adapters"] or s.labels["waiting_lora_adapters"]]
+    if not named:
+        return None
+    latest = max(named, key=lambda s: s.value)
+    labels = latest.labels
+    running = set(labels["running_lora_adapters"].split(",")) if labels["running_lora_adapters"] else set()
+    waiting = set(labels["waiting_lora_adapters"].split(",")) if labels["waiting_lora_adapters"] else set()
+    return running, waiting, int(labels["max_lora"])
+
+
+def lora_stats_after_one_step():
+    """A real scheduler with max_loras=2 after one step, and the IterationStats that
+    LLMEngine.take_stats makes from it (the real method on a stand-in engine)."""
+    from types import SimpleNamespace
+
+    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.outputs import IterationStats
+    from tests.engine.core.helpers import adapter, make_request, make_scheduler
+
+    sched = make_scheduler(num_blocks=40, budget=64, max_loras=2, max_model_len=40)
+    for rid, lora in (("a", adapter("sql-lora", 1)), ("b", adapter("chat-lora", 2)),
+                      ("c", adapter("summarize", 3)), ("base", None)):
+        sched.add_request(make_request(rid, [5, 6, 7], lora=lora))
+    sched.schedule()
+    engine = SimpleNamespace(_stats=IterationStats(), scheduler=sched)
+    return sched, LLMEngine.take_stats(engine)  # type: ignore[arg-type]
+
+
+def test_take_stats_reports_running_and_waiting_adapters():
+    sched, stats = lora_stats_after_one_step()
+    assert [r.request_id for r in sched.waiting] == ["c"]  # max_loras=2 held the third adapter back
+    assert stats.running_lora_adapters == ("chat-lora", "sql-lora")
+    assert stats.waiting_lora_adapters == ("summarize",)
+
+
+def test_lora_requests_info_is_vllms_and_parses_as_the_endpoint_picker_reads_it():
+    from prometheus_client import generate_latest
+
+    metrics = EngineMetrics("m")
+    assert "vllm:lora_requests_info" not in generate_latest(metrics.registry).decode()  # LoRA off: absent
+    metrics.enable_lora_info(2)
+    _, stats = lora_stats_after_one_step()
+    metrics.observe_lora(stats.running_lora_adapters, stats.waiting_lora_adapters, now=1000.0)
+    text = generate_latest(metrics.registry).decode()  # what GET /metrics serves
+    assert "# HELP vllm:lora_requests_info Running stats on lora requests.\n" in text
+    assert "# TYPE vllm:lora_requests_info gauge\n" in text
+    # vLLM's label names and nothing else (no model_name, no engine); prometheus_client
+    # writes them sorted, as it does for vLLM.
+    assert ('vllm:lora_requests_info{max_lora="2",running_lora_adapters="chat-lora,sql-lora",'
+            'waiting_lora_adapters="summarize"} 1000.0\n') in text
+    assert picker_lora_view(text) == ({"chat-lora", "sql-lora"}, {"summarize"}, 2)
+    # Later updates: the picker follows the newest series; an idle update (no adapter)
+    # leaves the last named one for it, as vLLM's stale series do.
+    metrics.observe_lora(["summarize"], [], now=1001.0)
+    assert picker_lora_view(generate_latest(metrics.registry).decode()) == ({"summarize"}, set(), 2)
+    metrics.observe_lora([], [], now=1002.0)
+    metrics.observe_lora([], [], now=1003.0)
+    text = generate_latest(metrics.registry).decode()
+    assert picker_lora_view(text) == ({"summarize"}, set(), 2)
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "vllm:lora_requests_info"]
+    values = {(s.labels["running_lora_adapters"], s.labels["waiting_lora_adapters"]): s.value for s in family.samples}
+    assert values == {("summarize", ""): 1001.0, ("", ""): 1003.0}  # bounded: two series at most
+    metrics.observe_lora(["sql-lora"], ["chat-lora"], now=1004.0)
+    text = generate_latest(metrics.registry).decode()
+    assert picker_lora_view(text) == ({"sql-lora"}, {"chat-lora"}, 2)
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "vllm:lora_requests_info"]
+    assert len(family.samples) == 1
+
+
+def test_lora_requests_info_value_is_the_wall_clock_time():
+    import time
+
+    metrics = EngineMetrics("m")
+    metrics.enable_lora_info(1)
+    before = time.time()
+    metrics.observe_lora(["a"], [])
+    value = metrics.registry.get_sample_value(
+        "vllm:lora_requests_info", {"max_lora": "1", "waiting_lora_adapters": "", "running_lora_adapters": "a"})
+    assert before <= value <= time.time()

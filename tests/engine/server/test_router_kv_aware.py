@@ -296,3 +296,148 @@ def test_a_killed_replica_gets_no_new_requests(router_for):
     finally:
         for p in procs:
             p.stop()
+
+
+# ------------------------------------------- adapter stores beside base-model stores
+class MirrorWorker:
+    """A worker URL for the router that forwards every request to ``engine`` but
+    advertises its own KV event source: a :class:`ZmqEventPublisher` the test publishes
+    on (``/kv_event_sources``), under its own ``instance_id`` (``/get_server_info``). So
+    the test decides exactly which event batches the real router gets from this worker,
+    while rendering and generation are the engine's."""
+
+    def __init__(self, engine: ServerProcess) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from kvpilot.engine.kv_events import KVEventsConfig, ZmqEventPublisher
+
+        self.publisher = ZmqEventPublisher(KVEventsConfig(
+            enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0"))
+        self.publisher.start()
+        self.instance_id = f"mirror-{engine.instance_id}"
+        mirror = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                if self.command == "GET" and self.path == "/kv_event_sources":
+                    r = httpx.get(f"{engine.url}{self.path}", timeout=30)
+                    data = r.json()
+                    data["0"]["endpoint"] = mirror.publisher.endpoint
+                    data["0"]["replay_endpoint"] = mirror.publisher.replay_endpoint
+                    return self._reply(200, json.dumps(data).encode(), "application/json")
+                if self.command == "GET" and self.path == "/get_server_info":
+                    data = httpx.get(f"{engine.url}{self.path}", timeout=30).json()
+                    data["instance_id"] = mirror.instance_id
+                    return self._reply(200, json.dumps(data).encode(), "application/json")
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("host", "content-length", "connection")}
+                r = httpx.request(self.command, f"{engine.url}{self.path}", content=body, headers=headers, timeout=120)
+                self._reply(r.status_code, r.content, r.headers.get("content-type", "application/json"))
+
+            def _reply(self, status: int, body: bytes, content_type: str) -> None:
+                self.send_response(status)
+                self.send_header("content-type", content_type)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _forward
+
+            def log_message(self, *args: object) -> None:
+                return None
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+        self.publisher.shutdown()
+
+
+def rendered_ids(engine: ServerProcess, system: str, question: str) -> list[int]:
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+            "max_tokens": 1, "temperature": 0}
+    r = httpx.post(f"{engine.url}/v1/chat/completions/render", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["token_ids"]
+
+
+def stores(ids: list[int], block_size: int, lora: tuple[str, int] | None = None, salt: str | None = None) -> list:
+    """The BlockStored events the engine's prefix cache would emit for ``ids``' full
+    blocks (one chain), for the base model or for adapter ``(name, lora_int_id)``, with
+    an optional cache salt."""
+    from kvpilot.engine.core.kv_events import KVEventCollector
+
+    c = KVEventCollector(block_size)
+    parent = None
+    for i in range(0, len(ids) - block_size + 1, block_size):
+        parent = c.block_stored(parent, ids[i:i + block_size], salt,
+                                lora_name=lora[0] if lora else None, lora_id=lora[1] if lora else None)
+    return c.drain()
+
+
+def test_a_base_block_published_beside_an_adapter_block_is_still_credited(engines, router_for, monkeypatch):
+    """An engine step that stores an adapter's blocks and base-model blocks: the real
+    router (0.1.17) still credits the base-model prefix, and never credits the adapter's
+    blocks to a base-model request with the same tokens. vllm-router 0.1.17 drops a whole
+    batch holding a store whose ``extra_keys`` carry a salt ("dense batch rejected ...
+    reason=ExtraKeys"), an adapter's salted blocks included; the control shows that
+    such a store in one batch with a base store loses the base store, which is why the
+    publisher sends salted and adapter stores in batches of their own (``split_salted``)."""
+    import kvpilot.engine.kv_events as wire
+
+    a, b = engines
+    mirror = MirrorWorker(b)
+    try:
+        bs = httpx.get(f"{b.url}/get_server_info", timeout=10).json()["kv_block_size"]
+        router = router_for(a.url, mirror.url)
+        subscribe(router, a)
+        deadline = time.monotonic() + 60
+        k = 0
+        while router.last_seq(mirror.instance_id) < 0:  # the router has joined the mirror's PUB socket
+            assert time.monotonic() < deadline, router.logs()[-4000:]
+            mirror.publisher.publish(stores([5000 + 50 * k + i for i in range(bs)], bs))
+            k += 1
+            time.sleep(0.3)
+
+        def step(events: list) -> None:
+            """Publish one engine step's events and wait until the router has seen them."""
+            before = router.last_seq(mirror.instance_id)
+            mirror.publisher.publish(events)
+            deadline = time.monotonic() + 15
+            while router.last_seq(mirror.instance_id) <= before and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(1.0)  # every batch of the step has arrived (the last may be rejected)
+
+        def credit(system: str) -> int:
+            """Prefix tokens the router credits to the mirror for a base-model request."""
+            n = len(credited(router))
+            chat(router.url, system, "Which district is last?")
+            return sum(c for w, c in credited(router)[n:] if w == mirror.url)
+
+        def ids(topic: str) -> list[int]:
+            return rendered_ids(b, prefix(topic), "Which district is last?")
+
+        # Control: a salted adapter store and a base store in one batch: all is dropped.
+        monkeypatch.setattr(wire, "split_salted", lambda events: [list(events)])
+        step(stores(ids("quarry"), bs, ("sql-lora", 1), salt="tenant-a") + stores(ids("meadow"), bs))
+        assert credit(prefix("meadow")) == 0, router.logs()[-3000:]
+        assert "reason=ExtraKeys" in router.logs()
+        monkeypatch.undo()
+
+        # One engine step: an adapter's salted and unsalted prompts and a base prompt.
+        base_ids = ids("tower")
+        step(stores(ids("canal"), bs, ("sql-lora", 1), salt="tenant-a") + stores(ids("harbour"), bs, ("sql-lora", 1))
+             + stores(base_ids, bs))
+        got = credit(prefix("tower"))
+        assert got >= len(base_ids) - 2 * bs, (got, len(base_ids), router.logs()[-3000:])
+        # The adapter's blocks are never credited to a base-model request.
+        assert credit(prefix("canal")) == 0, router.logs()[-3000:]
+        assert credit(prefix("harbour")) == 0, router.logs()[-3000:]
+    finally:
+        mirror.close()

@@ -121,13 +121,14 @@ class KVCacheManager:
     def match_prefix(self, request: Request) -> tuple[list[RadixNode], int]:
         """Cached full blocks for the request's tokens and how many tokens to skip.
 
+        Only blocks of the request's namespace (its LoRA adapter and cache salt) match.
         Returns ``(nodes, num_hit_tokens)``. At least one token is always left to
         compute, so a full hit reports ``num_tokens - 1`` (the last token is recomputed
         for its logits; its KV is already cached). Does not mutate anything.
         """
         if self.radix is None or request.num_tokens == 0:
             return [], 0
-        nodes = self.radix.match(request.token_ids, request.cache_salt)
+        nodes = self.radix.match(request.token_ids, request.cache_namespace)
         return nodes, min(len(nodes) * self.block_size, request.num_tokens - 1)
 
     # ------------------------------------------------------------ admission
@@ -159,7 +160,7 @@ class KVCacheManager:
         request.num_prefix_kv_tokens = len(nodes) * self.block_size
         request.num_published_blocks = len(nodes)
         if self.radix is not None:
-            request.last_node = nodes[-1] if nodes else self.radix.root(request.cache_salt)
+            request.last_node = nodes[-1] if nodes else self.radix.root(request.cache_namespace)
 
     def grow(self, request: Request, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more computed tokens. False if out of blocks
@@ -204,9 +205,11 @@ class KVCacheManager:
             num_full = min(num_full, request.num_prompt_tokens // bs)
         parent = request.last_node
         assert parent is not None
+        lora_id = request.lora_int_id or None
         for i in range(request.num_published_blocks, num_full):
             own = request.block_ids[i]
-            node, inserted = radix.insert(parent, tuple(request.token_ids[i * bs : (i + 1) * bs]), own)
+            node, inserted = radix.insert(parent, tuple(request.token_ids[i * bs : (i + 1) * bs]), own, lora_id,
+                                          request.lora_name)
             if not inserted and node.block_id != own:
                 if self.pool.incref(node.block_id) == 1:
                     radix.on_referenced(node.block_id)

@@ -2,12 +2,16 @@
 
 The tree's edges are whole blocks of token ids, so every node owns exactly one KV block::
 
-    root[salt] ──(t0..t15)──> n0 ──(t16..t31)──> n1 ──(t32..t47)──> n2
-                                 └─(u16..u31)──> n3
+    root[ns] ──(t0..t15)──> n0 ──(t16..t31)──> n1 ──(t32..t47)──> n2
+                               └─(u16..u31)──> n3
 
 A path from a root spells a prefix whose length is a multiple of ``block_size``; the
 block of each node holds the KV of its 16 tokens *at those positions*. Roots are per
-``cache_salt``, so requests with different salts never share KV.
+namespace ``(lora_name, cache_salt)`` (:data:`~kvpilot.engine.core.request.CacheNamespace`),
+so requests with different salts, or under different LoRA adapters (or an adapter and the
+base model), never share KV: an adapter changes every layer's K and V. vLLM v1 isolates
+them the same way, by mixing the LoRA name and then the salt into its block hashes
+(``generate_block_hash_extra_keys`` in ``vllm/v1/core/kv_cache_utils.py``).
 
 Contract:
 - :meth:`match` never mutates (not even LRU times); callers lock what they use by taking
@@ -22,7 +26,8 @@ Contract:
   block once ``num_computed_tokens`` covers it), so a match never returns unwritten KV.
 - With a :class:`~kvpilot.engine.core.kv_events.KVEventCollector` (KV cache events on), every
   inserted block is reported as stored and gets its wire hash (``RadixNode.block_hash``,
-  chained from its parent's and salted by its tree's salt), and every evicted block as
+  chained from its parent's and mixed with its tree's adapter name and salt), and every
+  evicted block as
   removed; emptying the tree in :meth:`RadixCache.reset` is reported as all cleared.
   Without one (the default) the cost is one ``if`` per insert and per evicted block.
 
@@ -38,27 +43,41 @@ from collections.abc import Sequence
 
 from kvpilot.engine.core.block_pool import BlockPool, CacheIntegrityError
 from kvpilot.engine.core.kv_events import KVEventCollector
+from kvpilot.engine.core.request import CacheNamespace
+
+BASE_NAMESPACE: CacheNamespace = (None, None)
+"""The namespace of base-model requests without a cache salt."""
 
 
 class RadixNode:
     """One block of the tree: ``key`` is its ``block_size`` token ids.
 
-    ``salt`` is the cache salt of the tree the node is in (a root holds it, its
-    descendants copy it); ``block_hash`` is the block's KV-event hash, set at insertion
-    only when events are on (0 otherwise, and at roots).
+    ``namespace`` is the ``(lora_name, cache_salt)`` of the tree the node is in (a root
+    holds it, its descendants copy it); ``block_hash`` is the block's KV-event hash, set
+    at insertion only when events are on (0 otherwise, and at roots).
     """
 
-    __slots__ = ("block_hash", "block_id", "children", "key", "last_access", "parent", "salt")
+    __slots__ = ("block_hash", "block_id", "children", "key", "last_access", "namespace", "parent")
 
     def __init__(self, key: tuple[int, ...], block_id: int, parent: RadixNode | None,
-                 salt: str | None = None) -> None:
+                 namespace: CacheNamespace = BASE_NAMESPACE) -> None:
         self.key = key
         self.block_id = block_id
         self.parent = parent
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.last_access = 0
-        self.salt: str | None = parent.salt if parent is not None else salt
+        self.namespace: CacheNamespace = parent.namespace if parent is not None else namespace
         self.block_hash = 0
+
+    @property
+    def salt(self) -> str | None:
+        """The cache salt of the node's tree."""
+        return self.namespace[1]
+
+    @property
+    def lora_name(self) -> str | None:
+        """The LoRA adapter name of the node's tree (None: the base model)."""
+        return self.namespace[0]
 
     def __repr__(self) -> str:
         return f"RadixNode(block={self.block_id}, children={len(self.children)}, t={self.last_access})"
@@ -77,19 +96,20 @@ class RadixCache:
         self.pool = pool
         self.block_size = block_size
         self.events = events
-        self._roots: dict[str | None, RadixNode] = {}
+        self._roots: dict[CacheNamespace, RadixNode] = {}
         self._node_of_block: dict[int, RadixNode] = {}
         self._heap: list[tuple[int, int]] = []  # (last_access, block_id); lazily invalidated
         self._clock = 0
         self.num_cached = 0  # blocks in the tree with ref_count == 0 (evictable)
 
     # ----------------------------------------------------------------- queries
-    def match(self, token_ids: Sequence[int], salt: str | None = None) -> list[RadixNode]:
-        """Longest cached prefix of ``token_ids`` in full blocks, as nodes root-first.
+    def match(self, token_ids: Sequence[int], namespace: CacheNamespace = BASE_NAMESPACE) -> list[RadixNode]:
+        """Longest cached prefix of ``token_ids`` in full blocks within ``namespace``
+        (``(lora_name, cache_salt)``), as nodes root-first.
 
         Does not mutate anything. ``len(result) * block_size`` tokens are cached.
         """
-        node = self._roots.get(salt)
+        node = self._roots.get(namespace)
         if node is None:
             return []
         bs = self.block_size
@@ -112,11 +132,12 @@ class RadixCache:
     def num_nodes(self) -> int:
         return len(self._node_of_block)
 
-    def root(self, salt: str | None) -> RadixNode:
-        """The sentinel root for ``salt`` (created on first use; owns no block)."""
-        node = self._roots.get(salt)
+    def root(self, namespace: CacheNamespace = BASE_NAMESPACE) -> RadixNode:
+        """The sentinel root for ``namespace`` (``(lora_name, cache_salt)``; created on
+        first use; owns no block)."""
+        node = self._roots.get(namespace)
         if node is None:
-            node = self._roots[salt] = RadixNode((), -1, None, salt)
+            node = self._roots[namespace] = RadixNode((), -1, None, namespace)
         return node
 
     # --------------------------------------------------------------- mutation
@@ -127,7 +148,8 @@ class RadixCache:
             node.last_access = self._clock
             self._maybe_push(node)
 
-    def insert(self, parent: RadixNode, key: tuple[int, ...], block_id: int) -> tuple[RadixNode, bool]:
+    def insert(self, parent: RadixNode, key: tuple[int, ...], block_id: int,
+               lora_id: int | None = None, lora_name: str | None = None) -> tuple[RadixNode, bool]:
         """Publish ``block_id`` holding ``key`` under ``parent``.
 
         Returns ``(node, inserted)``. If ``parent`` already has a child with this key the
@@ -135,7 +157,10 @@ class RadixCache:
         should switch to the existing block (deduplication).
 
         The block must be referenced by the caller (it is the caller's own computed block).
-        With events on, a new node is reported stored (its hash chained from ``parent``'s).
+        With events on, a new node is reported stored (its hash chained from ``parent``'s
+        and mixed with the tree's adapter key and salt); ``lora_id`` and ``lora_name`` are
+        the inserting request's adapter for the event (None for the base model; the name
+        defaults to the tree's adapter key).
         """
         if len(key) != self.block_size:
             raise ValueError(f"key has {len(key)} tokens, block_size is {self.block_size}")
@@ -152,8 +177,11 @@ class RadixCache:
         parent.children[key] = node
         self._node_of_block[block_id] = node
         if self.events is not None:
+            lora_key, salt = node.namespace
             node.block_hash = self.events.block_stored(
-                parent.block_hash if parent.block_id >= 0 else None, key, node.salt)
+                parent.block_hash if parent.block_id >= 0 else None, key, salt,
+                lora_name=lora_key, lora_id=lora_id if lora_key is not None else None,
+                event_lora_name=lora_name)
         return node, True
 
     def on_unreferenced(self, block_id: int) -> bool:
@@ -246,19 +274,19 @@ class RadixCache:
         """
         seen = 0
         unreferenced = 0
-        for salt, root in self._roots.items():
+        for ns, root in self._roots.items():
             stack = list(root.children.values())
             while stack:
                 node = stack.pop()
                 seen += 1
                 b = node.block_id
                 if self._node_of_block.get(b) is not node:
-                    raise CacheIntegrityError(f"block {b} not indexed (salt {salt!r})")
+                    raise CacheIntegrityError(f"block {b} not indexed (namespace {ns!r})")
                 if self.pool.is_free(b):
                     raise CacheIntegrityError(f"cached block {b} is also on the free list")
                 parent = node.parent
                 if parent is None or parent.children.get(node.key) is not node:
-                    raise CacheIntegrityError(f"block {b} is not a child of its parent (salt {salt!r})")
+                    raise CacheIntegrityError(f"block {b} is not a child of its parent (namespace {ns!r})")
                 ref = self.pool.ref_counts[b]
                 if ref == 0:
                     unreferenced += 1

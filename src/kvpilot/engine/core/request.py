@@ -14,6 +14,12 @@ if TYPE_CHECKING:
     from kvpilot.engine.structured_output import GrammarState
 
 
+CacheNamespace = tuple[str | None, str | None]
+"""``(lora_name, cache_salt)``: which requests may share prefix-cache blocks. vLLM v1
+mixes the same two keys, the LoRA name first, into its block hashes
+(``generate_block_hash_extra_keys`` in ``vllm/v1/core/kv_cache_utils.py``)."""
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -62,6 +68,11 @@ class Request:
             ``[(token_id, logprob)]``; filled as prefill chunks compute them.
         grammar: the structured-output matcher (None: free text); advanced by the engine
             over each appended output token.
+        lora_request: the adapter the request runs with (None: the base model). Its name
+            is part of the prefix-cache namespace (:attr:`cache_namespace`), so requests
+            under different adapters (or an adapter and the base) never share KV.
+        lora_weights: the adapter's loaded weights, set by the engine and handed to the
+            model runner; opaque to the scheduling core, which never reads it.
     """
 
     def __init__(
@@ -72,6 +83,7 @@ class Request:
         eos_token_ids: Sequence[int] = (),
         cache_salt: str | None = None,
         arrival_time: float = 0.0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -79,6 +91,8 @@ class Request:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.cache_salt = cache_salt
         self.arrival_time = arrival_time
+        self.lora_request = lora_request
+        self.lora_weights: Any = None  # the engine's LoRAWeights, opaque here
 
         self.token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -96,8 +110,6 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = 0
         self.grammar: GrammarState | None = None
-        self.lora_request: LoRARequest | None = None
-        self.lora_weights: Any = None  # the engine's LoRAWeights, opaque here
         self.prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = (
             [] if sampling_params.prompt_logprobs is not None else None)
         # Per-step sampling results, filled by the engine for outputs.
@@ -107,6 +119,24 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's ``lora_int_id``; 0 without one (vLLM's "no adapter")."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def lora_name(self) -> str | None:
+        """The adapter's name; None without one."""
+        return self.lora_request.lora_name if self.lora_request is not None else None
+
+    @property
+    def cache_namespace(self) -> CacheNamespace:
+        """The prefix-cache namespace ``(adapter cache key, cache salt)``: the radix tree's
+        root and the first link of every block hash. Requests share KV only within one.
+        The adapter's key is its name and a digest of its files
+        (:attr:`~kvpilot.engine.lora.request.LoRARequest.cache_key`)."""
+        return (self.lora_request.cache_key if self.lora_request is not None else None, self.cache_salt)
 
     @property
     def num_tokens(self) -> int:
@@ -132,10 +162,12 @@ class Request:
 
     def block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
         """Chain hashes of the first ``num_blocks`` full blocks: ``h[i]`` identifies the
-        prefix ``token_ids[: (i + 1) * block_size]`` (and the cache salt). Computed
-        incrementally and cached; used to spot prefixes already being computed."""
+        prefix ``token_ids[: (i + 1) * block_size]`` within the request's
+        :attr:`cache_namespace` (adapter name and cache salt). Computed incrementally and
+        cached; used to spot prefixes already being computed (process-local ``hash()``;
+        the wire hash is :func:`kvpilot.engine.core.kv_events.block_hash`)."""
         hashes = self._block_hashes
-        h = hashes[-1] if hashes else hash(("kvpilot", self.cache_salt))
+        h = hashes[-1] if hashes else hash(("kvpilot", self.cache_namespace))
         for i in range(len(hashes), num_blocks):
             h = hash((h, tuple(self.token_ids[i * block_size : (i + 1) * block_size])))
             hashes.append(h)

@@ -10,7 +10,11 @@ There are no prefill and decode phases (vLLM v1's framing): every running reques
 3. waiting requests (FCFS), admitted only if blocks for their whole prompt fit. A
    waiting request whose next few uncached blocks are being computed right now by a
    running request is passed over until they are published, so a burst of requests
-   sharing a long system prompt computes it once instead of once per request.
+   sharing a long system prompt computes it once instead of once per request. With
+   LoRA on (``max_loras > 0``), a waiting request whose adapter would make the running
+   batch hold more than ``max_loras`` distinct adapters is passed over too (it keeps its
+   place in the queue) and admission goes on with the requests behind it, as vLLM's v1
+   scheduler does with its ``scheduled_loras`` (``vllm/v1/core/sched/scheduler.py``).
 
 Admission reserves blocks for the whole prompt, so a prefill chunk never runs out of
 blocks mid-prompt; only decodes grow. When a decode cannot grow, the newest running
@@ -51,6 +55,9 @@ class SchedulerConfig:
         defer_shared_prefix_blocks: a waiting request whose next ``n`` or more uncached
             blocks are being computed right now by a running request waits until they
             are published, then hits them instead of computing them twice (0 = off).
+        max_loras: distinct LoRA adapters among the running requests at most (vLLM's
+            ``--max-loras``); 0: LoRA is off and a request with an adapter is refused.
+            Base-model requests never count.
     """
 
     max_num_batched_tokens: int = 2048
@@ -58,6 +65,7 @@ class SchedulerConfig:
     max_model_len: int = 8192
     watermark: float = 0.01
     defer_shared_prefix_blocks: int = 4
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -74,6 +82,8 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.defer_shared_prefix_blocks < 0:
             raise ValueError(f"defer_shared_prefix_blocks must be >= 0, got {self.defer_shared_prefix_blocks}")
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0 (0: LoRA off), got {self.max_loras}")
 
 
 @dataclass
@@ -190,7 +200,14 @@ class Scheduler:
         Raises:
             RequestRejectedError: empty prompt, or prompt (+ max_tokens) longer than
                 ``max_model_len``; the message names both numbers.
+            ValueError: the request has a LoRA adapter but ``max_loras`` is 0 (LoRA is
+                off: the engine must refuse such a request before it gets here).
         """
+        if request.lora_request is not None and self.config.max_loras == 0:
+            raise ValueError(
+                f"request {request.request_id!r} has LoRA adapter {request.lora_request.lora_name!r}, "
+                "but the scheduler's max_loras is 0 (LoRA is off)"
+            )
         n = request.num_prompt_tokens
         limit = self.config.max_model_len
         if n == 0:
@@ -253,6 +270,21 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def running_lora_ids(self) -> set[int]:
+        """The ``lora_int_id`` of every adapter with a running request (what
+        ``max_loras`` bounds)."""
+        return {r.lora_int_id for r in self.running if r.lora_int_id}
+
+    def running_lora_names(self) -> list[str]:
+        """Names of the adapters with at least one running request, sorted (vLLM's
+        ``running_lora_adapters``)."""
+        return sorted({r.lora_request.lora_name for r in self.running if r.lora_request is not None})
+
+    def waiting_lora_names(self) -> list[str]:
+        """Names of the adapters with at least one waiting request (preempted ones
+        included), sorted (vLLM's ``waiting_lora_adapters``)."""
+        return sorted({r.lora_request.lora_name for r in self.waiting if r.lora_request is not None})
+
     # ------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work. Mutates block tables, queues and request states."""
@@ -287,12 +319,20 @@ class Scheduler:
                 budget -= n
 
         # 3. Admit waiting requests (none in a step that had to preempt), FCFS except
-        #    that a request whose prefix is being computed right now waits for it.
+        #    that a request whose prefix is being computed right now waits for it, and
+        #    one whose adapter would exceed max_loras waits for a running adapter to go.
+        #    Preempted requests resume through this same loop.
         defer = bool(self.config.defer_shared_prefix_blocks) and self.kv.enable_prefix_caching
         inflight = self._inflight_block_hashes() if defer else set()
+        max_loras = self.config.max_loras
+        loras = self.running_lora_ids() if max_loras else set()
         i = 0
         while not preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[i]
+            lora_id = req.lora_int_id
+            if lora_id and lora_id not in loras and len(loras) >= max_loras:
+                i += 1  # vLLM's skip: the request keeps its place, admission goes on
+                continue
             nodes, num_hit = self.kv.match_prefix(req)
             if req.needs_prompt_logprobs:  # every prompt position must be computed for its logprobs
                 nodes, num_hit = [], 0
@@ -312,6 +352,8 @@ class Scheduler:
                 req.first_scheduled_time = self.clock()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if lora_id:
+                loras.add(lora_id)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             item = self._make_scheduled(req, n)
             (decodes if n == 1 else chunks).append(item)
@@ -405,7 +447,8 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Block accounting invariants over all live requests (tests after every step,
         the server whenever the engine goes idle): the KV cache manager's checks, no
-        waiting request holding blocks, at most ``max_num_seqs`` running.
+        waiting request holding blocks, at most ``max_num_seqs`` running, at most
+        ``max_loras`` distinct adapters running (none with LoRA off).
 
         Raises:
             CacheIntegrityError: an invariant does not hold; the message names the numbers.
@@ -417,4 +460,10 @@ class Scheduler:
         if len(self.running) > self.config.max_num_seqs:
             raise CacheIntegrityError(
                 f"{len(self.running)} requests running, max_num_seqs is {self.config.max_num_seqs}"
+            )
+        loras = self.running_lora_ids()
+        if len(loras) > self.config.max_loras:
+            raise CacheIntegrityError(
+                f"{len(loras)} distinct LoRA adapters running (ids {sorted(loras)}), "
+                f"max_loras is {self.config.max_loras}"
             )

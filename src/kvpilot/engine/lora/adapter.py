@@ -24,6 +24,7 @@ any tensor whose shape does not match the base model (an adapter for another bas
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -209,6 +210,20 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
             raise _refuse(f"lora_path: {fname} holds no tensor dictionary", "lora_path")
         return {str(k): v for k, v in loaded.items()}
     raise _refuse(f"lora_path: {str(folder)!r} has no {' or '.join(WEIGHT_FILES)}", "lora_path")
+
+
+def fingerprint(folder: Path) -> str:
+    """A digest of the adapter's config and weight files (sha256, 16 hex digits): equal
+    for the same files on every pod, different when the weights change."""
+    h = hashlib.sha256()
+    for fname in (CONFIG_FILE, *WEIGHT_FILES):
+        path = folder / fname
+        if path.is_file():
+            h.update(fname.encode() + b"\0")
+            with path.open("rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 def load_adapter(folder: str | Path, name: str, int_id: int, config: ModelConfig, max_rank: int,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import builtins
 import itertools
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -42,11 +43,14 @@ from kvpilot.engine.errors import (
     LoRAAdapterExistsError,
     LoRAAdapterNotFoundError,
 )
-from kvpilot.engine.lora.adapter import LoRAWeights, load_adapter, module_slices
+from kvpilot.engine.lora.adapter import LoRAWeights, fingerprint, load_adapter, module_slices
 from kvpilot.engine.lora.layers import LoRALinear, LoRAStep
 from kvpilot.engine.lora.ops import LoRAMapping
 from kvpilot.engine.lora.request import LoRARequest
+from kvpilot.engine.lora.sources import resolve
 from kvpilot.engine.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 # The projections of a decoder layer that take adapters: (parent attribute, child attribute).
 ADAPTABLE = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
@@ -116,6 +120,7 @@ class LoRAManager:
         self._ids = itertools.count(1)
         self._registry: dict[str, LoRARequest] = {}
         self._host: OrderedDict[int, LoRAWeights] = OrderedDict()
+        self._local: dict[int, Path] = {}  # id -> the folder read (a URI's fetched copy)
         # Slot s holds the adapter with id _slots[s] (None: empty); _slot_use: LRU order.
         self._slots: list[int | None] = [None] * config.max_loras
         self._slot_use: OrderedDict[int, None] = OrderedDict()
@@ -129,8 +134,10 @@ class LoRAManager:
 
     # ------------------------------------------------------------ registry
     def register(self, name: str, path: str | Path, base_model_name: str | None = None) -> LoRARequest:
-        """Read, check and register the adapter in folder ``path`` as ``name`` (its host
-        copy is kept). Call off the event loop: it reads the disk.
+        """Read, check and register the adapter at ``path`` as ``name`` (its host copy is
+        kept). ``path``: a local folder or a URI fetched first
+        (:func:`kvpilot.engine.lora.sources.resolve`). Call off the event loop: it reads
+        the disk and may fetch.
 
         Raises:
             LoRAAdapterExistsError: ``name`` is registered already.
@@ -143,12 +150,14 @@ class LoRAManager:
             if name in self._registry:
                 raise LoRAAdapterExistsError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
             int_id = next(self._ids)
-        weights = self._read(str(path), name, int_id)
-        request = LoRARequest(name, int_id, str(path), base_model_name)
+        local = resolve(str(path), name, logger.info)  # fetched first when it is a URI
+        weights = self._read(local, name, int_id)
+        request = LoRARequest(name, int_id, str(path), base_model_name, fingerprint(local))
         with self._lock:
             if name in self._registry:  # registered by another thread meanwhile
                 raise LoRAAdapterExistsError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
             self._registry[name] = request
+            self._local[int_id] = local
             self._keep(weights)
         return request
 
@@ -164,6 +173,7 @@ class LoRAManager:
             if request is None:
                 raise LoRAAdapterNotFoundError(f"The lora adapter '{name}' cannot be found.")
             self._host.pop(request.lora_int_id, None)
+            self._local.pop(request.lora_int_id, None)
         return request
 
     def get(self, name: str) -> LoRARequest | None:
@@ -190,13 +200,14 @@ class LoRAManager:
             if weights is not None:
                 self._host.move_to_end(request.lora_int_id)
                 return weights
-        weights = self._read(request.lora_path, request.lora_name, request.lora_int_id)
+            local = self._local[request.lora_int_id]
+        weights = self._read(local, request.lora_name, request.lora_int_id)
         with self._lock:
             if self._registry.get(request.lora_name) == request:
                 self._keep(weights)
         return weights
 
-    def _read(self, path: str, name: str, int_id: int) -> LoRAWeights:
+    def _read(self, path: Path, name: str, int_id: int) -> LoRAWeights:
         adaptable = set(self.modules)
         weights = load_adapter(path, name, int_id, self.model_config, self.config.max_lora_rank, adaptable)
         self.loads += 1

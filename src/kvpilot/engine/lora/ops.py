@@ -40,7 +40,7 @@ class LoRAMapping:
             ranges index the step's tokens directly; else ``[n]`` int64, the step rows of
             the adapter tokens in slot order.
         seg_starts_t, seg_slots_t: the segments as int32 tensors on the device (the Triton
-            kernels' inputs), built by :meth:`to_device`.
+            kernels' inputs), built by :meth:`device_segments`.
     """
 
     seg_lens: list[int]
@@ -96,14 +96,16 @@ class LoRAMapping:
             ranges.append((s, first, len(rows)))
         return cls(seg_lens, seg_slots, starts[-1], ranges, torch.tensor(rows, dtype=torch.int64, device=device))
 
-    def to_device(self, device: torch.device) -> LoRAMapping:
-        """Fill the int32 segment tensors the Triton kernels read (once per step)."""
-        starts = [0]
-        for n in self.seg_lens:
-            starts.append(starts[-1] + n)
-        self.seg_starts_t = torch.tensor(starts, dtype=torch.int32, device=device)
-        self.seg_slots_t = torch.tensor(self.seg_slots, dtype=torch.int32, device=device)
-        return self
+    def device_segments(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The segments as int32 tensors on ``device`` (the Triton kernels' ``seg_starts``
+        ``[G + 1]`` and ``seg_slots`` ``[G]``), built once per step and kept."""
+        if self.seg_starts_t is None or self.seg_slots_t is None or self.seg_starts_t.device != device:
+            starts = [0]
+            for n in self.seg_lens:
+                starts.append(starts[-1] + n)
+            self.seg_starts_t = torch.tensor(starts, dtype=torch.int32, device=device)
+            self.seg_slots_t = torch.tensor(self.seg_slots, dtype=torch.int32, device=device)
+        return self.seg_starts_t, self.seg_slots_t
 
 
 def add_lora_reference(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -149,16 +151,23 @@ def add_lora_cpu(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b:
         y.index_add_(0, mapping.perm, delta)
 
 
+def add_lora_triton(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                    mapping: LoRAMapping, widths_t: torch.Tensor | None) -> None:
+    """:func:`add_lora_reference`'s result through the Triton SGMV kernels
+    (:func:`kvpilot.kernels.lora_sgmv.sgmv_lora`; on CPU tensors only under Triton's
+    interpreter). ``widths_t``: the slots' used widths, int32 on the device. Mutates ``y``."""
+    from kvpilot.kernels.lora_sgmv import sgmv_lora
+
+    starts, slots = mapping.device_segments(y.device)
+    sgmv_lora(y, x, lora_a, lora_b, starts, slots, widths_t)
+
+
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
              mapping: LoRAMapping, widths: Sequence[int], widths_t: torch.Tensor | None = None) -> None:
     """``y[t] += B_s (A_s x[t])`` for the step's adapter tokens, on the device's path:
-    the Triton SGMV kernels on CUDA (``widths_t``: ``widths`` as an int32 device tensor),
+    :func:`add_lora_triton` on CUDA (``widths_t``: ``widths`` as an int32 device tensor),
     else :func:`add_lora_cpu`. Mutates ``y``."""
     if y.device.type == "cuda":
-        from kvpilot.kernels.lora_sgmv import sgmv_lora  # type: ignore[import-not-found]
-
-        if mapping.seg_starts_t is None:
-            mapping.to_device(y.device)
-        sgmv_lora(y, x, lora_a, lora_b, mapping.seg_starts_t, mapping.seg_slots_t, widths_t)
-        return
-    add_lora_cpu(y, x, lora_a, lora_b, mapping, widths)
+        add_lora_triton(y, x, lora_a, lora_b, mapping, widths_t)
+    else:
+        add_lora_cpu(y, x, lora_a, lora_b, mapping, widths)

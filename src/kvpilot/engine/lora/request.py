@@ -27,12 +27,22 @@ class LoRARequest:
         lora_path: the local folder its ``adapter_config.json`` and weights came from.
         base_model_name: the base model it was declared for (``--lora-modules``'s JSON
             form), shown as ``parent`` in ``/v1/models``; None: the served model.
+        fingerprint: a digest of the adapter's files ("" when unknown): with the name, the
+            prefix-cache key (:attr:`cache_key`), so an adapter unloaded and loaded again
+            under the same name with other weights never reads the old weights' KV, while
+            every pod that loads the same files keys its blocks the same way.
     """
 
     lora_name: str
     lora_int_id: int
     lora_path: str
     base_model_name: str | None = None
+    fingerprint: str = ""
+
+    @property
+    def cache_key(self) -> str:
+        """The adapter's prefix-cache namespace: ``name`` or ``name@fingerprint``."""
+        return f"{self.lora_name}@{self.fingerprint}" if self.fingerprint else self.lora_name
 
     def __post_init__(self) -> None:
         if self.lora_int_id < 1:

@@ -16,9 +16,24 @@ Two sets of series, fed from the same statistics:
 Gauges are set from the engine thread after every step (and while idle); counters and
 histograms take each step's :class:`IterationStats` deltas. What kvpilot does not export
 under a vLLM name, and why, is listed in docs/metrics.md.
+
+With LoRA on (the scheduler's ``max_loras > 0``), ``vllm:lora_requests_info`` is vLLM's
+too: labels ``max_lora``, ``waiting_lora_adapters`` and ``running_lora_adapters`` (the
+adapter names, comma-joined) and no others, value the wall-clock time of the update
+(``set_to_current_time``), as ``PrometheusStatLogger`` in ``vllm/v1/metrics/loggers.py``
+records it. The endpoint picker reads the series with the largest value among those
+whose adapter labels are not both empty (``getLatestLoraMetric`` in the Gateway API
+Inference Extension's metrics client). vLLM leaves every label combination it ever set
+behind; kvpilot keeps only the two that reader can pick (the current one and the last
+one that named an adapter), so it picks the same series and the cardinality stays
+bounded.
 """
 
 from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
@@ -239,6 +254,11 @@ class EngineMetrics:
         self._v_n_family: Histogram | None = None
         self._v_max_generation_family: Histogram | None = None
         self._v_cache_info: Gauge | None = None
+        # LoRA: made in set_config() when the engine has LoRA on.
+        self._v_lora_info: Gauge | None = None
+        self._max_lora = 0
+        self._lora_current: tuple[str, str, str] | None = None
+        self._lora_last_named: tuple[str, str, str] | None = None
 
     def _init_vllm_config(self, engine: LLMEngine) -> None:
         """The ``vllm:`` series that need the engine: token-count buckets, cache config."""
@@ -305,6 +325,40 @@ class EngineMetrics:
         ).set(1)
         if self.v_prompt_len is None:
             self._init_vllm_config(engine)
+        max_loras = engine.scheduler.config.max_loras
+        if max_loras and self._v_lora_info is None:
+            self.enable_lora_info(max_loras)
+
+    def enable_lora_info(self, max_loras: int) -> None:
+        """Create ``vllm:lora_requests_info`` (once; LoRA on with ``max_loras`` adapters
+        per batch). vLLM creates it only with ``--enable-lora``, so without LoRA the family
+        is absent, not empty."""
+        if self._v_lora_info is not None:
+            return
+        self._max_lora = max_loras
+        self._v_lora_info = Gauge(
+            "vllm:lora_requests_info", "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=self.registry,
+        )
+
+    def observe_lora(self, running: Sequence[str], waiting: Sequence[str], now: float | None = None) -> None:
+        """Set ``vllm:lora_requests_info`` for the adapters with running and waiting
+        requests to ``now`` (wall-clock seconds; default the current time), as vLLM does
+        after each step. Keeps only the current series and the last one that named an
+        adapter (see the module docstring); a no-op without LoRA."""
+        gauge = self._v_lora_info
+        if gauge is None:
+            return
+        key = (str(self._max_lora), ",".join(waiting), ",".join(running))
+        gauge.labels(*key).set(time.time() if now is None else now)
+        previous_named = self._lora_last_named
+        if key[1] or key[2]:
+            self._lora_last_named = key
+        for old in (self._lora_current, previous_named):
+            if old is not None and old != key and old != self._lora_last_named:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*old)
+        self._lora_current = key
 
     def observe_integrity_check(self, passed: bool) -> None:
         """Count one integrity check and whether it failed (engine thread)."""
@@ -340,6 +394,7 @@ class EngineMetrics:
             g.set(s.num_waiting)
         self.waiting_tokens.set(s.num_waiting_tokens)
         it = engine.take_stats()
+        self.observe_lora(it.running_lora_adapters, it.waiting_lora_adapters)
         for c, v in (
             (self.prefix_queries, it.prefix_queries),
             (self.v_queries, it.prefix_queries),

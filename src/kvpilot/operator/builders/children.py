@@ -5,7 +5,10 @@ the router's ServiceAccount, RoleBinding, Deployment, Service, PDB (two or more 
 and PodMonitor, all named NAME-router, or in gateway mode an InferencePool named NAME; and
 in KEDA mode (``spec.autoscaling.engine: keda``) a KEDA ScaledObject named NAME
 (:mod:`kvpilot.operator.builders.keda`), whose HPA owns the engine Deployment's replica
-count: the Deployment is then applied without ``spec.replicas``.
+count: the Deployment is then applied without ``spec.replicas``. While LoRA is on
+(``spec.adapters`` or ``spec.engine.lora``), a ConfigMap NAME-adapters holds the adapter
+list (``adapters.json``) the engine pods load at start-up; it is applied before the
+Deployment, so a new pod never starts without it.
 
 Engine objects share the InferenceDeployment's name (names are unique per kind); all carry
 an owner reference with ``controller: true`` so deletion cascades, and are complete apply
@@ -17,6 +20,7 @@ reconcile to delete (server-side apply never removes an object).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +32,7 @@ from kvpilot.operator.builders.keda import (
     build_scaled_object,
 )
 from kvpilot.operator.builders.labels import (
+    adapters_name,
     headroom_name,
     object_labels,
     router_name,
@@ -81,6 +86,8 @@ class Children:
             node headroom is off, and the ScaledObject outside KEDA mode (where the kind
             is served): the reconcile deletes them if they are its own.
         scaled_object: the KEDA ScaledObject in KEDA mode, else None.
+        adapters: the adapters ConfigMap while LoRA is on, else None (then listed in
+            ``unwanted``).
     """
 
     deployment: dict[str, Any]
@@ -90,9 +97,13 @@ class Children:
     router: tuple[dict[str, Any], ...] = ()
     unwanted: tuple[ChildRef, ...] = ()
     scaled_object: dict[str, Any] | None = None
+    adapters: dict[str, Any] | None = None
 
     def all(self) -> list[dict[str, Any]]:
-        objs = [self.deployment, self.service, self.pod_disruption_budget]
+        """Every object, the Deployment first (the adapters ConfigMap, when wanted, right
+        after it: the reconcile applies that one before the Deployment)."""
+        objs = [self.deployment] + ([self.adapters] if self.adapters else [])
+        objs += [self.service, self.pod_disruption_budget]
         objs += ([self.pod_monitor] if self.pod_monitor else []) + list(self.router)
         return objs + ([self.scaled_object] if self.scaled_object else [])
 
@@ -206,6 +217,21 @@ def build_pod_monitor(owner: Owner,
     }
 
 
+def build_adapters_config_map(owner: Owner, spec: InferenceSpec) -> dict[str, Any]:
+    """The ConfigMap NAME-adapters: ``adapters.json``, the JSON list ``[{"name", "uri"}]``
+    of ``spec.adapters`` the engine loads before it reports ready
+    (``--lora-adapters-file``). Only its name is in the pod template: a new list changes
+    no pod (the operator loads and unloads adapters in running pods through their API)."""
+    metadata = _metadata(owner)
+    metadata["name"] = adapters_name(owner.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata,
+        "data": {c.ADAPTERS_FILE_KEY: json.dumps([a.to_json() for a in spec.adapters], indent=1)},
+    }
+
+
 def _router_children(owner: Owner, spec: InferenceSpec, router_image: str, pod_monitor: bool,
                      pod_monitor_labels: tuple[tuple[str, str], ...],
                      inference_pool: bool) -> tuple[list[dict[str, Any]], list[ChildRef]]:
@@ -274,6 +300,8 @@ def build_children(owner: Owner, spec: InferenceSpec, replicas: int, default_ima
         unwanted = [*unwanted, ChildRef("apps/v1", "Deployment", headroom_name(owner.name))]
     if not keda and scaled_objects:
         unwanted = [*unwanted, ChildRef(SCALED_OBJECT_API_VERSION, SCALED_OBJECT_KIND, owner.name)]
+    if not spec.lora_enabled:
+        unwanted = [*unwanted, ChildRef("v1", "ConfigMap", adapters_name(owner.name))]
     return Children(
         deployment=build_deployment(owner, spec, None if keda else replicas, default_image),
         service=build_service(owner),
@@ -283,4 +311,5 @@ def build_children(owner: Owner, spec: InferenceSpec, replicas: int, default_ima
         unwanted=tuple(unwanted),
         scaled_object=(build_scaled_object(owner.reference(), owner.namespace, owner.name, spec)
                        if keda else None),
+        adapters=build_adapters_config_map(owner, spec) if spec.lora_enabled else None,
     )

@@ -65,6 +65,25 @@ def kv_events_config() -> str:
     }, separators=(", ", ": "))
 
 
+def adapters_file() -> str:
+    """Where the engine reads the adapter list it loads at start-up (the ConfigMap's key)."""
+    return f"{c.ADAPTERS_DIR}/{c.ADAPTERS_FILE_KEY}"
+
+
+def lora_args(spec: InferenceSpec) -> list[str]:
+    """The LoRA flags while LoRA is on (``spec.adapters`` or ``engine.lora``), else [].
+    Only the limits are written, never the adapters: the list lives in the adapters
+    ConfigMap, so changing it leaves the pod template (and the pods) alone."""
+    lora = spec.lora
+    if lora is None:
+        return []
+    args = ["--enable-lora", "--max-loras", str(lora.max_loras),
+            "--max-lora-rank", str(lora.max_lora_rank)]
+    if lora.max_cpu_loras is not None:
+        args += ["--max-cpu-loras", str(lora.max_cpu_loras)]
+    return [*args, "--lora-adapters-file", adapters_file()]
+
+
 def engine_args(spec: InferenceSpec) -> list[str]:
     """Arguments after ``kvpilot serve``; ``engine.extraArgs`` come last, unchanged."""
     e = spec.engine
@@ -88,4 +107,4 @@ def engine_args(spec: InferenceSpec) -> list[str]:
         args += ["--max-model-len", str(e.max_model_len)]
     if spec.router.wants_kv_events:
         args += [KV_EVENTS_FLAG, kv_events_config()]
-    return args + list(e.extra_args)
+    return args + lora_args(spec) + list(e.extra_args)

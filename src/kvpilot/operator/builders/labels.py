@@ -67,3 +67,8 @@ def headroom_object_labels(name: str) -> dict[str, str]:
         c.LABEL_MANAGED_BY: c.FIELD_MANAGER,
         **headroom_selector_labels(name),
     }
+
+
+def adapters_name(name: str) -> str:
+    """The adapters ConfigMap's name (``spec.adapters``, loaded by the engine at start-up)."""
+    return name + c.ADAPTERS_SUFFIX

@@ -11,6 +11,9 @@ Layout of one engine pod::
         /cache  emptyDir   (HF, Triton and torch caches)
         /models emptyDir (hf, s3, oci) | PVC read-only (pvc);
                 /models/NAME an image volume (oci with model.ociMount ImageVolume)
+        /etc/kvpilot/adapters  the adapters ConfigMap, read-only (LoRA on: spec.adapters
+                 or engine.lora; only its name is in the template, so a new adapter list
+                 changes no pod)
         /dev/shm memory emptyDir (GPU pods and tensor-parallel pods: torch uses shared
                  memory; its workers exchange tensors through it. sizeLimit: engine.shmSize,
                  else 2Gi with tensorParallelSize > 1, else none)
@@ -37,7 +40,7 @@ from kvpilot.operator.builders.engine_args import (
     gpu_resource_names,
     prestop_sleep_seconds,
 )
-from kvpilot.operator.builders.labels import object_labels, selector_labels
+from kvpilot.operator.builders.labels import adapters_name, object_labels, selector_labels
 from kvpilot.operator.constants import CACHE_DIR
 from kvpilot.operator.model_uri import MODELS_DIR
 from kvpilot.operator.spec import InferenceSpec
@@ -72,9 +75,10 @@ def _container_security() -> dict[str, Any]:
     }
 
 
-def _env(spec: InferenceSpec) -> list[dict[str, Any]]:
-    """Cache locations on writable volumes, then the user's env (a user entry replaces ours
-    of the same name: server-side apply refuses duplicate names)."""
+def _env(spec: InferenceSpec, lora: bool = False) -> list[dict[str, Any]]:
+    """Cache locations on writable volumes (and, for the engine with ``lora``, the switch
+    of the runtime LoRA routes), then the user's env (a user entry replaces ours of the
+    same name: server-side apply refuses duplicate names)."""
     env: dict[str, dict[str, Any]] = {
         name: {"name": name, "value": value}
         for name, value in (
@@ -87,12 +91,16 @@ def _env(spec: InferenceSpec) -> list[dict[str, Any]]:
             ("PYTHONUNBUFFERED", "1"),
         )
     }
+    if lora:
+        # Mounts vLLM's runtime routes POST /v1/load_lora_adapter and
+        # /v1/unload_lora_adapter, through which the operator keeps the pod in step.
+        env[c.RUNTIME_LORA_ENV] = {"name": c.RUNTIME_LORA_ENV, "value": "true"}
     for item in spec.pod.env:
         env[item["name"]] = copy.deepcopy(dict(item))
     return list(env.values())
 
 
-def _volumes(spec: InferenceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(name: str, spec: InferenceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(pod volumes, engine volume mounts)."""
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}},
                                      {"name": "cache", "emptyDir": {}}]
@@ -121,6 +129,9 @@ def _volumes(spec: InferenceSpec) -> tuple[list[dict[str, Any]], list[dict[str, 
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory",
                                                      **({"sizeLimit": limit} if limit else {})}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if spec.lora_enabled:
+        volumes.append({"name": c.ADAPTERS_VOLUME, "configMap": {"name": adapters_name(name)}})
+        mounts.append({"name": c.ADAPTERS_VOLUME, "mountPath": c.ADAPTERS_DIR, "readOnly": True})
     return volumes, mounts
 
 
@@ -157,7 +168,7 @@ def _engine_container(spec: InferenceSpec, image: str,
         "command": list(ENGINE_COMMAND),
         "args": engine_args(spec),
         "ports": _engine_ports(spec),
-        "env": _env(spec),
+        "env": _env(spec, lora=spec.lora_enabled),
         "resources": copy.deepcopy(dict(spec.pod.resources)),
         "startupProbe": _probe(c.HEALTH_PATH, STARTUP_PERIOD_SECONDS, 5, startup_failures),
         "livenessProbe": _probe(c.HEALTH_PATH, 15, 10, 4),
@@ -173,8 +184,14 @@ def _engine_container(spec: InferenceSpec, image: str,
 
 
 def _env_from(spec: InferenceSpec) -> dict[str, Any]:
-    """``{"envFrom": [...]}`` when the spec has some, else {} (no empty list to apply)."""
-    return {"envFrom": [copy.deepcopy(dict(x)) for x in spec.pod.env_from]} if spec.pod.env_from else {}
+    """``{"envFrom": [...]}`` when the spec has some, else {} (no empty list to apply).
+    While LoRA is on, the engine downloads adapters itself: ``model.credentialsSecret``
+    comes last (its keys win, as in the download container), whatever the adapters' URIs,
+    so a new s3:// adapter needs no new pod."""
+    env_from = [copy.deepcopy(dict(x)) for x in spec.pod.env_from]
+    if spec.lora_enabled and spec.model.credentials_secret:
+        env_from.append({"secretRef": {"name": spec.model.credentials_secret}})
+    return {"envFrom": env_from} if env_from else {}
 
 
 def _spread(name: str, spec: InferenceSpec) -> list[dict[str, Any]]:
@@ -237,7 +254,7 @@ def _tolerations(spec: InferenceSpec) -> list[dict[str, Any]]:
 def build_pod_template(name: str, spec: InferenceSpec, default_image: str) -> dict[str, Any]:
     """The Deployment's ``spec.template`` for the InferenceDeployment ``name``."""
     image = spec.engine.image or default_image
-    volumes, mounts = _volumes(spec)
+    volumes, mounts = _volumes(name, spec)
     annotations = {
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(c.ENGINE_PORT),

@@ -8,6 +8,7 @@ module               reads
 ``defaults``         :data:`DEFAULTS`, the CRD's ``default:`` values
 ``model``            ``spec.model`` (URI, served name, fetch options)
 ``engine``           ``spec.engine`` (``kvpilot serve`` settings, ``extraArgs``)
+``adapters``         ``spec.adapters`` (LoRA adapters) and ``spec.engine.lora`` (limits)
 ``gpus``             the pod's GPUs and the tensor-parallel size they allow
 ``autoscaling``      ``spec.autoscaling`` (the policy's ``AutoscalingSpec``)
 ``router``           ``spec.router`` (vllm-router or an InferencePool)

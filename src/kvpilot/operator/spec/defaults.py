@@ -15,6 +15,10 @@ DEFAULTS: dict[str, Any] = {
     "engine.maxNumSeqs": 256,
     "engine.blockSize": 16,
     "engine.enablePrefixCaching": True,
+    # vLLM's defaults (--max-loras 1, --max-lora-rank 16); spec/adapters.py says why they do
+    # not follow the adapter list.
+    "engine.lora.maxLoras": 1,
+    "engine.lora.maxLoraRank": 16,
     **{f"autoscaling.{key}": value for key, value in AUTOSCALING_DEFAULTS.items()},
     "terminationGracePeriodSeconds": 300,
     "router.enabled": True,

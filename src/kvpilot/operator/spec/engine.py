@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.flags.check import VLLMFlagError, split_vllm_flags
-from kvpilot.flags.serve import MANAGED_FLAGS
+from kvpilot.flags.serve import MANAGED_FLAGS, OPERATOR_LORA_FLAGS
+from kvpilot.operator.spec.adapters import LoraSpec, parse_lora
 from kvpilot.operator.spec.defaults import DEFAULTS
 from kvpilot.operator.spec.fields import FieldReader, SpecError
 
@@ -55,6 +56,8 @@ class EngineSpec:
     # (1 for CPU pods and MIG slices).
     tensor_parallel_size: int = 1
     shm_size: str | None = None
+    # engine.lora (None: absent; LoRA is then on only with spec.adapters, at the defaults).
+    lora: LoraSpec | None = None
 
     @property
     def shm_size_limit(self) -> str | None:
@@ -90,7 +93,9 @@ def parse_engine(raw: Any) -> EngineSpec:
         flag = arg.split("=", 1)[0]
         if flag in MANAGED_FLAGS:
             field_hint = (" (engine.tensorParallelSize; default: the pod's GPU count)"
-                          if flag in TENSOR_PARALLEL_FLAGS else "")
+                          if flag in TENSOR_PARALLEL_FLAGS else
+                          " (spec.adapters and engine.lora)" if flag in OPERATOR_LORA_FLAGS
+                          else "")
             raise SpecError("engine.extraArgs", arg, "set the matching spec field"
                             f"{field_hint} instead of repeating a managed flag")
         if arg in ("-h", "--help"):
@@ -111,6 +116,7 @@ def parse_engine(raw: Any) -> EngineSpec:
         tensor_parallel_size=r.optional_integer("tensorParallelSize", 1,
                                                 MAX_TENSOR_PARALLEL_SIZE) or 0,
         shm_size=r.string("shmSize"),
+        lora=parse_lora(r.raw.get("lora")),
     )
     if engine.shm_size is not None and not _SHM_SIZE.fullmatch(engine.shm_size):
         raise SpecError("engine.shmSize", engine.shm_size,

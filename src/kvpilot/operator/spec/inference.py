@@ -13,6 +13,7 @@ from typing import Any
 
 from kvpilot.autoscaler.spec import AutoscalingSpec
 from kvpilot.operator.model_uri import ModelSource
+from kvpilot.operator.spec.adapters import AdapterSpec, LoraSpec, parse_adapters
 from kvpilot.operator.spec.autoscaling import MAX_REPLICAS, parse_autoscaling
 from kvpilot.operator.spec.defaults import DEFAULTS
 from kvpilot.operator.spec.engine import KV_EVENTS_FLAG, EngineSpec, parse_engine
@@ -40,6 +41,21 @@ class InferenceSpec:
     pod: PodSettings
     cost_per_replica_hour: float | None
     router: RouterSpec = field(default_factory=RouterSpec)
+    adapters: tuple[AdapterSpec, ...] = ()
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engines serve LoRA adapters: ``spec.adapters`` is not empty or
+        ``spec.engine.lora`` is set (adapters may then come and go without a rollout)."""
+        return bool(self.adapters) or self.engine.lora is not None
+
+    @property
+    def lora(self) -> LoraSpec | None:
+        """The engine's LoRA limits while LoRA is on (``engine.lora``, else the defaults),
+        else None."""
+        if not self.lora_enabled:
+            return None
+        return self.engine.lora or LoraSpec()
 
     @property
     def static_replicas(self) -> int | None:
@@ -64,7 +80,7 @@ def parse_spec(raw: Any, name: str | None = None) -> InferenceSpec:
     if name is not None:
         _check_label(name)
     r = FieldReader(raw, "", DEFAULTS)
-    source = parse_model(r.raw.get("model"))
+    source = parse_model(r.raw.get("model"), _lora_on(r.raw))
     if r.raw.get("replicas") is not None and r.raw.get("autoscaling") is not None:
         raise SpecError("replicas", r.raw["replicas"],
                         "spec.replicas and spec.autoscaling are mutually exclusive")
@@ -85,6 +101,7 @@ def parse_spec(raw: Any, name: str | None = None) -> InferenceSpec:
                         " (router.mode: router) to hold the first request while an engine"
                         " starts")
     replicas = r.optional_integer("replicas", 0, MAX_REPLICAS)
+    adapters = parse_adapters(r.raw.get("adapters"), _served_name(source))
     pod = parse_pod(r)
     if scaling is not None and scaling.slo is not None and (
             gpu_count(pod.resources) > 0 or mig_slices(pod.resources)):
@@ -99,10 +116,25 @@ def parse_spec(raw: Any, name: str | None = None) -> InferenceSpec:
         pod=pod,
         cost_per_replica_hour=finops.optional_number("costPerReplicaHour", 0.0, 1e9),
         router=router,
+        adapters=adapters,
     )
     if name is not None:
         _check_length(name, spec.router)
     return spec
+
+
+def _lora_on(raw: Any) -> bool:
+    """Whether the raw spec turns LoRA on (a non-empty ``adapters`` list, or
+    ``engine.lora``): the engines then download adapters with ``model.credentialsSecret``
+    (read before the adapters are validated: the model's section is checked first)."""
+    engine = raw.get("engine")
+    return bool(raw.get("adapters")) or (isinstance(engine, dict) and engine.get("lora") is not None)
+
+
+def _served_name(source: ModelSource) -> str:
+    """The model id the base model is served as: ``model.servedModelName`` (or the URI's
+    own default), else the engine's default, the ``--model`` value."""
+    return source.served_model_name or source.model_arg
 
 
 def check_name(name: str, router: RouterSpec | None = None) -> None:

@@ -15,9 +15,12 @@ from kvpilot.operator.spec.fields import FieldReader, SpecError, is_dns_subdomai
 _SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}$")
 
 
-def parse_model(raw: Any) -> ModelSource:
-    """``spec.model`` -> the model source. Raises SpecError naming ``model.uri``,
-    ``model.servedModelName``, ``model.credentialsSecret`` or ``model.ociMount``."""
+def parse_model(raw: Any, lora: bool = False) -> ModelSource:
+    """``spec.model`` -> the model source. ``lora``: the spec turns LoRA on, and the
+    engines' adapter downloads read ``model.credentialsSecret`` too (so the Secret is
+    allowed whatever the model's scheme). Raises SpecError naming
+    ``model.uri``, ``model.servedModelName``, ``model.credentialsSecret`` or
+    ``model.ociMount``."""
     model = FieldReader(raw, "model", DEFAULTS)
     uri = model.required_string("uri")
     served = model.string("servedModelName")
@@ -33,7 +36,7 @@ def parse_model(raw: Any) -> ModelSource:
     if secret is not None and not is_dns_subdomain(secret):
         raise SpecError("model.credentialsSecret", secret, "a Secret name (a DNS-1123 subdomain)")
     try:
-        return with_fetch_options(source, secret, mount)
+        return with_fetch_options(source, secret, mount, lora)
     except ValueError as exc:
         where = "model.ociMount" if mount is not None and "ociMount" in str(exc) else "model.credentialsSecret"
         raise SpecError(where, mount if where == "model.ociMount" else secret, str(exc)) from None

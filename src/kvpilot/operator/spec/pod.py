@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.operator.constants import CACHE_DIR
+from kvpilot.operator.constants import ADAPTERS_DIR, ADAPTERS_VOLUME, CACHE_DIR
 from kvpilot.operator.model_uri import MODELS_DIR
 from kvpilot.operator.spec.fields import FieldReader, SpecError, is_dns_subdomain
 
@@ -42,8 +42,8 @@ class PodSettings:
 
 # The pod's own volumes and where the engine mounts them (builders/pod.py): a user volume
 # or mount may not take these names or paths.
-RESERVED_VOLUME_NAMES = ("tmp", "cache", "models", "dshm")
-RESERVED_MOUNT_PATHS = ("/tmp", CACHE_DIR, MODELS_DIR, "/dev/shm")
+RESERVED_VOLUME_NAMES = ("tmp", "cache", "models", "dshm", ADAPTERS_VOLUME)
+RESERVED_MOUNT_PATHS = ("/tmp", CACHE_DIR, MODELS_DIR, "/dev/shm", ADAPTERS_DIR)
 # Labels kvpilot puts on the pods (selectors, ownership): podLabels may not set them.
 RESERVED_LABEL_PREFIXES = ("app.kubernetes.io/", "kvpilot.dev/")
 # Labels the Deployment controller puts on the pods it creates.
