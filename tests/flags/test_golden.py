@@ -96,6 +96,17 @@ CASES: list[list[str]] = [
     ["--port", "abc", "--enable-lora"], ["--enable-lora", "--port"],
     # help skips the checks
     ["--help"], ["-h"], ["--pipeline-parallel-size", "2", "--help"], ["--foo", "-h"],
+    # LoRA adapters (vLLM's flags): both module forms, a repeated flag adds, bad modules
+    ["--enable-lora", "--lora-modules", "a=/x", "b=/y"],
+    ["--enable-lora", "--lora-modules", '{"name": "a", "path": "/x", "base_model_name": "m"}'],
+    ["--lora-modules", "a=/x", "--lora-modules", "b=/y"], ["--lora-modules=a=/x"],
+    ["--lora-modules", "a"], ["--lora-modules", "=/x"], ["--lora-modules", '{"name": "a"}'],
+    ["--lora-modules", '{"name": "a", "path": "/x", "x": 1}'], ["--lora-modules", "{nope"],
+    ["--max-loras", "2", "--max-lora-rank", "64", "--max-cpu-loras", "4"], ["--max-lora-rank", "x"],
+    ["--enable-lora", "--fully-sharded-loras"], ["--enable-lora=1"],
+    # as above with a flag still refused (--enable-lora is a kvpilot flag now)
+    ["--seed", "3", "--enable-sleep-mode", "--foo", "x", "-pp", "8"],
+    ["--port", "abc", "--enable-sleep-mode"], ["--enable-sleep-mode", "--port"],
 ]
 
 

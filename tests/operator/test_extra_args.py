@@ -49,6 +49,7 @@ def test_the_operator_knows_the_engines_flags():
     ["--enforce-eager", "--enable-chunked-prefill", "--trust-remote-code"],
     ["--pipeline-parallel-size", "1", "-pp=1", "--swap-space", "4", "--disable-log-stats"],
     ["--distributed-executor-backend=uni", "--kv-cache-memory", "0.25"],
+    ["--lora-modules", "sql=/adapters/sql", '{"name": "b", "path": "/adapters/b"}'],
 ])
 def test_flags_the_engine_accepts_pass(extra):
     assert spec_with(extra).engine.extra_args == tuple(extra)

@@ -8,13 +8,26 @@ against the hardware and the model once, at start-up, and keeps the result froze
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
 from kvpilot.engine.kv_events import KVEventsConfig, KVEventsConfigError
 from kvpilot.flags import serve as flags
-from kvpilot.flags.serve import DEFAULT_MAX_NUM_SEQS, DEVICES, LOAD_FORMATS
+from kvpilot.flags.serve import (
+    DEFAULT_MAX_NUM_SEQS,
+    DEVICES,
+    LOAD_FORMATS,
+    MAX_LORA_RANKS,
+    LoRAModulePath,
+    parse_lora_module,
+)
+
+__all__ = ["DTYPES", "KV4_CACHE_DTYPES", "KV_CACHE_DTYPES", "EngineArgs", "LoRAModulePath",
+           "ResolvedConfig", "parse_kv_events_config", "resolve_device", "resolve_dtype",
+           "resolve_kv_cache_dtype"]
 
 # The flag names (kvpilot.flags.serve) -> torch dtypes.
 DTYPES = {
@@ -50,6 +63,22 @@ def parse_kv_events_config(text: str) -> KVEventsConfig:
         return KVEventsConfig.from_json(text)
     except KVEventsConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _lora_module(value: LoRAModulePath | str | dict[str, Any]) -> LoRAModulePath:
+    """An ``EngineArgs.lora_modules`` item as :class:`LoRAModulePath`: one already, a
+    ``--lora-modules`` string (``name=path`` or JSON), or a dict with its fields. Raises
+    ValueError naming ``--lora-modules`` and the value."""
+    if isinstance(value, LoRAModulePath):
+        return value
+    if isinstance(value, dict):
+        value = json.dumps(value)
+    if not isinstance(value, str):
+        raise ValueError(f"--lora-modules: {value!r} is neither name=path nor a JSON object")
+    try:
+        return parse_lora_module(value)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"--lora-modules: {e}") from None
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...] | list[str]) -> None:
@@ -89,6 +118,18 @@ class EngineArgs:
         disable_sliding_window: vLLM's flag of that name: run a sliding-window model's
             layers with full attention and cap ``max_model_len`` to the smallest window
             (within the window both are the same computation).
+        enable_lora: vLLM's ``--enable-lora``: serve LoRA adapters (PEFT folders) on the
+            base model; a request picks one by its name in ``model``. The other LoRA
+            fields need it (a value other than their default is refused without it).
+        lora_modules: vLLM's ``--lora-modules``: the adapters registered at start-up
+            (:class:`LoRAModulePath`; ``name=path`` strings, JSON objects and dicts are
+            parsed). Names must be unique.
+        max_loras: vLLM's ``--max-loras``: distinct adapters in one batch at most (>= 1).
+        max_lora_rank: vLLM's ``--max-lora-rank``: the highest adapter rank accepted, one
+            of :data:`~kvpilot.flags.serve.MAX_LORA_RANKS`.
+        max_cpu_loras: vLLM's ``--max-cpu-loras``: adapters kept in host memory at most;
+            None (not given) resolves to ``max_loras`` here when ``enable_lora``; must be
+            >= ``max_loras``.
     """
 
     model: str | None = _DEFAULT["model"]
@@ -115,11 +156,11 @@ class EngineArgs:
     kv_events_config: KVEventsConfig | None = _DEFAULT["kv_events_config"]
     disable_sliding_window: bool = _DEFAULT["disable_sliding_window"]
     tensor_parallel_size: int = _DEFAULT["tensor_parallel_size"]
-    # LoRA (provisional here; the flag table carries them).
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
+    enable_lora: bool = _DEFAULT["enable_lora"]
+    lora_modules: tuple[LoRAModulePath, ...] = _DEFAULT["lora_modules"]
+    max_loras: int = _DEFAULT["max_loras"]
+    max_lora_rank: int = _DEFAULT["max_lora_rank"]
+    max_cpu_loras: int | None = _DEFAULT["max_cpu_loras"]  # None: resolved in __post_init__
 
     def __post_init__(self) -> None:
         _choice("--dtype", self.dtype, ["auto", *DTYPES])
@@ -168,6 +209,41 @@ class EngineArgs:
             raise ValueError(
                 f"--kv-cache-skip-layers must be layer indices >= 0; got {list(self.kv_cache_skip_layers)}"
             )
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """Validate the LoRA fields (ValueError naming the flag and what is allowed);
+        normalizes ``lora_modules`` to a tuple of :class:`LoRAModulePath` and resolves
+        ``max_cpu_loras`` (None -> ``max_loras`` with LoRA on). Mutates ``self`` (frozen: through
+        ``object.__setattr__``)."""
+        modules = tuple(_lora_module(m) for m in (self.lora_modules or ()))
+        object.__setattr__(self, "lora_modules", modules)
+        if not self.enable_lora:
+            given = [flag for flag, on in (
+                ("--lora-modules", bool(modules)),
+                ("--max-loras", self.max_loras != _DEFAULT["max_loras"]),
+                ("--max-lora-rank", self.max_lora_rank != _DEFAULT["max_lora_rank"]),
+                ("--max-cpu-loras", self.max_cpu_loras is not None),
+            ) if on]
+            if given:
+                raise ValueError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --enable-lora "
+                                 "(LoRA adapters are served only with it)")
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 1:
+            raise ValueError(f"--max-loras must be a whole number >= 1; got {self.max_loras!r}")
+        if self.max_lora_rank not in MAX_LORA_RANKS or isinstance(self.max_lora_rank, bool):
+            raise ValueError(f"--max-lora-rank must be one of {', '.join(map(str, MAX_LORA_RANKS))}; "
+                             f"got {self.max_lora_rank!r}")
+        if self.max_cpu_loras is None:
+            if self.enable_lora:  # vLLM's default; without LoRA it stays None
+                object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        elif isinstance(self.max_cpu_loras, bool) or not isinstance(self.max_cpu_loras, int) \
+                or self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras!r}) must be >= --max-loras ({self.max_loras})")
+        names = [m.name for m in modules]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"--lora-modules: the name{'s' if len(twice) > 1 else ''} "
+                             f"{', '.join(map(repr, twice))} given more than once; each adapter needs its own name")
 
     # ------------------------------------------------------------------ CLI
     @staticmethod
@@ -176,8 +252,16 @@ class EngineArgs:
         engine's parser for ``--kv-events-config``. Mutates ``parser``."""
         flags.add_arguments(parser, flags.ENGINE, types={"kv_events_config": parse_kv_events_config})
 
+    @staticmethod
+    def add_lora_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Put the LoRA flags (:data:`kvpilot.flags.serve.LORA`) on ``parser`` (``kvpilot
+        serve`` only). Mutates ``parser``."""
+        flags.add_arguments(parser, flags.LORA)
+
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        """The fields ``ns`` has (the rest keep their defaults). Raises ValueError naming
+        the flag (see ``__post_init__``)."""
         return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
 
 

@@ -36,8 +36,31 @@ class RequestAbortedError(RuntimeError):
 
 
 class LoRAAdapterExistsError(InvalidRequestError):
-    """An adapter of that name is registered already (HTTP 400)."""
+    """A LoRA adapter of that name is registered already (HTTP 400). ``param`` names the
+    field that gave the name (``lora_name``); ``lora_name`` is the name, when known.
+    :meth:`named` builds it with vLLM's message."""
+
+    def __init__(self, message: str, param: str | None = "lora_name", *, lora_name: str | None = None) -> None:
+        super().__init__(message, param)
+        self.lora_name = lora_name
+
+    @classmethod
+    def named(cls, lora_name: str) -> LoRAAdapterExistsError:
+        """The error for ``lora_name``, in vLLM's words."""
+        return cls(f"The lora adapter '{lora_name}' has already been loaded.", "lora_name", lora_name=lora_name)
 
 
 class LoRAAdapterNotFoundError(ModelNotFound):
-    """No adapter of that name is registered (HTTP 404)."""
+    """No LoRA adapter of that name is registered (HTTP 404). ``param`` names the field
+    that gave the name (``lora_name``); ``lora_name`` is the name, when known.
+    :meth:`named` builds it with vLLM's message."""
+
+    def __init__(self, message: str, param: str | None = "lora_name", *, lora_name: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.lora_name = lora_name
+
+    @classmethod
+    def named(cls, lora_name: str) -> LoRAAdapterNotFoundError:
+        """The error for ``lora_name``, in vLLM's words."""
+        return cls(f"The lora adapter '{lora_name}' cannot be found.", "lora_name", lora_name=lora_name)

@@ -169,12 +169,15 @@ _NARGS: dict[Arity, int | str] = {Arity.SWITCH: 0, Arity.BOOL: 0, Arity.ONE: "?"
 
 
 def check_parser() -> argparse.ArgumentParser:
-    """The check's parser: every kvpilot option string (values as text, one at most) and
-    every spelling of the vLLM table, each with its judging action."""
+    """The check's parser: every kvpilot option string (values as text: one at most, any
+    number for a flag taking several, ``--lora-modules``) and every spelling of the vLLM
+    table, each with its judging action."""
     p = _CheckParser()
+    many = {s for f in serve.FLAGS if f.takes_values for s in f.spellings}
     for option, takes_value in serve.option_strings():
+        kvpilot_nargs: int | str = ("*" if option in many else "?") if takes_value else 0
         p.add_argument(option, action=_Check, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
-                       nargs="?" if takes_value else 0)
+                       nargs=kvpilot_nargs)
     for f in FLAGS:
         nargs: int | str = _NARGS[f.arity]
         for s in f.spellings:

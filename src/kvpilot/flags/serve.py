@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import argparse
 import enum
+import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ATTENTION_BACKENDS", "CHAT", "DEFAULT_MAX_NUM_SEQS", "DEVICES", "DTYPES", "ENGINE",
-           "FLAGS", "KV_CACHE_DTYPES", "LOAD_FORMATS", "LOG_LEVELS", "MANAGED_FLAGS", "SERVER",
-           "Flag", "Kind", "add_arguments", "engine_defaults", "option_strings",
-           "parse_layer_list"]
+           "FLAGS", "KV_CACHE_DTYPES", "LOAD_FORMATS", "LOG_LEVELS", "LORA", "MANAGED_FLAGS",
+           "MAX_LORA_RANKS", "SERVER", "Flag", "Kind", "LoRAModulePath", "add_arguments",
+           "engine_defaults", "option_strings", "parse_layer_list", "parse_lora_module"]
 
 # --dtype values besides "auto" (float32 on CPU, bfloat16 on CUDA).
 DTYPES = ("float32", "float", "bfloat16", "float16", "half")
@@ -40,6 +41,8 @@ LOAD_FORMATS = ("auto", "dummy")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # --max-num-seqs when not given, lowered to --max-num-batched-tokens when that is smaller.
 DEFAULT_MAX_NUM_SEQS = 256
+# --max-lora-rank values (vLLM's LoRAConfig.max_lora_rank; 16 by default).
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class Kind(enum.Enum):
@@ -48,6 +51,7 @@ class Kind(enum.Enum):
     VALUE = "value"  # --flag VALUE or --flag=VALUE
     SWITCH = "switch"  # --flag (store_true)
     BOOL = "bool"  # --flag / --no-flag (argparse.BooleanOptionalAction)
+    MANY = "many"  # --flag V1 V2 ... (one or more values; a repeated flag adds to the list)
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,13 @@ class Flag:
 
     @property
     def takes_value(self) -> bool:
+        """Whether the flag takes one value (:attr:`Kind.VALUE`); see :attr:`takes_values`."""
         return self.kind is Kind.VALUE
+
+    @property
+    def takes_values(self) -> bool:
+        """Whether the flag takes one or more values (:attr:`Kind.MANY`)."""
+        return self.kind is Kind.MANY
 
 
 def parse_layer_list(text: str) -> tuple[int, ...]:
@@ -112,7 +122,61 @@ def parse_layer_list(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-V, S, B = Kind.VALUE, Kind.SWITCH, Kind.BOOL
+@dataclass(frozen=True)
+class LoRAModulePath:
+    """One ``--lora-modules`` entry: an adapter registered at start-up (vLLM's
+    ``LoRAModulePath``).
+
+    Attributes:
+        name: the name requests use as ``model``.
+        path: the local folder with the adapter's ``adapter_config.json`` and weights.
+        base_model_name: the base model it was made for (``parent`` in ``/v1/models``);
+            None: the served model.
+    """
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+_LORA_MODULE_KEYS = ("name", "path", "base_model_name")
+
+
+def parse_lora_module(text: str) -> LoRAModulePath:
+    """One ``--lora-modules`` value, in either of vLLM's forms: ``name=path``, or a JSON
+    object ``{"name": ..., "path": ..., "base_model_name": ...}`` (``base_model_name``
+    optional). Raises ``argparse.ArgumentTypeError`` naming the value and what is wrong:
+    an empty name or path, JSON that is not such an object, a key other than those three,
+    a value that is not a string."""
+    text = text.strip()
+    if not text.startswith("{"):
+        name, eq, path = text.partition("=")
+        if not eq or not name.strip() or not path.strip():
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is neither name=path nor a JSON object "
+                '{"name": ..., "path": ..., "base_model_name": ...}')
+        return LoRAModulePath(name.strip(), path.strip())
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: a JSON module must be an object")
+    unknown = sorted(set(obj) - set(_LORA_MODULE_KEYS))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
+            f"(allowed: {', '.join(_LORA_MODULE_KEYS)})")
+    for key in ("name", "path"):
+        if not isinstance(obj.get(key), str) or not obj[key].strip():
+            raise argparse.ArgumentTypeError(f"{text!r}: {key!r} must be a non-empty string")
+    base = obj.get("base_model_name")
+    if base is not None and (not isinstance(base, str) or not base.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r}: 'base_model_name' must be a non-empty string or null")
+    return LoRAModulePath(obj["name"].strip(), obj["path"].strip(), base.strip() if base else None)
+
+
+V, S, B, M = Kind.VALUE, Kind.SWITCH, Kind.BOOL, Kind.MANY
 
 # The groups of --help, in order: (title, flags).
 SERVER: tuple[Flag, ...] = (
@@ -180,10 +244,28 @@ ENGINE: tuple[Flag, ...] = (
     Flag("--disable-sliding-window", B, default=False,
          help="sliding-window models: full attention, context capped to the window"),
 )
+# Multi-LoRA serving (vLLM's flags, names, defaults and meanings: LoRAConfig and
+# --lora-modules). kvpilot serve only: kvpilot generate has no way to pick an adapter.
+LORA: tuple[Flag, ...] = (
+    Flag("--enable-lora", B, default=False,
+         help="serve LoRA adapters on the base model: requests pick one by its name in `model`"),
+    Flag("--lora-modules", M, default=(), type=parse_lora_module, metavar="MODULE",
+         help="adapters to load at start-up (needs --enable-lora), each name=path or JSON "
+         '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "base"}\''),
+    Flag("--max-loras", type=int, default=1, metavar="N",
+         help="distinct adapters in one batch at most (needs --enable-lora)"),
+    Flag("--max-lora-rank", type=int, default=16, metavar="R",
+         help=f"highest adapter rank accepted: one of {', '.join(map(str, MAX_LORA_RANKS))} "
+         "(needs --enable-lora)"),
+    Flag("--max-cpu-loras", type=int, metavar="N",
+         help="adapters kept in host memory at most, >= --max-loras (default: --max-loras; "
+         "needs --enable-lora)"),
+)
 GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
-    ("server", SERVER), ("chat (vLLM's flags)", CHAT), ("engine", ENGINE))
+    ("server", SERVER), ("chat (vLLM's flags)", CHAT), ("engine", ENGINE),
+    ("LoRA adapters (vLLM's flags)", LORA))
 # Every kvpilot serve flag, in --help order.
-FLAGS: tuple[Flag, ...] = SERVER + CHAT + ENGINE
+FLAGS: tuple[Flag, ...] = SERVER + CHAT + ENGINE + LORA
 
 # The LoRA flags the operator writes from spec.adapters and spec.engine.lora (vLLM's
 # names, and kvpilot's --lora-adapters-file), by name: the table's LoRA entries, where the
@@ -208,18 +290,19 @@ _spellings_are_unique()
 
 def option_strings() -> Iterator[tuple[str, bool]]:
     """Every option string of ``kvpilot serve`` (``-h``/``--help`` included) and whether it
-    takes a value, in --help order."""
+    takes a value (one, or one or more), in --help order."""
     yield "-h", False
     yield "--help", False
     for f in FLAGS:
         for s in f.spellings:
-            yield s, f.takes_value
+            yield s, f.takes_value or f.takes_values
 
 
 def engine_defaults() -> dict[str, Any]:
-    """The engine flags' defaults by attribute (``{"block_size": 16, ...}``): the one
-    source of :class:`~kvpilot.engine.config.EngineArgs`'s field defaults."""
-    return {f.dest: f.default for f in ENGINE}
+    """The engine flags' defaults by attribute (``{"block_size": 16, ...}``), the LoRA
+    flags' included: the one source of :class:`~kvpilot.engine.config.EngineArgs`'s field
+    defaults."""
+    return {f.dest: f.default for f in ENGINE + LORA}
 
 
 def add_arguments(parser: argparse.ArgumentParser, flags: tuple[Flag, ...] | None = None, *,
@@ -247,6 +330,10 @@ def add_arguments(parser: argparse.ArgumentParser, flags: tuple[Flag, ...] | Non
             elif f.kind is Kind.BOOL:
                 kw["action"] = argparse.BooleanOptionalAction
             else:
+                if f.kind is Kind.MANY:
+                    # one or more values; a repeated flag adds to them (a fresh list: argparse
+                    # extends the default in place)
+                    kw.update(action="extend", nargs="+", default=list(default))
                 conv = types.get(f.dest, f.type)
                 if conv is not None:
                     kw["type"] = conv

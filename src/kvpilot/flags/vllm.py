@@ -155,7 +155,7 @@ _ONE_GPU = ("kvpilot splits a model over GPUs only by tensor parallelism (--tens
 _NO_HUB = ("kvpilot loads a local folder or GGUF file and never downloads from the Hugging "
            "Face Hub (the operator's hf:// model URI downloads before the engine starts)")
 _NO_GRAPHS = "kvpilot neither compiles the model nor captures CUDA graphs"
-_NO_LORA = "LoRA adapters are not supported"
+_NO_LORA = "fully sharded LoRA layers are not supported; --enable-lora serves adapters without them"
 _NO_MM = "kvpilot serves text only (no multimodal inputs)"
 _NO_TLS = "kvpilot serves plain HTTP; terminate TLS in front of it (ingress, gateway)"
 _NO_CORS = "kvpilot has no CORS middleware; set CORS headers in front of it"
@@ -216,7 +216,6 @@ FLAGS: tuple[VLLMFlag, ...] = (
     _if("--async-scheduling", B, False,
         "kvpilot schedules each step after the previous one (no async scheduling)",
         "kvpilot has no async scheduling: each step is scheduled after the previous one"),
-    _off("--enable-lora", _NO_LORA),
     _if("--enable-expert-parallel", B, False,
         "expert parallelism is off: with tensor parallelism every rank holds a slice of every expert",
         "expert parallelism is not supported: with --tensor-parallel-size every rank holds a slice "
@@ -276,10 +275,6 @@ FLAGS: tuple[VLLMFlag, ...] = (
     _refused("--speculative-config", ONE, _NO_SPEC, "-sc"),
     _refused("--speculative-model", ONE, _NO_SPEC),
     _refused("--num-speculative-tokens", ONE, _NO_SPEC),
-    _refused("--max-loras", ONE, _NO_LORA),
-    _refused("--max-lora-rank", ONE, _NO_LORA),
-    _refused("--max-cpu-loras", ONE, _NO_LORA),
-    _refused("--lora-modules", MANY, _NO_LORA),
     _off("--fully-sharded-loras", _NO_LORA),
     _refused("--kv-transfer-config", ONE, "KV transfer (disaggregated prefill) is not supported"),
     _refused("--compilation-config", ONE, _NO_GRAPHS, "-cc"),

@@ -32,7 +32,9 @@ from kvpilot.engine.server.protocol import (  # noqa: E402
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from kvpilot.engine.server.state import ServerState  # noqa: E402
 
@@ -46,6 +48,8 @@ REQUEST_MODELS = {
     "/v1/chat/completions/render": ChatCompletionRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
+    "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest,
 }
 
 # Built at import: schemathesis reads the schema when the test is collected (its
@@ -57,7 +61,9 @@ ENGINE = AsyncEngine(lambda: LLMEngine(
                max_num_batched_tokens=64, kv_cache_memory=0.05),
     loaded=_weights["model"],
 ))
-APP = build_app(ServerState(ENGINE, EngineMetrics(MODEL), MODEL))
+# vLLM's runtime LoRA routes mounted, so their schema is checked too (the engine runs
+# without --enable-lora: a valid body is a 400 naming the flag).
+APP = build_app(ServerState(ENGINE, EngineMetrics(MODEL), MODEL, allow_runtime_lora_updating=True))
 schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
 
 

@@ -8,14 +8,17 @@ from pathlib import Path
 from kvpilot.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    LoadLoRAAdapterRequest,
     StructuredOutputsRequest,
+    UnloadLoRAAdapterRequest,
 )
 
 DOCS = (Path(__file__).parents[3] / "docs/server.md").read_text()
 
 
 def test_every_accepted_field_is_in_the_docs():
-    for model in (CompletionRequest, ChatCompletionRequest, StructuredOutputsRequest):
+    for model in (CompletionRequest, ChatCompletionRequest, StructuredOutputsRequest, LoadLoRAAdapterRequest,
+                  UnloadLoRAAdapterRequest):
         for name, field in model.model_fields.items():
             public = field.alias or name
             assert f"`{public}`" in DOCS, f"{model.__name__}.{public} is accepted but not listed in docs/server.md"

@@ -66,7 +66,6 @@ def test_a_kvpilot_flag_wins_over_the_table(known):
     (["--pipeline-parallel-size", "1"], "--pipeline-parallel-size 1"),
     (["--distributed-executor-backend", "mp"], "--distributed-executor-backend mp"),
     (["--max-logprobs", "20"], "--max-logprobs 20"),
-    (["--no-enable-lora"], "--no-enable-lora"),
     (["--uvicorn-log-level", "info"], "--uvicorn-log-level info"),
     (["--no-skip-tokenizer-init"], "--no-skip-tokenizer-init"),
 ])
@@ -101,12 +100,11 @@ def test_every_no_op_of_the_table_is_accepted():
     (["--no-enforce-eager"], "--no-enforce-eager", "CUDA graphs"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill", "always chunks prefills"),
     (["--enable-log-requests"], "--enable-log-requests", "does not log requests"),
-    (["--enable-lora"], "--enable-lora", "LoRA"),
+    (["--fully-sharded-loras"], "--fully-sharded-loras", "fully sharded LoRA"),
     (["--quantization", "awq"], "--quantization awq", "quantized weights are not supported"),
     (["-q", "gptq"], "-q gptq", "quantized weights are not supported"),
     (["--speculative-config", '{"method": "ngram"}'], '--speculative-config {"method": "ngram"}',
      "speculative decoding"),
-    (["--lora-modules", "a=/x", "b=/y"], "--lora-modules a=/x b=/y", "LoRA"),
     (["--max-logprobs", "-1"], "--max-logprobs -1", "fixed at 20"),
     (["--uvicorn-log-level", "debug"], "--uvicorn-log-level debug", "use that"),
 ])

@@ -12,17 +12,23 @@ declares, per route, the statuses the server really answers with
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI
 
 from kvpilot.engine.server.error_handlers import add_error_handlers
 from kvpilot.engine.server.middleware import BodyLimitMiddleware, GuardMiddleware
 from kvpilot.engine.server.openapi import document_as_served
-from kvpilot.engine.server.routes import openai, probes, router_api
+from kvpilot.engine.server.routes import lora, openai, probes, router_api
 from kvpilot.engine.server.state import ServerState, attach
+
+logger = logging.getLogger("kvpilot.serve")
 
 
 def build_app(state: ServerState) -> FastAPI:
-    """The ASGI app for one engine."""
+    """The ASGI app for one engine. vLLM's runtime LoRA routes
+    (:mod:`~kvpilot.engine.server.routes.lora`) are mounted only when
+    ``state.allow_runtime_lora_updating``."""
     app = FastAPI(title="kvpilot", version="0.1.0")
     attach(app, state)
     document_as_served(app)
@@ -33,4 +39,9 @@ def build_app(state: ServerState) -> FastAPI:
     # In this order the OpenAPI document lists the paths as it always has.
     for routes in (probes, openai, router_api):
         app.include_router(routes.router)
+    if state.allow_runtime_lora_updating:
+        logger.warning("LoRA dynamic loading & unloading is enabled in the API server "
+                       "(VLLM_ALLOW_RUNTIME_LORA_UPDATING): anyone who can reach the API can load "
+                       "adapters from this server's disk")
+        app.include_router(lora.router)
     return app

@@ -34,6 +34,8 @@ from kvpilot.engine.errors import (
     RequestFailedError,
 )
 from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.lora.adapter import LoRAWeights
+from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 
@@ -53,6 +55,8 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     ack: concurrent.futures.Future[Any]
     grammar: Any = None
+    lora_request: LoRARequest | None = None
+    lora_weights: LoRAWeights | None = None
 
 
 @dataclass
@@ -150,6 +154,8 @@ class AsyncEngine:
         cache_salt: str | None = None,
         out: asyncio.Queue[Any] | None = None,
         grammar: Any = None,
+        lora_request: LoRARequest | None = None,
+        lora_weights: LoRAWeights | None = None,
     ) -> asyncio.Queue[Any]:
         """Queue a request; returns the queue its :class:`RequestOutput` s arrive on (the
         last one has ``finished``; an exception object means it failed: an
@@ -157,6 +163,9 @@ class AsyncEngine:
         such as a grammar that allows no token). Several requests may share one ``out``
         queue (outputs carry their request id). ``grammar`` is the compiled grammar of
         ``params.structured_outputs`` (compiled by the caller, off the engine thread).
+        ``lora_request`` is the LoRA adapter it runs with (None: the base model) and
+        ``lora_weights`` that adapter's host weights (``LoRAManager.acquire``, fetched by
+        the caller off the engine thread, so the engine loop never reads a disk).
 
         Raises:
             InvalidRequestError: the engine refused the request (nothing was queued).
@@ -167,7 +176,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         out = asyncio.Queue() if out is None else out
         ack: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._inbox.put(_Add(request_id, prompt_token_ids, params, cache_salt, out, loop, ack, grammar))
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, cache_salt, out, loop, ack, grammar,
+                             lora_request, lora_weights))
         await asyncio.wrap_future(ack)
         return out
 
@@ -291,8 +301,12 @@ class AsyncEngine:
                 return
 
     def _handle_add(self, engine: LLMEngine, add: _Add) -> None:
+        # The LoRA arguments only with an adapter: a base-model request is added as before.
+        lora: dict[str, Any] = {} if add.lora_request is None else {
+            "lora_request": add.lora_request, "lora_weights": add.lora_weights}
         try:
-            engine.add_request(add.request_id, add.prompt_token_ids, add.params, add.cache_salt, grammar=add.grammar)
+            engine.add_request(add.request_id, add.prompt_token_ids, add.params, add.cache_salt, grammar=add.grammar,
+                               **lora)
         except BaseException as e:  # refused: hand the error back to the handler
             add.ack.set_exception(e)
             return

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.engine.errors import InvalidRequestError
+from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import TokenLogprob
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.protocol import (
@@ -188,6 +189,7 @@ class Prepared:
             from free text) or None (no tool calls).
         reasoning: the output starts with reasoning (a reasoning parser is set and the
             prompt did not close the reasoning block): it is split off the answer.
+        lora: the LoRA adapter the request names in ``model``, or None (the base model).
     """
 
     ids: list[int]
@@ -197,6 +199,7 @@ class Prepared:
     grammar: Any = None
     tool_mode: str | None = None
     reasoning: bool = False
+    lora: LoRARequest | None = None
 
 
 @dataclass
@@ -241,7 +244,9 @@ class ChatHandler:
         return self.reasoning.end not in tail
 
     async def prepare(self, req: ChatCompletionRequest) -> Prepared:
-        self.ctx.check_model(req.model)
+        """Validate ``req`` and render its prompt. Raises InvalidRequestError (400),
+        ModelNotFound (404)."""
+        lora = self.ctx.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true", "top_logprobs")
         req.check_prompt_logprobs()
@@ -268,7 +273,7 @@ class ChatHandler:
                 assert self.reasoning is not None
                 constraint = dataclasses.replace(constraint, after=self.reasoning.end)
             grammar = await asyncio.to_thread(self.ctx.llm.compile_grammar, constraint)
-        return Prepared(ids, max_tokens, logprobs, constraint, grammar, tool_mode, reasoning)
+        return Prepared(ids, max_tokens, logprobs, constraint, grammar, tool_mode, reasoning, lora)
 
     def sampling_params(self, req: ChatCompletionRequest, prep: Prepared) -> SamplingParams:
         """The engine's parameters. With ``tool_choice: auto`` special tokens stay in the
@@ -337,7 +342,8 @@ class ChatHandler:
         public_id, internal_id = new_request_id("chatcmpl", header_id)
         params = self.sampling_params(req, prep)
         done: dict[int, Choice] = {}
-        async for delta in self.ctx.generate(internal_id, [prep.ids], params, req.cache_salt, grammar=prep.grammar):
+        async for delta in self.ctx.generate(internal_id, [prep.ids], params, req.cache_salt, grammar=prep.grammar,
+                                             lora=prep.lora):
             if delta.finished:
                 done[delta.choice.index] = delta.choice
         choices = []
@@ -356,7 +362,7 @@ class ChatHandler:
                 stop_reason=c.stop_reason,
             ))
         body = ChatCompletionResponse(
-            id=public_id, object="chat.completion", created=int(time.time()), model=self.ctx.served_model_name,
+            id=public_id, object="chat.completion", created=int(time.time()), model=self.ctx.model_name(prep.lora),
             choices=choices, usage=usage([len(prep.ids)], list(done.values()), req.n))
         if req.prompt_logprobs is not None and done:
             body.prompt_logprobs = self.ctx.prompt_logprobs_block(prep.ids, done[min(done)].prompt_logprobs or [])
@@ -366,7 +372,8 @@ class ChatHandler:
         prep = await self.prepare(req)
         public_id, internal_id = new_request_id("chatcmpl", header_id)
         params = self.sampling_params(req, prep)
-        deltas = await started(self.ctx.generate(internal_id, [prep.ids], params, req.cache_salt, grammar=prep.grammar))
+        deltas = await started(self.ctx.generate(internal_id, [prep.ids], params, req.cache_salt, grammar=prep.grammar,
+                                                 lora=prep.lora))
         return self._events(req, prep, public_id, deltas)
 
     def _choice_stream(self, req: ChatCompletionRequest, prep: Prepared) -> ChoiceStream:
@@ -382,7 +389,7 @@ class ChatHandler:
         self, req: ChatCompletionRequest, prep: Prepared, public_id: str, deltas: AsyncGenerator[Delta, None]
     ) -> AsyncIterator[str]:
         created = int(time.time())
-        model = self.ctx.served_model_name
+        model = self.ctx.model_name(prep.lora)
         streams: dict[int, ChoiceStream] = {}
         finished: list[Choice] = []
 

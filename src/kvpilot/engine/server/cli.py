@@ -1,7 +1,9 @@
 """``kvpilot serve``: the OpenAI-compatible server with vLLM-compatible flags.
 
 Start-up: the HTTP server binds at once and answers ``/health`` (200) and ``/ready``
-(503) while the model loads in the engine thread; a load failure exits with status 1.
+(503) while the model loads in the engine thread; a load failure exits with status 1. The
+``--lora-modules`` adapters are registered right after the model loads, before ``/ready``
+turns 200; one that cannot be exits with status 2, naming the flag and the module.
 SIGTERM drains: ``/ready`` turns 503, new generation requests get 503, in-flight ones
 finish (up to ``--drain-timeout`` seconds; what is still running then is aborted with a
 503 body, or an error event on a stream), then the process exits 0. The whole exit is
@@ -27,9 +29,12 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.flags import serve as flags
+from kvpilot.flags.serve import LoRAModulePath
 
 if TYPE_CHECKING:
+    from kvpilot.engine.llm_engine import LLMEngine
     from kvpilot.engine.server.async_engine import AsyncEngine
     from kvpilot.engine.server.chat import ChatOptions
     from kvpilot.engine.server.state import ServerState
@@ -49,10 +54,42 @@ EXIT_GRACE_SECONDS = 2.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Put ``kvpilot serve``'s flags (:mod:`kvpilot.flags.serve`: server, chat, engine) on
-    ``parser``. Mutates ``parser``."""
+    """Put ``kvpilot serve``'s flags (:mod:`kvpilot.flags.serve`: server, chat, engine,
+    LoRA) on ``parser``. Mutates ``parser``."""
     flags.add_arguments(parser, flags.SERVER + flags.CHAT)
     EngineArgs.add_cli_args(parser)
+    EngineArgs.add_lora_cli_args(parser)
+
+
+class LoRAModuleError(ValueError):
+    """A ``--lora-modules`` entry that cannot be registered (``kvpilot serve`` exits 2,
+    naming the flag, the module and why)."""
+
+
+def register_lora_modules(engine: LLMEngine, modules: tuple[LoRAModulePath, ...], served: str) -> None:
+    """Register the ``--lora-modules`` adapters with the engine's LoRA manager, in order
+    (each folder read and validated; in the engine thread, before the server is ready).
+    Mutates ``engine.lora``.
+
+    Raises:
+        LoRAModuleError: a module named like the served model, or one the manager refuses
+            (a folder that is not a PEFT adapter for this model, a rank over
+            ``--max-lora-rank``), naming ``--lora-modules``, the module and the reason.
+    """
+    if not modules:
+        return
+    manager = engine.lora
+    if manager is None:  # pragma: no cover - EngineArgs refuses --lora-modules without --enable-lora
+        raise LoRAModuleError("--lora-modules needs --enable-lora")
+    for m in modules:
+        shown = f"--lora-modules {m.name}={m.path}"
+        if m.name == served:
+            raise LoRAModuleError(f"{shown}: '{m.name}' is the served model's name; give the adapter another name")
+        try:
+            manager.register(m.name, m.path, m.base_model_name)
+        except InvalidRequestError as e:
+            raise LoRAModuleError(f"{shown}: {e}") from None
+        logger.info("Loaded LoRA adapter '%s' from %s", m.name, m.path)
 
 
 def chat_options(args: argparse.Namespace) -> ChatOptions:
@@ -120,13 +157,19 @@ def run(args: argparse.Namespace) -> int:
 
         def factory() -> LLMEngine:
             engine = LLMEngine(engine_args, kv_event_publisher=kv_publisher)
+            try:
+                register_lora_modules(engine, engine_args.lora_modules, served)
+            except BaseException:
+                engine.close()  # tensor-parallel workers: the server will not start
+                raise
             metrics.set_config(engine)
             return engine
 
         engine = AsyncEngine(factory, on_step=metrics.observe, on_integrity_check=metrics.observe_integrity_check)
         state = ServerState(engine, metrics, served, args.api_key, args.max_request_body_bytes,
                             kv_events=kv_cfg, kv_publisher=kv_publisher, kv_block_size=engine_args.block_size,
-                            model_path=engine_args.model or source.name, chat_options=chat)
+                            model_path=engine_args.model or source.name, chat_options=chat,
+                            enable_lora=engine_args.enable_lora)
         app = build_app(state)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=2)
@@ -138,6 +181,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if kv_publisher is not None:
             kv_publisher.shutdown()
+    if isinstance(engine.load_error, LoRAModuleError):
+        print(f"kvpilot serve: {engine.load_error}", file=sys.stderr)
+        return 2
     if engine.load_error is not None:
         print(f"kvpilot serve: the model failed to load: {engine.load_error}", file=sys.stderr)
         return 1

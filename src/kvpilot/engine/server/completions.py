@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from kvpilot.engine.errors import InvalidRequestError
+from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import TokenLogprob
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.protocol import (
@@ -81,8 +82,10 @@ class CompletionHandler:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    async def prepare(self, req: CompletionRequest) -> tuple[list[list[int]], int]:
-        self.ctx.check_model(req.model)
+    async def prepare(self, req: CompletionRequest) -> tuple[list[list[int]], int, LoRARequest | None]:
+        """Validate ``req``: ``(token ids per prompt, max_tokens, the LoRA adapter it names or
+        None)``. Raises InvalidRequestError (400), ModelNotFound (404)."""
+        lora = self.ctx.check_model(req.model)
         if req.best_of not in (None, req.n):
             raise InvalidRequestError("best_of is not supported (use n)", "best_of")
         if req.suffix:
@@ -96,7 +99,7 @@ class CompletionHandler:
         if req.max_tokens == 0 and not req.echo:
             raise InvalidRequestError("max_tokens must be >= 1 (max_tokens=0 is only allowed with echo=true)", "max_tokens")
         max_tokens = [self.ctx.resolve_max_tokens(len(ids), req.max_tokens or None) for ids in prompts]
-        return prompts, min(max_tokens)
+        return prompts, min(max_tokens), lora
 
     async def constraint(self, req: CompletionRequest) -> tuple[Any, Any]:
         """The request's structured-output constraint and its grammar, compiled in a
@@ -126,7 +129,7 @@ class CompletionHandler:
         Refuses what :meth:`create` refuses."""
         self.ctx.check_model(req.model)
         self.ctx.require_ready()
-        prompts, max_tokens = await self.prepare(req)
+        prompts, max_tokens, _ = await self.prepare(req)
         if req.max_tokens == 0:  # echo only: the real endpoint generates nothing
             if req.stream:
                 raise InvalidRequestError("max_tokens=0 with echo is not supported when streaming", "max_tokens")
@@ -137,7 +140,8 @@ class CompletionHandler:
             self.ctx.llm.check_request(ids, params)
         return [(ids, params) for ids in prompts]
 
-    def _echo_only(self, req: CompletionRequest, prompts: list[list[int]], public_id: str) -> CompletionResponse:
+    def _echo_only(self, req: CompletionRequest, prompts: list[list[int]], public_id: str,
+                   model: str) -> CompletionResponse:
         """``echo`` with ``max_tokens=0``: the prompt back, nothing generated."""
         choices = []
         for p_idx, ids in enumerate(prompts):
@@ -146,18 +150,19 @@ class CompletionHandler:
                 choices.append(CompletionChoice(index=p_idx * req.n + k, text=text, logprobs=None, finish_reason="length"))
         n_prompt = sum(len(ids) for ids in prompts)
         return CompletionResponse(
-            id=public_id, object="text_completion", created=int(time.time()), model=self.ctx.served_model_name,
+            id=public_id, object="text_completion", created=int(time.time()), model=model,
             choices=choices, usage=Usage(prompt_tokens=n_prompt, completion_tokens=0, total_tokens=n_prompt))
 
     async def complete(self, req: CompletionRequest, header_id: str | None) -> CompletionResponse:
-        prompts, max_tokens = await self.prepare(req)
+        prompts, max_tokens, lora = await self.prepare(req)
         so, grammar = await self.constraint(req)
         public_id, internal_id = new_request_id("cmpl", header_id)
         if req.max_tokens == 0:
-            return self._echo_only(req, prompts, public_id)
+            return self._echo_only(req, prompts, public_id, self.ctx.model_name(lora))
         params = self.sampling_params(req, max_tokens, so)
         done: dict[int, Choice] = {}
-        async for delta in self.ctx.generate(internal_id, prompts, params, req.cache_salt, grammar=grammar):
+        async for delta in self.ctx.generate(internal_id, prompts, params, req.cache_salt, grammar=grammar,
+                                             lora=lora):
             if delta.finished:
                 done[delta.choice.index] = delta.choice
         choices = []
@@ -175,26 +180,27 @@ class CompletionHandler:
                 choice.prompt_logprobs = self.ctx.prompt_logprobs_block(prompts[c.prompt_index], c.prompt_logprobs or [])
             choices.append(choice)
         return CompletionResponse(
-            id=public_id, object="text_completion", created=int(time.time()), model=self.ctx.served_model_name,
+            id=public_id, object="text_completion", created=int(time.time()), model=self.ctx.model_name(lora),
             choices=choices, usage=usage([len(p) for p in prompts], list(done.values()), req.n))
 
     async def stream(self, req: CompletionRequest, header_id: str | None) -> AsyncIterator[str]:
         """Validate first (errors raise before the stream starts), then return the SSE
         event iterator."""
-        prompts, max_tokens = await self.prepare(req)
+        prompts, max_tokens, lora = await self.prepare(req)
         if req.max_tokens == 0:
             raise InvalidRequestError("max_tokens=0 with echo is not supported when streaming", "max_tokens")
         so, grammar = await self.constraint(req)
         public_id, internal_id = new_request_id("cmpl", header_id)
         params = self.sampling_params(req, max_tokens, so)
-        deltas = await started(self.ctx.generate(internal_id, prompts, params, req.cache_salt, grammar=grammar))
-        return self._events(req, prompts, public_id, deltas)
+        deltas = await started(self.ctx.generate(internal_id, prompts, params, req.cache_salt, grammar=grammar,
+                                                 lora=lora))
+        return self._events(req, prompts, public_id, deltas, self.ctx.model_name(lora))
 
     async def _events(
-        self, req: CompletionRequest, prompts: list[list[int]], public_id: str, deltas: AsyncGenerator[Delta, None]
+        self, req: CompletionRequest, prompts: list[list[int]], public_id: str, deltas: AsyncGenerator[Delta, None],
+        model: str,
     ) -> AsyncIterator[str]:
         created = int(time.time())
-        model = self.ctx.served_model_name
         echoed: set[int] = set()
         # per choice: the logprobs' next text offset and the UTF-8 decoder of its tokens
         offsets: dict[int, tuple[int, codecs.IncrementalDecoder]] = {}

@@ -91,7 +91,9 @@ async def on_invalid(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def on_model(_: Request, exc: Exception) -> JSONResponse:
-    return error(404, str(exc), "invalid_request_error", "model_not_found", "model")
+    """404 for a model (or a LoRA adapter: ``param`` ``lora_name``) not served."""
+    param = getattr(exc, "param", "model")
+    return error(404, str(exc), "invalid_request_error", "model_not_found", param)
 
 
 async def on_dead(_: Request, exc: Exception) -> JSONResponse:

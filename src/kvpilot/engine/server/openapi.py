@@ -24,7 +24,7 @@ ERRORS: dict[int, str] = {
     400: "invalid request: malformed JSON, a wrong type, a value out of range, an unsupported option, "
          "or a prompt that does not fit the context (`param` names the field)",
     401: "missing or wrong `Authorization: Bearer` key (when the server has an API key)",
-    404: "`model` is not the served model name",
+    404: "`model` is neither the served model name nor a loaded LoRA adapter",
     413: "request body over the server's limit",
     500: "the engine failed while running the request",
     503: "the model is still loading, the server is draining, or the engine stopped",

@@ -142,7 +142,9 @@ class SamplingFields(StrictModel):
     """Fields shared by completions and chat completions. Floats must be finite (NaN and
     infinity are refused by name, not compared with a bound)."""
 
-    model: str | None = Field(default=None, description="the served model name (`GET /v1/models`); any other name is a 404")
+    model: str | None = Field(default=None, description=(
+        "the served model name, or a LoRA adapter's name to run with that adapter (`GET /v1/models` lists "
+        "both); any other name is a 404"))
     n: Int = Field(1, ge=1, le=MAX_N, description="choices to generate for each prompt")
     temperature: float | None = Field(default=None, ge=0.0, le=100.0, description=(
         f"0 is greedy; default 1; values in (0, {MIN_TEMPERATURE}) are raised to {MIN_TEMPERATURE}, as vLLM does"))
@@ -361,7 +363,8 @@ class TokenizeRequest(StrictModel):
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
         {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
     ]})
-    model: str | None = Field(default=None, description="the served model name; any other name is a 404")
+    model: str | None = Field(default=None, description=(
+        "the served model name or a LoRA adapter's name (the same tokenizer); any other name is a 404"))
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, description="rendered with the chat template, then tokenized")
     add_special_tokens: bool = Field(True, description="for `prompt`")
@@ -375,7 +378,8 @@ class TokenizeRequest(StrictModel):
 
 
 class DetokenizeRequest(StrictModel):
-    model: str | None = Field(default=None, description="the served model name; any other name is a 404")
+    model: str | None = Field(default=None, description=(
+        "the served model name or a LoRA adapter's name (the same tokenizer); any other name is a 404"))
     tokens: list[Annotated[int, Field(ge=0), INTEGRAL, WithJsonSchema(TOKEN_ID_SCHEMA)]]
 
 
@@ -553,17 +557,52 @@ class ReadyResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
-    id: str
+    """One served model: the base model, or a LoRA adapter on it (`parent` set)."""
+
+    id: str = Field(description="the name requests give as `model`")
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kvpilot"
-    root: str | None = None
+    root: str | None = Field(default=None, description="the served model name; for an adapter, its folder")
+    parent: str | None = Field(default=None, description=(
+        "an adapter's base model (the served model name, or the `base_model_name` it was registered "
+        "with); absent on the base model's card"))
     max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ------------------------------------------------- LoRA adapters at runtime
+class LoadLoRAAdapterRequest(StrictModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body): register a PEFT adapter folder under a
+    name; requests then pick it with ``model``."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"lora_name": "sql", "lora_path": "/adapters/sql-lora"}]})
+    lora_name: str = Field(description="the name requests will give as `model`; one already loaded is a 400")
+    lora_path: str = Field(description=(
+        "a folder on the server with the adapter's `adapter_config.json` and `adapter_model.safetensors` "
+        "(PEFT's layout); one that cannot be read or does not fit the base model is a 400"))
+
+
+class UnloadLoRAAdapterRequest(StrictModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body): remove an adapter; requests already
+    running with it finish, new ones naming it get a 404."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"lora_name": "sql"}]})
+    lora_name: str = Field(description="the adapter's name; one not loaded is a 404")
+    lora_int_id: Int | None = Field(default=None, description=(
+        "vLLM's integer id of the adapter; when given it must be the named adapter's (else 404)"))
+
+
+LORA_ADAPTER_OK: dict[str, Any] = {
+    "description": "done: a plain-text line, as vLLM answers "
+                   "(`Success: LoRA adapter 'sql' added successfully.`)",
+    "content": {"text/plain": {"schema": {"type": "string"}}},
+}
 
 
 # ------------------------------------------------- router endpoints (vllm-router)

@@ -11,7 +11,14 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, cast
 
-from kvpilot.engine.errors import EngineDeadError, InvalidRequestError, ModelNotFound
+from kvpilot.engine.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    LoRAAdapterNotFoundError,
+    ModelNotFound,
+)
+from kvpilot.engine.lora.manager import LoRAManager
+from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import RequestOutput, TokenLogprob
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.async_engine import AsyncEngine
@@ -58,15 +65,19 @@ class ServingContext:
 
     Args:
         engine: the running :class:`AsyncEngine`.
-        served_model_name: the id clients must use (``model``).
+        served_model_name: the id clients must use (``model``) for the base model.
         metrics: the server's :class:`EngineMetrics`; fed once per prompt of a request
             when all its ``n`` choices have finished (vLLM's per-request ``n`` metrics).
+        enable_lora: the server was started with ``--enable-lora``: other names in
+            ``model`` may be LoRA adapters (the engine's ``lora`` manager knows them).
     """
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: Any = None) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: Any = None,
+                 enable_lora: bool = False) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.metrics = metrics
+        self.enable_lora = enable_lora
 
     @property
     def llm(self) -> Any:
@@ -111,9 +122,43 @@ class ServingContext:
         if not self.engine.is_ready:
             raise EngineDeadError("the model is still loading" if self.engine.is_alive else "the engine is not running")
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise ModelNotFound(f"The model `{model}` does not exist; this server serves `{self.served_model_name}`")
+    @property
+    def lora(self) -> LoRAManager | None:
+        """The engine's LoRA manager, or None: LoRA is off, or the model is still loading."""
+        manager: LoRAManager | None = getattr(self.engine.engine, "lora", None)  # None while loading
+        return manager
+
+    def model_not_found(self, model: str) -> ModelNotFound:
+        """The 404 for a ``model`` this server does not serve (vLLM's message, and the
+        name it does serve)."""
+        return ModelNotFound(f"The model `{model}` does not exist; this server serves `{self.served_model_name}`"
+                             + (" and the LoRA adapters `GET /v1/models` lists" if self.enable_lora else ""))
+
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """Resolve a request's ``model``: None (or the served model name) is the base
+        model (None); a registered LoRA adapter's name is that adapter.
+
+        Raises:
+            ModelNotFound: any other name (404).
+            EngineDeadError: with ``--enable-lora``, a name other than the base model's
+                while the model is still loading (503: adapters are not registered yet).
+        """
+        if model is None or model == self.served_model_name:
+            return None
+        if self.enable_lora:
+            manager = self.lora
+            if manager is None:
+                self.require_ready()
+            else:
+                found = manager.get(model)
+                if found is not None:
+                    return found
+        raise self.model_not_found(model)
+
+    def model_name(self, lora: LoRARequest | None) -> str:
+        """The ``model`` a response reports: the adapter's name, else the served model
+        name (as vLLM)."""
+        return self.served_model_name if lora is None else lora.lora_name
 
     def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, param: str = "max_tokens") -> int:
         """``None`` -> the rest of the context. Raises InvalidRequestError (400) when the
@@ -188,22 +233,40 @@ class ServingContext:
         params: SamplingParams,
         cache_salt: str | None,
         grammar: Any = None,
+        lora: LoRARequest | None = None,
     ) -> AsyncGenerator[Delta, None]:
         """Run ``len(prompts) x params.n`` engine requests and yield their deltas as they
         come. Choice ``k`` of prompt ``p`` has index ``p * n + k`` and seed ``seed + k``.
         ``grammar`` is the compiled grammar of ``params.structured_outputs`` (one per
-        request: every choice gets its own matcher over it).
-        Leaving early (disconnect, cancellation) or any failure aborts all of them."""
+        request: every choice gets its own matcher over it). ``lora`` is the adapter every
+        choice runs with (:meth:`check_model`'s answer): its host weights are fetched once,
+        in a worker thread (they may be read from disk), before any request is added.
+        Leaving early (disconnect, cancellation) or any failure aborts all of them.
+
+        Raises (from the first ``anext``, before any delta):
+            ModelNotFound: ``lora`` was unloaded after :meth:`check_model` resolved it.
+            InvalidRequestError, EngineDeadError: the engine refused a request.
+        """
         n = params.n
         out: asyncio.Queue[Any] = asyncio.Queue()
         choices: dict[str, Choice] = {}
         added: list[str] = []
+        weights = None
+        if lora is not None:
+            manager = self.lora
+            if manager is None:  # pragma: no cover - check_model resolved lora through it
+                raise EngineDeadError("the engine is not running")
+            try:
+                weights = await asyncio.to_thread(manager.acquire, lora)
+            except LoRAAdapterNotFoundError:
+                raise self.model_not_found(lora.lora_name) from None
         try:
             for p_idx, ids in enumerate(prompts):
                 for k in range(n):
                     sub = replace(params, n=1, seed=None if params.seed is None else params.seed + k)
                     rid = f"{request_id}-{p_idx}-{k}"
-                    await self.engine.add_request(rid, ids, sub, cache_salt, out=out, grammar=grammar)
+                    await self.engine.add_request(rid, ids, sub, cache_salt, out=out, grammar=grammar,
+                                                  lora_request=lora, lora_weights=weights)
                     added.append(rid)
                     choices[rid] = Choice(index=p_idx * n + k, prompt_index=p_idx)
             remaining = len(choices)

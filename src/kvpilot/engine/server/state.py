@@ -3,9 +3,11 @@ and what the routes reach through ``request.app.state`` (:class:`AppState`)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +19,17 @@ from kvpilot.engine.server.chat import ChatHandler, ChatOptions
 from kvpilot.engine.server.completions import CompletionHandler
 from kvpilot.engine.server.metrics import EngineMetrics
 from kvpilot.engine.server.serving import ServingContext
+
+# vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter: the routes
+# exist only when it is "1" or "true" (any case, spaces around ignored), as in vLLM.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_lora_updating(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether :data:`RUNTIME_LORA_ENV` allows loading and unloading LoRA adapters at
+    runtime (``environ``: ``os.environ`` by default)."""
+    env = os.environ if environ is None else environ
+    return env.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
 
 
 def new_instance_id() -> str:
@@ -32,6 +45,9 @@ class ServerState:
     ``kv_events`` is the ``--kv-events-config`` and ``kv_publisher`` the started
     publisher (its bound addresses go into ``/kv_event_sources``); ``kv_block_size`` and
     ``model_path`` answer ``/get_server_info`` before the model has loaded.
+    ``enable_lora`` is ``--enable-lora`` (requests may name adapters);
+    ``allow_runtime_lora_updating`` mounts ``POST /v1/load_lora_adapter`` and
+    ``/v1/unload_lora_adapter`` (:func:`runtime_lora_updating`, read when the state is made).
     """
 
     engine: AsyncEngine
@@ -48,6 +64,8 @@ class ServerState:
     model_path: str | None = None
     instance_id: str = field(default_factory=new_instance_id)
     chat_options: ChatOptions = field(default_factory=ChatOptions)
+    enable_lora: bool = False
+    allow_runtime_lora_updating: bool = field(default_factory=runtime_lora_updating)
 
 
 @dataclass(frozen=True)
@@ -61,7 +79,7 @@ class AppState:
 
     @classmethod
     def of(cls, server: ServerState) -> AppState:
-        ctx = ServingContext(server.engine, server.served_model_name, server.metrics)
+        ctx = ServingContext(server.engine, server.served_model_name, server.metrics, server.enable_lora)
         return cls(server, ctx, CompletionHandler(ctx), ChatHandler(ctx, server.chat_options))
 
 

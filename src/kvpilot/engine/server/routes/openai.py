@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from kvpilot.engine.server.chat import render_chat
 from kvpilot.engine.server.openapi import errors, generated
@@ -33,11 +33,22 @@ GENERATION_ERRORS = errors(400, 401, 404, 413, 500, 503)
 TOKENIZE_ERRORS = errors(400, 401, 404, 413, 503)
 
 
-@router.get("/v1/models", responses=errors(401))
-async def models(request: Request) -> ModelList:
-    state = app_state(request).server
+@router.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **errors(401)})
+async def models(request: Request) -> Response:
+    """The base model's card, then one per LoRA adapter loaded (vLLM's order): `id` the
+    adapter's name, `root` its folder, `parent` its base model."""
+    app = app_state(request)
+    state = app.server
     max_len = state.engine.engine.max_model_len if state.engine.engine is not None else None
-    return ModelList(data=[ModelCard(id=state.served_model_name, root=state.served_model_name, max_model_len=max_len)])
+    base = ModelCard(id=state.served_model_name, root=state.served_model_name, max_model_len=max_len)
+    # Every field of each card, as FastAPI's serialization of ModelList wrote them; the base
+    # card has no parent (absent, not null).
+    cards = [base.model_dump(exclude={"parent"})]
+    manager = app.ctx.lora
+    for lora in manager.list() if manager is not None else ():
+        cards.append(ModelCard(id=lora.lora_name, root=lora.lora_path,
+                               parent=lora.base_model_name or state.served_model_name).model_dump())
+    return JSONResponse({"object": "list", "data": cards})
 
 
 @router.post("/v1/completions", response_model=None,
