@@ -130,6 +130,10 @@ class EngineArgs:
         max_cpu_loras: vLLM's ``--max-cpu-loras``: adapters kept in host memory at most;
             None (not given) resolves to ``max_loras`` here when ``enable_lora``; must be
             >= ``max_loras``.
+        lora_adapters_file: kvpilot's ``--lora-adapters-file``: a JSON list of
+            ``{"name", "uri"}`` adapters (the operator's ``spec.adapters``), loaded before
+            the server is ready and followed while it runs
+            (:mod:`kvpilot.engine.lora.file_sync`).
     """
 
     model: str | None = _DEFAULT["model"]
@@ -161,6 +165,7 @@ class EngineArgs:
     max_loras: int = _DEFAULT["max_loras"]
     max_lora_rank: int = _DEFAULT["max_lora_rank"]
     max_cpu_loras: int | None = _DEFAULT["max_cpu_loras"]  # None: resolved in __post_init__
+    lora_adapters_file: str | None = _DEFAULT["lora_adapters_file"]
 
     def __post_init__(self) -> None:
         _choice("--dtype", self.dtype, ["auto", *DTYPES])
@@ -224,6 +229,7 @@ class EngineArgs:
                 ("--max-loras", self.max_loras != _DEFAULT["max_loras"]),
                 ("--max-lora-rank", self.max_lora_rank != _DEFAULT["max_lora_rank"]),
                 ("--max-cpu-loras", self.max_cpu_loras is not None),
+                ("--lora-adapters-file", self.lora_adapters_file is not None),
             ) if on]
             if given:
                 raise ValueError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --enable-lora "

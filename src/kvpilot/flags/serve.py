@@ -260,6 +260,9 @@ LORA: tuple[Flag, ...] = (
     Flag("--max-cpu-loras", type=int, metavar="N",
          help="adapters kept in host memory at most, >= --max-loras (default: --max-loras; "
          "needs --enable-lora)"),
+    Flag("--lora-adapters-file", metavar="PATH",
+         help="kvpilot's: a JSON list of {name, uri} adapters (the operator's spec.adapters) "
+         "loaded before the server is ready and followed while it runs (needs --enable-lora)"),
 )
 GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
     ("server", SERVER), ("chat (vLLM's flags)", CHAT), ("engine", ENGINE),

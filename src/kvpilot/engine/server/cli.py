@@ -35,6 +35,7 @@ from kvpilot.flags.serve import LoRAModulePath
 
 if TYPE_CHECKING:
     from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.lora.file_sync import AdapterFileSync
     from kvpilot.engine.server.async_engine import AsyncEngine
     from kvpilot.engine.server.chat import ChatOptions
     from kvpilot.engine.server.state import ServerState
@@ -47,6 +48,9 @@ ABORT_FLUSH_SECONDS = 2.0
 # out, and how long the engine thread gets to notice before the server exits anyway.
 ERROR_FLUSH_SECONDS = 2.0
 FATAL_EXIT_SECONDS = 20.0
+# How often a running server applies its adapters file (--lora-adapters-file): the kubelet
+# refreshes a mounted ConfigMap within about a minute, so a few seconds add little.
+ADAPTERS_FILE_INTERVAL = 5.0
 # After the drain: how long uvicorn's own shutdown may take before the process exits hard.
 # With ABORT_FLUSH_SECONDS this stays under the 5 s the operator leaves between the drain
 # timeout and the pod's SIGKILL (operator/builders/engine_args.py, EXIT_MARGIN_SECONDS).
@@ -137,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvpilot.engine.kv_events import KVEventsConfigError, make_publisher
     from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.lora.file_sync import AdapterFileSync
     from kvpilot.engine.server.api_server import build_app
     from kvpilot.engine.server.async_engine import AsyncEngine
     from kvpilot.engine.server.metrics import EngineMetrics
@@ -155,10 +160,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         metrics = EngineMetrics(served)
 
+        adapter_files: list[AdapterFileSync] = []
+
         def factory() -> LLMEngine:
             engine = LLMEngine(engine_args, kv_event_publisher=kv_publisher)
             try:
                 register_lora_modules(engine, engine_args.lora_modules, served)
+                if engine_args.lora_adapters_file is not None and engine.lora is not None:
+                    # Every adapter of the file is loaded (or has failed, logged) before
+                    # the server reports ready; followed afterwards by follow_adapters_file.
+                    adapter_files.append(AdapterFileSync(engine.lora, engine_args.lora_adapters_file))
+                    adapter_files[0].sync()
             except BaseException:
                 engine.close()  # tensor-parallel workers: the server will not start
                 raise
@@ -176,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
         server = DrainingServer(config, state, args.drain_timeout)
         engine.start()
         threading.Thread(target=_exit_when_dead, args=(engine, server), daemon=True).start()
+        if engine_args.lora_adapters_file is not None:
+            threading.Thread(target=follow_adapters_file, args=(engine, adapter_files), daemon=True,
+                             name="adapters-file").start()
         server.run()
         engine.shutdown()
     finally:
@@ -192,6 +207,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpilot serve: the engine stopped: {fatal}", file=sys.stderr)
         return 1
     return 0
+
+
+def follow_adapters_file(engine: AsyncEngine, syncs: list[AdapterFileSync],
+                         interval: float = ADAPTERS_FILE_INTERVAL) -> None:
+    """Apply the adapters file every ``interval`` seconds while the engine runs (a daemon
+    thread: loads read disks and fetch, never on the event loop or the engine thread)."""
+    while engine.is_alive:
+        time.sleep(interval)
+        if syncs and engine.is_ready:
+            try:
+                syncs[0].sync()
+            except Exception:  # logged; the next pass tries again, the server keeps serving
+                logger.exception("applying the adapters file failed")
 
 
 def _fatal_error(engine: AsyncEngine) -> str | None:
