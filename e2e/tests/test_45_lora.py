@@ -169,6 +169,7 @@ def test_adding_and_removing_adapters_needs_no_restart(cluster, fleet):
     assert answer(address, "beta") == want["beta"]
     cluster.wait_for(lambda: post(address, "alpha")[0] == 404, 120, "alpha removed: a 404")
     status, body = post(address, "alpha")
+    assert status == 404, (status, body)
     assert "alpha" in json.dumps(body), body
     cluster.wait_for(lambda: adapters_ready(cluster, "2/2"), 120, "status.adaptersReady 2/2 again")
     (after,) = h.ready_pods(cluster, NS, NAME)
