@@ -143,6 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=None, help="requests per run (default: vllm_cpu.py's 128)")
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     from common import machine_info, write_result
 
     sz = {**(vc.QUICK if args.quick else vc.FULL)}
+    if args.requests:
+        sz["serve_requests"] = args.requests
     payload: dict[str, Any] = {"machine": machine_info(), "setup": setup, "sizes": {k: v for k, v in sz.items()
                                if k.startswith("serve_")}, "rank": args.rank, "targets": targets,
                                "engines": engines, "modes": modes, "rounds": []}
@@ -190,13 +193,25 @@ def main(argv: list[str] | None = None) -> int:
                 payload["rounds"][-1][f"{e}/{m}"] = res
                 vc.log(f"  {e} {m}: {res.get('output_tok_s', res.get('error'))} tok/s, "
                        f"ITL p50 {(res.get('itl_ms') or {}).get('p50')} ms")
+        payload["summary"] = summarize(payload, engines, modes)
+        payload["errors"] = errors
+        write_result(args.out or ("lora_quick" if args.quick else "lora"), payload)  # after every round
+    path = write_result(args.out or ("lora_quick" if args.quick else "lora"), payload)
+    vc.log(f"summary {json.dumps(payload['summary'])}; results {path}")
+    return 1 if errors else 0
+
+
+def summarize(payload: dict[str, Any], engines: list[str], modes: list[str]) -> dict[str, Any]:
+    """Per engine and mode: the median output tokens/s and the median of the per-round
+    ratios to the same round's base; kvpilot over vLLM per mode when both ran."""
     summary: dict[str, Any] = {}
     for e in engines:
         for m in modes:
             ratios = [rd[f"{e}/{m}"]["output_tok_s"] / rd[f"{e}/base"]["output_tok_s"]
                       for rd in payload["rounds"] if "output_tok_s" in rd.get(f"{e}/{m}", {})
                       and "output_tok_s" in rd.get(f"{e}/base", {})]
-            tok = [rd[f"{e}/{m}"]["output_tok_s"] for rd in payload["rounds"] if "output_tok_s" in rd[f"{e}/{m}"]]
+            tok = [rd[f"{e}/{m}"]["output_tok_s"] for rd in payload["rounds"]
+                   if "output_tok_s" in rd.get(f"{e}/{m}", {})]
             summary[f"{e}/{m}"] = {"output_tok_s_median": statistics.median(tok) if tok else None,
                                    "ratio_to_base_median": round(statistics.median(ratios), 3) if ratios else None,
                                    "ratios": [round(x, 3) for x in ratios]}
@@ -206,11 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                       for rd in payload["rounds"] if "output_tok_s" in rd.get(f"kvpilot/{m}", {})
                       and "output_tok_s" in rd.get(f"vllm/{m}", {})]
             summary[f"kvpilot_vs_vllm/{m}"] = round(statistics.median(ratios), 3) if ratios else None
-    payload["summary"] = summary
-    payload["errors"] = errors
-    path = write_result(args.out or ("lora_quick" if args.quick else "lora"), payload)
-    vc.log(f"summary {json.dumps(summary)}; results {path}")
-    return 1 if errors else 0
+    return summary
 
 
 if __name__ == "__main__":
