@@ -17,7 +17,7 @@ from kvpilot.engine.config import EngineArgs, ResolvedConfig
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.kv_events import KVEventCollector
 from kvpilot.engine.core.request import Request, RequestStatus
-from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig
+from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.kv_events import EventPublisher, make_publisher
 from kvpilot.engine.lora.adapter import LoRAWeights
@@ -281,6 +281,8 @@ class LLMEngine:
         if sched_out.is_empty:
             self._publish_kv_events()
             return []
+        if self.lora is not None:
+            group_by_adapter(sched_out)
         if self.tp_executor is None:
             logits = self.runner.execute(sched_out)
         else:  # the workers get the step first; raises WorkerDiedError when one is gone
@@ -497,3 +499,15 @@ class LLMEngine:
     @property
     def served_model_name(self) -> str:
         return self.config.served_model_name
+
+
+def group_by_adapter(out: SchedulerOutput) -> None:
+    """Order the step's decodes, and its prefill chunks, by adapter (stable: the base
+    model first), so that each adapter's rows are one contiguous range of the step and the
+    CPU products need no gather or scatter (:mod:`kvpilot.engine.lora.ops`). Decodes stay
+    first. Every later use of the step (inputs, sampling rows, the scheduler's update)
+    reads this order. Mutates ``out.scheduled``."""
+    nd = out.num_decodes
+    items = out.scheduled
+    items[:nd] = sorted(items[:nd], key=lambda it: it.request.lora_int_id)
+    items[nd:] = sorted(items[nd:], key=lambda it: it.request.lora_int_id)
