@@ -14,6 +14,11 @@ Modes, each a fresh server on the SmolLM2-135M HF folder of ``benchmarks/vllm_cp
 * ``swap32``: ``--max-loras 8 --max-cpu-loras 32``, 32 adapters; request ``i`` names
   adapter ``i % 32``: at most 8 adapters run at once, the others wait for a slot.
 
+With ``--replicas N`` each mode runs N servers behind vllm-router (``--router-policy``,
+``random`` by default: a router without adapter affinity spreads adapter requests at
+random), the same client against the router: what a fleet with more adapters than slots
+costs.
+
 The load is ``vllm_cpu.py``'s serve workload: 128 requests of 256 random prompt tokens and
 64 greedy output tokens (``ignore_eos``), concurrency 32, streaming. Every request must
 finish at its length; a failed request fails the run (exit status 1).
@@ -126,6 +131,8 @@ async def client(url: str, mode: str, sz: dict[str, Any], seed: int) -> dict[str
 def run_mode(engine: str, mode: str, adapters: list[Path], args: argparse.Namespace, sz: dict[str, Any]
              ) -> dict[str, Any]:
     extra, env = server_args(mode, adapters, args.rank)
+    if args.replicas > 1:
+        return run_fleet(engine, mode, extra, env, args, sz)
     with vc.Server(engine, args.budget, args, label=f"lora-{mode}", extra=extra, env=env) as server:
         server.wait_ready(args.ready_timeout)
         out = asyncio.run(asyncio.wait_for(client(server.url, mode, sz, args.seed), args.run_timeout))
@@ -136,6 +143,56 @@ def run_mode(engine: str, mode: str, adapters: list[Path], args: argparse.Namesp
     return out
 
 
+def run_fleet(engine: str, mode: str, extra: list[str], env: dict[str, str], args: argparse.Namespace,
+              sz: dict[str, Any]) -> dict[str, Any]:
+    """``--replicas`` servers of one mode behind vllm-router (``--router-policy``, no
+    adapter affinity), the same client against the router."""
+    import os
+    import signal
+    import subprocess
+
+    servers = [vc.Server(engine, args.budget, args, label=f"lora-{mode}-r{i}", extra=extra, env=env)
+               for i in range(args.replicas)]
+    router = None
+    log = None
+    try:
+        for server in servers:
+            server.wait_ready(args.ready_timeout)
+        port = vc.free_port()
+        router_bin = Path(sys.executable).with_name("vllm-router")
+        log = open(args.log_dir / f"router-{mode}-{port}.log", "wb")  # noqa: SIM115 - closed below
+        router = subprocess.Popen([str(router_bin), "--host", "127.0.0.1", "--port", str(port),
+                                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(vc.free_port()),
+                                   "--policy", args.router_policy, "--worker-urls",
+                                   *(s.url for s in servers)], stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        import httpx
+
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            if router.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vllm-router did not start (log {log.name})")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        out = asyncio.run(asyncio.wait_for(client(url, mode, sz, args.seed), args.run_timeout))
+        out["replicas"] = args.replicas
+        out["router_policy"] = args.router_policy
+        return out
+    finally:
+        if router is not None:
+            os.killpg(router.pid, signal.SIGTERM)
+            router.wait(timeout=30)
+        if log is not None:
+            log.close()
+        for server in servers:
+            server.stop()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="kvpilot", help="comma-separated: kvpilot, vllm")
@@ -144,6 +201,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--requests", type=int, default=None, help="requests per run (default: vllm_cpu.py's 128)")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="servers per mode; above 1 they run behind vllm-router (the fleet without adapter affinity)")
+    ap.add_argument("--router-policy", default="random", help="vllm-router --policy with --replicas > 1")
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
