@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -378,55 +377,33 @@ def test_the_adapters_file_is_loaded_before_ready_and_followed(folders, tmp_path
     adapters are listed as soon as the server is ready, and a changed file loads and
     unloads adapters in the running server."""
     import json
-    import signal
-    import socket
     import time
 
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.serverproc import ServerProcess
+
     adapters = tmp_path / "adapters.json"
     adapters.write_text(json.dumps([{"name": "sql", "uri": str(folders["sql"])},
                                     {"name": "chat", "uri": f"file://{folders['chat']}"}]))
-    cmd = [sys.executable, "-m", "kvpilot.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--model", str(folders["base"]), "--served-model-name", MODEL, "--device", "cpu",
-           "--kv-cache-memory", "0.05", "--max-model-len", "256", "--enable-lora", "--max-loras", "2",
-           "--lora-adapters-file", str(adapters)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess("--model", str(folders["base"]), "--served-model-name", MODEL, "--device", "cpu",
+                           "--kv-cache-memory", "0.05", "--max-model-len", "256", "--enable-lora",
+                           "--max-loras", "2", "--lora-adapters-file", str(adapters))
 
     def models() -> list[str]:
-        return [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]]
+        return [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=5).json()["data"]]
 
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise AssertionError("kvpilot serve was not ready in 240 s")
+        server.wait_ready()
         assert models() == [MODEL, "sql", "chat"]  # loaded before ready
         adapters.write_text(json.dumps([{"name": "chat", "uri": f"file://{folders['chat']}"},
                                         {"name": "late", "uri": str(folders["late"])}]))
         deadline = time.monotonic() + 60
         while models() != [MODEL, "chat", "late"] and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert models() == [MODEL, "chat", "late"]
-        r = httpx.post(f"{url}/v1/completions", json={"model": "late", "prompt": PROMPT, "max_tokens": 2,
-                                                      "temperature": 0}, timeout=60)
+        assert models() == [MODEL, "chat", "late"], server.logs()
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": "late", "prompt": PROMPT, "max_tokens": 2,
+                                                             "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["model"] == "late", r.text
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        server.stop()
