@@ -344,3 +344,59 @@ def test_reloading_a_name_with_other_weights_never_reads_the_old_kv(tmp_path):
     engine.lora.register("team", tmp_path / "v1")  # the same files again: the same key, a hit
     out = greedy(engine, ids, "team")
     assert out.num_cached_tokens > 0 and out.output_token_ids == hf_greedy(first, ids)
+
+
+def test_targets_select_the_tensors_applied_as_peft_does(tmp_path):
+    """target_modules decides which tensors apply: a list by module name, a string as a
+    regular expression over the whole module name (PEFT's rule); weights of a module the
+    config does not select are refused by name, never applied."""
+    hf = tiny_checkpoint("llama", tmp_path / "base")
+    make_adapter(hf, tmp_path / "qv", 4, 8, ["q_proj", "v_proj"], False, seed=1)
+    engine = make_engine(tmp_path / "base", enable_lora=True)
+    for targets, ok in (("q_proj", False), (".*q_proj", False), (r".*\.(q|v)_proj", True), (["q_proj"], False)):
+        folder = _edit_config(tmp_path / "qv", tmp_path / f"t{len(engine.lora.list())}-{ok}-{hash(str(targets))}",
+                              target_modules=targets)
+        if ok:
+            engine.lora.register(f"ok-{folder.name}", folder)
+        else:
+            with pytest.raises(InvalidRequestError, match=r"target_modules .* does not select it"):
+                engine.lora.register("bad", folder)
+
+
+def test_a_folder_gone_after_loading_is_a_server_error_naming_the_adapter(tmp_path):
+    import shutil
+
+    from kvpilot.engine.errors import RequestFailedError
+
+    hf = tiny_checkpoint("llama", tmp_path / "base")
+    make_adapter(hf, tmp_path / "a", 4, 8, ["q_proj"], False, seed=1)
+    make_adapter(hf, tmp_path / "b", 4, 8, ["q_proj"], False, seed=2)
+    engine = make_engine(tmp_path / "base", enable_lora=True, max_cpu_loras=1)
+    a = engine.lora.register("a", tmp_path / "a")
+    engine.lora.register("b", tmp_path / "b")  # the one host copy is b's now
+    shutil.rmtree(tmp_path / "a")
+    with pytest.raises(RequestFailedError, match="adapter 'a' can no longer be read"):
+        engine.lora.acquire(a)
+
+
+@pytest.mark.parametrize("name", ["x" * 257, "a\\nb", " padded ", "nul\\x00"])
+def test_adapter_names_are_bounded_and_printable(tmp_path, name):
+    hf = tiny_checkpoint("llama", tmp_path / "base")
+    make_adapter(hf, tmp_path / "a", 4, 8, ["q_proj"], False, seed=1)
+    engine = make_engine(tmp_path / "base", enable_lora=True)
+    name = name.encode().decode("unicode_escape")
+    with pytest.raises(InvalidRequestError, match="printable characters") as e:
+        engine.lora.register(name, tmp_path / "a")
+    assert e.value.param == "lora_name"
+    engine.lora.register("org/adapter-ü", tmp_path / "a")  # slashes and unicode are fine
+
+
+def test_slot_stacks_larger_than_the_machine_are_refused_before_allocating(tmp_path):
+    tiny_checkpoint("llama", tmp_path / "base")
+    from kvpilot.engine.lora import manager
+
+    with pytest.raises(ValueError, match="lower --max-loras or --max-lora-rank"):
+        manager.check_slot_memory(10**15, manager.LoRAConfig(64, 512, 64), torch.device("cpu"))
+    engine = make_engine(tmp_path / "base", enable_lora=True, max_loras=2)
+    assert engine.lora.nbytes == manager.slot_bytes(engine.runner.model, engine.model_config,
+                                                    engine.lora.config, torch.float32)

@@ -246,6 +246,13 @@ def load_adapter(folder: str | Path, name: str, int_id: int, config: ModelConfig
     folder = Path(folder)
     cfg = read_config(folder)
     r, scaling, targets = check_config(cfg, max_rank)
+    pattern = cfg["target_modules"] if isinstance(cfg["target_modules"], str) else None
+    if pattern is not None:
+        try:
+            regex = re.compile(pattern)
+        except re.error as e:
+            raise _refuse(f"{CONFIG_FILE}: target_modules is not a valid regular expression ({e})",
+                          f"{CONFIG_FILE}: target_modules") from None
     tensors = read_tensors(folder)
     # (layer, HF module path under the layer) -> {"A": t, "B": t}
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -271,9 +278,16 @@ def load_adapter(folder: str | Path, name: str, int_id: int, config: ModelConfig
         proj = path.rsplit(".", 1)[-1]
         parent = path.rsplit(".", 1)[0] if "." in path else ""
         target = TARGETS.get(proj)
-        if target is None or (targets and proj not in targets):
+        if target is None:
             raise _refuse(f"lora_path: {where} is not a projection the engine can adapt "
                           f"(allowed: {', '.join(TARGETS)})", "lora_path")
+        # PEFT's rule: a list names module suffixes, a string must match the whole module
+        # name; a tensor of a module the config does not select is refused, never applied.
+        selected = (regex.fullmatch(f"model.{where}") is not None or regex.fullmatch(where) is not None
+                    ) if pattern is not None else proj in targets
+        if not selected:
+            raise _refuse(f"lora_path: {where} has weights, but {CONFIG_FILE}'s target_modules "
+                          f"{cfg['target_modules']!r} does not select it", "lora_path")
         module, slice_idx = target
         if parent != module.split(".")[0] or not 0 <= layer < config.num_layers:
             raise _refuse(f"lora_path: {where} has no place in this base model (layers 0..{config.num_layers - 1}; "

@@ -42,6 +42,7 @@ from kvpilot.engine.errors import (
     InvalidRequestError,
     LoRAAdapterExistsError,
     LoRAAdapterNotFoundError,
+    RequestFailedError,
 )
 from kvpilot.engine.lora.adapter import LoRAWeights, fingerprint, load_adapter, module_slices
 from kvpilot.engine.lora.layers import LoRALinear, LoRAStep
@@ -51,6 +52,12 @@ from kvpilot.engine.lora.sources import resolve
 from kvpilot.engine.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+# Adapter names: OpenAI model ids, printable, bounded (they reach logs and metric labels).
+MAX_NAME_LENGTH = 256
+# The slot stacks may take at most this share of the machine's memory (CPU) or of the
+# device's free memory (CUDA), checked before they are allocated.
+MAX_SLOT_MEMORY_SHARE = 0.5
 
 # The projections of a decoder layer that take adapters: (parent attribute, child attribute).
 ADAPTABLE = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
@@ -100,6 +107,7 @@ class LoRAManager:
         self.device = device
         self.step = LoRAStep()
         self.modules: dict[tuple[int, str], LoRALinear] = {}
+        check_slot_memory(slot_bytes(model, model_config, config, dtype), config, device)
         for i, layer in enumerate(model.layers):  # type: ignore[arg-type]
             for parent_name, attr in ADAPTABLE:
                 parent = getattr(layer, parent_name, None)
@@ -146,6 +154,10 @@ class LoRAManager:
         """
         if not isinstance(name, str) or not name.strip():
             raise InvalidRequestError(f"lora_name must be a non-empty string, got {name!r}", "lora_name")
+        if len(name) > MAX_NAME_LENGTH or name != name.strip() or not name.isprintable():
+            shown = name if len(name) <= 80 else name[:80] + "..."
+            raise InvalidRequestError(f"lora_name {shown!r}: at most {MAX_NAME_LENGTH} printable characters, "
+                                      "no leading or trailing spaces", "lora_name")
         with self._lock:
             if name in self._registry:
                 raise LoRAAdapterExistsError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
@@ -191,7 +203,8 @@ class LoRAManager:
 
         Raises:
             LoRAAdapterNotFoundError: the adapter was unregistered.
-            InvalidRequestError: its folder can no longer be read or is refused.
+            RequestFailedError: its folder can no longer be read or is refused now (a
+                server-side fault: the request named a registered adapter).
         """
         with self._lock:
             if self._registry.get(request.lora_name) != request:
@@ -201,7 +214,11 @@ class LoRAManager:
                 self._host.move_to_end(request.lora_int_id)
                 return weights
             local = self._local[request.lora_int_id]
-        weights = self._read(local, request.lora_name, request.lora_int_id)
+        try:
+            weights = self._read(local, request.lora_name, request.lora_int_id)
+        except InvalidRequestError as e:  # the folder changed or went away since it was loaded
+            raise RequestFailedError(f"LoRA adapter {request.lora_name!r} can no longer be read from {local} "
+                                     f"(it was loaded from there; unload and load it again): {e}") from None
         with self._lock:
             if self._registry.get(request.lora_name) == request:
                 self._keep(weights)
@@ -291,3 +308,38 @@ class LoRAManager:
                                 ab[1].to(self.device, module.lora_b.dtype, non_blocking=True))
         self._slots[slot] = weights.int_id
         self.slot_loads += 1
+
+
+def slot_bytes(model: nn.Module, model_config: ModelConfig, config: LoRAConfig, dtype: torch.dtype) -> int:
+    """The bytes the slot stacks of ``model`` will take: per adaptable projection,
+    ``max_loras x R x (in + out)`` elements of ``dtype``."""
+    total = 0
+    for layer in model.layers:  # type: ignore[union-attr]
+        for parent_name, attr in ADAPTABLE:
+            parent = getattr(layer, parent_name, None)
+            if parent is None or getattr(parent, attr, None) is None:
+                continue
+            fin, fout, sizes = module_slices(model_config, f"{parent_name}.{attr}")
+            total += config.max_loras * len(sizes) * config.max_lora_rank * (fin + fout)
+    return total * torch.finfo(dtype).bits // 8
+
+
+def check_slot_memory(nbytes: int, config: LoRAConfig, device: torch.device) -> None:
+    """Refuse, before allocating, slot stacks above :data:`MAX_SLOT_MEMORY_SHARE` of the
+    machine's memory (CPU) or of the device's free memory (CUDA).
+
+    Raises:
+        ValueError: naming the size, ``--max-loras`` and ``--max-lora-rank``.
+    """
+    if device.type == "cuda":
+        limit = torch.cuda.mem_get_info(device)[0]
+        where = "of the GPU's free memory"
+    else:
+        import os
+
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        where = "of this machine's memory"
+    if nbytes > MAX_SLOT_MEMORY_SHARE * limit:
+        raise ValueError(f"the LoRA slots of --max-loras {config.max_loras} x --max-lora-rank {config.max_lora_rank} "
+                         f"take {nbytes / 2**30:.1f} GiB, more than {MAX_SLOT_MEMORY_SHARE:.0%} {where} "
+                         f"({limit / 2**30:.1f} GiB); lower --max-loras or --max-lora-rank")
