@@ -100,6 +100,9 @@ class EngineArgs:
         num_gpu_blocks_override: exact number of KV blocks (wins over both above).
         max_model_len: context limit; default min(model's, KV pool's).
         load_format: ``auto`` (real weights) or ``dummy`` (random weights, for benchmarks).
+        quantization: vLLM's ``--quantization``: None reads the checkpoint's own format; a
+            format name (:data:`~kvpilot.flags.serve.QUANTIZATIONS`) must match it, and
+            ``fp8`` on an unquantized checkpoint quantizes its linears at load.
         kv_cache_key_rotation: with an FP8 cache, rotate K and Q heads by a Hadamard
             matrix before quantizing (exact in full precision; lowers FP8 logit error).
         kv_cache_skip_layers: with a quantized KV cache (FP8 or 4-bit), layer indices kept
@@ -152,6 +155,7 @@ class EngineArgs:
     kv_cache_memory: float = _DEFAULT["kv_cache_memory"]
     attention_backend: str = _DEFAULT["attention_backend"]
     load_format: str = _DEFAULT["load_format"]
+    quantization: str | None = _DEFAULT["quantization"]
     seed: int = _DEFAULT["seed"]
     kv_cache_key_rotation: bool = _DEFAULT["kv_cache_key_rotation"]
     kv_cache_skip_layers: tuple[int, ...] = _DEFAULT["kv_cache_skip_layers"]
@@ -172,6 +176,8 @@ class EngineArgs:
         _choice("--kv-cache-dtype", self.kv_cache_dtype, ["auto", *KV_CACHE_DTYPES])
         _choice("--device", self.device, DEVICES)
         _choice("--load-format", self.load_format, LOAD_FORMATS)
+        if self.quantization is not None:
+            _choice("--quantization", self.quantization, flags.QUANTIZATIONS)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"--block-size must be a power of two in [1, 128]; got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

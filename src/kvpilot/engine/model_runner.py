@@ -38,9 +38,14 @@ from kvpilot.engine.kv_scales import (
     calibration_token_ids,
 )
 from kvpilot.engine.lora.manager import LoRAConfig, LoRAManager
-from kvpilot.engine.model.config import GEMMA_ARCHITECTURES, ModelConfig
+from kvpilot.engine.model.config import GEMMA_ARCHITECTURES, ModelConfig, UnsupportedModelError
 from kvpilot.engine.model.gemma import GemmaForCausalLM
-from kvpilot.engine.model.layers import can_pack_linears, probe_batch_invariance
+from kvpilot.engine.model.layers import (
+    can_pack_linears,
+    finish_quantized,
+    probe_batch_invariance,
+    quantize_linears,
+)
 from kvpilot.engine.model.llama import LlamaForCausalLM
 from kvpilot.engine.model.loader import (
     GGUFModelFile,
@@ -49,6 +54,8 @@ from kvpilot.engine.model.loader import (
     load_model_config,
     resolve_model,
 )
+from kvpilot.engine.quantization.checkpoint import group_quantized
+from kvpilot.engine.quantization.config import CheckpointQuantization, load_quantization
 from kvpilot.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -72,6 +79,7 @@ def build_model(
     load_format: str = "auto",
     seed: int = 0,
     tp: TPGroup | None = None,
+    quant: CheckpointQuantization | None = None,
 ) -> LlamaForCausalLM:
     """Create the model on ``device`` in ``dtype`` and load its weights.
 
@@ -79,7 +87,11 @@ def build_model(
     benchmarks of large shapes without a checkpoint. With ``tp`` (more than one rank) the
     model is rank ``tp.rank``'s shard (:mod:`kvpilot.engine.distributed`): built from
     :func:`~kvpilot.engine.distributed.rank_config`, loaded from the sliced checkpoint
-    tensors; dummy weights are then drawn per rank (seed + rank).
+    tensors; dummy weights are then drawn per rank (seed + rank). With ``quant`` (the
+    checkpoint's quantization) the linears it quantizes are built as
+    :class:`~kvpilot.engine.model.layers.QuantizedLinear` before any memory is allocated,
+    so their dense weights never exist; they are joined and repacked for ``device`` after
+    loading (``model.packed_bytes`` counts their bytes).
     """
     size = 1 if tp is None else tp.size
     local = config if tp is None else rank_config(config, tp.rank, size)
@@ -88,6 +100,10 @@ def build_model(
         if tp is not None and size > 1:
             model.enable_tensor_parallel(tp, config.vocab_size)
             seed += tp.rank
+        quantized_names: set[str] = set()
+        if quant is not None:
+            quantized_names = quantize_linears(model, model.checkpoint_names, quant.is_quantized, dtype)
+            logger.info("weights: %s (%d checkpoint modules quantized)", quant.summary(), len(quantized_names))
     model = model.to_empty(device=device).to(dtype)
     if load_format == "dummy":
         # Drawn where the weights live: an 8B model's 8e9 normals take about a minute on
@@ -105,7 +121,11 @@ def build_model(
     else:
         assert source is not None
         weights = iter_weights(source, config, gguf_file)
+        if quant is not None and source.kind != "gguf":  # GGUF yields its quantized weights itself
+            weights = group_quantized(weights, quant, quantized_names)
         model.load_weights(weights if tp is None else shard_weights(weights, config, tp.rank, size))
+    if quant is not None:
+        model.packed_bytes += finish_quantized(model, device)
     model.init_rotary(device)
     model.eval()
     if can_pack_linears(device, dtype):
@@ -219,6 +239,7 @@ class LoadPlan:
     model_max_len: int
     served_len: int
     started: float
+    quantization: CheckpointQuantization | None = None
 
 
 def plan_load(args: EngineArgs) -> LoadPlan:
@@ -236,6 +257,10 @@ def plan_load(args: EngineArgs) -> LoadPlan:
         raise ValueError(f"--model preset:{source.name} is an architecture without weights; add --load-format dummy")
     config, gguf_file = load_model_config(source)
     check_tensor_parallel(config, args.tensor_parallel_size)
+    quant = load_quantization(source, gguf_file, args.quantization, args.load_format)
+    if quant is not None and args.tensor_parallel_size > 1:
+        raise UnsupportedModelError(f"--tensor-parallel-size {args.tensor_parallel_size} with quantized weights "
+                                    f"({quant.summary()}) is not supported yet; use 1")
     if args.skip_tokenizer_init or (source.kind == "preset" and args.tokenizer is None):
         tokenizer = None  # token ids in and out
     else:
@@ -257,7 +282,7 @@ def plan_load(args: EngineArgs) -> LoadPlan:
         raise ValueError(f"--max-model-len {args.max_model_len} is larger than the model's context ({model_max} tokens)")
     # The served context picks LongRoPE's factor list and sizes the RoPE tables.
     served = args.max_model_len if args.max_model_len is not None else model_max
-    return LoadPlan(source, config, gguf_file, tokenizer, device, dtype, model_max, served, t0)
+    return LoadPlan(source, config, gguf_file, tokenizer, device, dtype, model_max, served, t0, quant)
 
 
 def load_planned(args: EngineArgs, plan: LoadPlan, tp: TPGroup | None = None) -> LoadedModel:
@@ -265,7 +290,7 @@ def load_planned(args: EngineArgs, plan: LoadPlan, tp: TPGroup | None = None) ->
     rank ``tp.rank``'s shard on ``tp.device``."""
     device = plan.device if tp is None else tp.device
     model = build_model(plan.config, plan.source, plan.gguf_file, plan.served_len, plan.dtype, device,
-                        args.load_format, args.seed, tp)
+                        args.load_format, args.seed, tp, plan.quantization)
     return LoadedModel(plan.source, plan.config, model, plan.tokenizer, device, plan.dtype, plan.model_max_len,
                        time.monotonic() - plan.started, tp)
 

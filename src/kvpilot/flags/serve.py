@@ -26,7 +26,7 @@ from typing import Any
 
 __all__ = ["ATTENTION_BACKENDS", "CHAT", "DEFAULT_MAX_NUM_SEQS", "DEVICES", "DTYPES", "ENGINE",
            "FLAGS", "KV_CACHE_DTYPES", "LOAD_FORMATS", "LOG_LEVELS", "LORA", "MANAGED_FLAGS",
-           "MAX_LORA_RANKS", "SERVER", "Flag", "Kind", "LoRAModulePath", "add_arguments",
+           "MAX_LORA_RANKS", "QUANTIZATIONS", "SERVER", "Flag", "Kind", "LoRAModulePath", "add_arguments",
            "engine_defaults", "option_strings", "parse_layer_list", "parse_lora_module"]
 
 # --dtype values besides "auto" (float32 on CPU, bfloat16 on CUDA).
@@ -38,6 +38,10 @@ KV_CACHE_DTYPES = ("bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
+# --quantization values: vLLM's names of the checkpoint formats kvpilot reads (the
+# checkpoint's own config says which; the flag checks it, or with fp8 quantizes an
+# unquantized checkpoint at load), and vLLM's kernel aliases of two of them.
+QUANTIZATIONS = ("compressed-tensors", "gptq", "awq", "fp8", "gguf", "gptq_marlin", "awq_marlin")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # --max-num-seqs when not given, lowered to --max-num-batched-tokens when that is smaller.
 DEFAULT_MAX_NUM_SEQS = 256
@@ -224,6 +228,9 @@ ENGINE: tuple[Flag, ...] = (
     Flag("--kv-cache-memory", type=float, default=1.0, help="KV cache GiB on CPU"),
     Flag("--attention-backend", default="auto", choices=ATTENTION_BACKENDS),
     Flag("--load-format", default="auto", choices=LOAD_FORMATS),
+    Flag("--quantization", default=None, choices=QUANTIZATIONS, aliases=("-q",),
+         help="weight quantization: the checkpoint's format, checked (default: read from the checkpoint); "
+              "fp8 on an unquantized checkpoint quantizes it at load"),
     Flag("--seed", type=int, default=0, help="seed for unseeded sampling"),
     Flag("--kv-cache-key-rotation", B, default=True,
          help="FP8 KV cache: rotate K/Q heads by a Hadamard matrix before quantizing"),

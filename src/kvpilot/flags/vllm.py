@@ -8,7 +8,7 @@ A ``vllm serve`` flag is one of three kinds for kvpilot:
 (b) a meaningful no-op: what a vLLM user asks for with it is what kvpilot does anyway
     (``--enable-chunked-prefill``: prefill is always chunked). It is accepted, removed
     from the command line and logged at start-up with the reason;
-(c) a flag kvpilot cannot honour (``--pipeline-parallel-size 2``, ``--quantization awq``):
+(c) a flag kvpilot cannot honour (``--pipeline-parallel-size 2``, ``--speculative-model``):
     the command line is refused, naming every such flag with its reason.
 
 Some flags are no-ops for some values and cannot be honoured for others
@@ -269,9 +269,6 @@ FLAGS: tuple[VLLMFlag, ...] = (
         "uvicorn logs at --log-level, info by default",
         "kvpilot's uvicorn logs at --log-level (debug, info, warning, error): use that"),
     # ---- (c) refused for every value
-    _refused("--quantization", ONE,
-             "quantized weights are not supported (AWQ, GPTQ, FP8, ...); a GGUF file is "
-             "dequantized at load without this flag", "-q"),
     _refused("--speculative-config", ONE, _NO_SPEC, "-sc"),
     _refused("--speculative-model", ONE, _NO_SPEC),
     _refused("--num-speculative-tokens", ONE, _NO_SPEC),

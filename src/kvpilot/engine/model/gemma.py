@@ -40,6 +40,7 @@ from kvpilot.engine.model.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
 from kvpilot.engine.model.layers import MLP, Attention, ForwardContext, RMSNorm
 from kvpilot.engine.model.llama import LlamaForCausalLM
 from kvpilot.engine.model.rotary import RotaryEmbedding
+from kvpilot.engine.quantization.weights import QuantizedWeight
 
 
 class GemmaAttention(Attention):
@@ -167,7 +168,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return logits
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
         """Llama's loading (HF names, q/k/v and gate/up fused), then ``weight += 1`` on every
         RMSNorm: Gemma stores ``w`` and multiplies by ``1 + w``.
 

@@ -84,12 +84,6 @@ def check_hf_config(cfg: dict[str, Any], where: str, arch: str | None = None) ->
             raise refuse(key, act, f"supported: {', '.join(SUPPORTED_ACTIVATIONS)} (SwiGLU MLP)")
     if cfg.get("mlp_bias") and arch != "llama":
         raise refuse("mlp_bias", cfg["mlp_bias"], "MLP biases are implemented for LlamaForCausalLM only (false)")
-    quant = cfg.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-        raise refuse("quantization_config.quant_method", method,
-                     "weight quantization is not supported: use the unquantized checkpoint"
-                     " (KV-cache quantization is --kv-cache-dtype)")
     for key, holder in (("partial_rotary_factor", cfg), ("rope_parameters.partial_rotary_factor",
                                                          cfg.get("rope_parameters"))):
         partial = holder.get("partial_rotary_factor") if isinstance(holder, dict) else None

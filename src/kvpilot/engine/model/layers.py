@@ -31,6 +31,7 @@ from kvpilot.engine.distributed import TPGroup as TPGroup  # re-exported for the
 from kvpilot.engine.distributed import vocab_range
 from kvpilot.engine.model.config import ModelConfig
 from kvpilot.engine.model.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
+from kvpilot.engine.quantization.weights import QuantizedWeight, QuantizedWeightError, cat_rows
 
 
 @dataclass
@@ -165,6 +166,175 @@ class RowParallelLinear(nn.Linear):
         return self.tp if self.reduce_results else None
 
 
+class QuantizedLinear(nn.Module):
+    """A projection whose weight is a quantized checkpoint's
+    (:mod:`kvpilot.engine.quantization.weights`): ``x @ W.T + b`` by the format's kernel.
+
+    Built in place of an ``nn.Linear`` before the weights are read
+    (:func:`quantize_linears`); the checkpoint's parts arrive through :meth:`add_shard`
+    (the fused q/k/v and gate/up projections get one per part, by output rows) and
+    :meth:`finish` joins them and repacks them for the device.
+
+    Args:
+        in_features, out_features: the projection's shape.
+        bias: whether it has a bias (an ``nn.Parameter`` named ``bias``, loaded as before).
+        reduce_results: a row-parallel projection's flag (kept for the model files; tensor
+            parallelism over quantized weights is refused at load).
+    Attributes:
+        qweight: the joined weight after :meth:`finish` (None before).
+        tp: the group a row-parallel projection all-reduces over (None: none).
+    """
+
+    tp: TPGroup | None = None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.reduce_results = reduce_results
+        self.qweight: QuantizedWeight | None = None
+        self._shards: dict[tuple[int, int], QuantizedWeight] = {}
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out_features, in_features)``: the dense weight's shape."""
+        return self.out_features, self.in_features
+
+    def add_shard(self, rows: tuple[int, int] | None, weight: QuantizedWeight, name: str) -> None:
+        """Take output rows ``rows`` (``[start, end)``; None: all) from ``weight``.
+
+        Raises:
+            QuantizedWeightError: a shape that does not fit those rows (naming ``name``).
+        """
+        start, end = (0, self.out_features) if rows is None else rows
+        if (weight.out_features, weight.in_features) != (end - start, self.in_features):
+            raise QuantizedWeightError(
+                f"{name}: quantized weight of shape {[weight.out_features, weight.in_features]}, expected "
+                f"{[end - start, self.in_features]}")
+        self._shards[(start, end)] = weight
+
+    def finish(self, device: torch.device, name: str) -> None:
+        """Join the shards by rows (:func:`~kvpilot.engine.quantization.weights.cat_rows`)
+        and repack for ``device``. Mutates ``qweight``; drops the shards.
+
+        Raises:
+            QuantizedWeightError: rows left uncovered, or parts in formats that cannot be
+                joined (mixed formats in one fused projection).
+        """
+        spans = sorted(self._shards)
+        covered = 0
+        for start, end in spans:
+            if start != covered:
+                raise QuantizedWeightError(f"{name}: rows {covered}..{start - 1} have no quantized weight")
+            covered = end
+        if covered != self.out_features:
+            raise QuantizedWeightError(f"{name}: rows {covered}..{self.out_features - 1} have no quantized weight")
+        self.qweight = cat_rows([self._shards[s] for s in spans], name).prepare(device)
+        self._shards.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """The quantized weight's resident bytes (the bias is a parameter)."""
+        return 0 if self.qweight is None else self.qweight.nbytes
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + b``: ``[T, in]`` -> ``[T, out]`` in ``x``'s dtype (no communication)."""
+        assert self.qweight is not None, "QuantizedLinear used before finish()"
+        return self.qweight.linear(x, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`local`, all-reduced over ``tp`` when it has one and ``reduce_results``."""
+        return row_parallel_reduce(self.local(x), self.tp if self.reduce_results else None)
+
+
+class QuantizedEmbedding(nn.Module):
+    """A token embedding kept quantized (GGUF's ``token_embd``): a lookup dequantizes the
+    looked-up rows only; a tied LM head multiplies by the same quantized matrix
+    (:attr:`head`).
+
+    Args:
+        vocab_size, hidden_size: the table's shape.
+        dtype: the model's dtype (of the looked-up rows).
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.inner = QuantizedLinear(hidden_size, vocab_size)
+        self.dtype = dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.inner.out_features, self.inner.in_features
+
+    @property
+    def head(self) -> QuantizedLinear:
+        """The table as a linear ``[T, hidden]`` -> ``[T, vocab]`` (a tied LM head)."""
+        return self.inner
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` int64 -> ``[T, hidden]`` in ``dtype``."""
+        assert self.inner.qweight is not None, "QuantizedEmbedding used before finish()"
+        return self.inner.qweight.dequantize(input_ids.reshape(-1), self.dtype)
+
+
+def quantize_linears(model: nn.Module, checkpoint_names: Callable[[str], list[str]],
+                     is_quantized: Callable[[str], bool], dtype: torch.dtype) -> set[str]:
+    """Replace every ``nn.Linear`` the checkpoint quantizes (and a quantized token
+    embedding) with a :class:`QuantizedLinear` (:class:`QuantizedEmbedding`) of the same
+    shape and bias, before any weight is read: call on the model built on the meta device.
+
+    Args:
+        model: the module tree (mutated).
+        checkpoint_names: our module name -> the checkpoint's module names it is loaded
+            from (``layers.0.self_attn.qkv_proj`` -> the q, k and v projections).
+        is_quantized: whether a checkpoint module is quantized.
+        dtype: the model's dtype (a quantized embedding's rows).
+    Returns:
+        the checkpoint module names now loaded into quantized modules.
+    Raises:
+        QuantizedWeightError: a fused projection whose parts the checkpoint quantizes only
+            partly (one kernel serves the fused matrix).
+    """
+    replaced: set[str] = set()
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if not isinstance(child, (nn.Linear, nn.Embedding)):
+                continue
+            names = checkpoint_names(name)
+            flags = [is_quantized(n) for n in names]
+            if not any(flags):
+                continue
+            if not all(flags):
+                mixed = ", ".join(f"{n} ({'quantized' if f else 'not quantized'})" for n, f in zip(names, flags))
+                raise QuantizedWeightError(f"{name}: its parts are quantized differently ({mixed}); a fused "
+                                           "projection needs one format for all its parts")
+            new: nn.Module
+            if isinstance(child, nn.Embedding):
+                new = QuantizedEmbedding(child.num_embeddings, child.embedding_dim, dtype)
+            else:
+                reduce = child.reduce_results if isinstance(child, RowParallelLinear) else True
+                new = QuantizedLinear(child.in_features, child.out_features, child.bias is not None, reduce)
+            setattr(parent, child_name, new)
+            replaced.update(names)
+    return replaced
+
+
+def finish_quantized(model: nn.Module, device: torch.device) -> int:
+    """:meth:`QuantizedLinear.finish` every quantized module after loading; returns their
+    resident bytes (which ``model.parameters()`` does not show)."""
+    total = 0
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedLinear):
+            m.finish(device, name)
+            total += m.nbytes
+    return total
+
+
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :class:`PackedLinear` applies: CPU, fp32 and a torch built with oneDNN."""
     return (device.type == "cpu" and dtype == torch.float32
@@ -228,7 +398,7 @@ def probe_batch_invariance(model: nn.Module, rows: int = 40, seed: int = 0) -> t
         elif isinstance(m, PackedLinear):
             products.setdefault((m.in_features, m.out_features), (m.matmul, m.packed))
     embed = getattr(model, "embed_tokens", None)
-    if embed is not None and getattr(model, "lm_head", None) is None and getattr(model, "packed_head", None) is None:
+    if isinstance(embed, (nn.Embedding, VocabParallelEmbedding)) and getattr(model, "lm_head", None) is None and getattr(model, "packed_head", None) is None:
         head: torch.Tensor = embed.weight  # a tied head left unpacked: F.linear over the embedding table
         products.setdefault((head.shape[1], head.shape[0]), (lambda h: F.linear(h, head), head))
     for (inp, out), (fn, param) in products.items():

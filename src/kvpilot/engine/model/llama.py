@@ -26,6 +26,8 @@ from kvpilot.engine.model.layers import (
     Attention,
     ForwardContext,
     PackedLinear,
+    QuantizedEmbedding,
+    QuantizedLinear,
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -35,6 +37,7 @@ from kvpilot.engine.model.layers import (
 )
 from kvpilot.engine.model.moe import SparseMoeBlock
 from kvpilot.engine.model.rotary import RotaryEmbedding
+from kvpilot.engine.quantization.weights import QuantizedWeight
 
 if TYPE_CHECKING:
     from kvpilot.engine.model.layers import TPGroup
@@ -155,6 +158,8 @@ class LlamaForCausalLM(nn.Module):
         head: nn.Module | torch.Tensor
         if self.packed_head is not None:
             head = self.packed_head
+        elif self.lm_head is None and isinstance(self.embed_tokens, QuantizedEmbedding):
+            head = self.embed_tokens.head
         else:
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return lm_head_logits(hidden, head, self.tp, self.config.vocab_size)
@@ -168,26 +173,59 @@ class LlamaForCausalLM(nn.Module):
         hold, which :meth:`parameters` no longer shows."""
         count, nbytes = pack_linears(self)
         self.packed_bytes += nbytes
-        if self.lm_head is None:
+        if self.lm_head is None and isinstance(self.embed_tokens, QuantizedEmbedding):
+            self.packed_head = self.embed_tokens.head  # kept quantized (its bytes are the embedding's)
+        elif self.lm_head is None:
             self.packed_head = PackedLinear(self.embed_tokens.weight, None)
             self.packed_bytes += self.packed_head.nbytes
         else:
             self.packed_head = self.lm_head  # packed above
         return count
 
+    @staticmethod
+    def checkpoint_names(name: str) -> list[str]:
+        """The checkpoint modules our module ``name`` is loaded from (HF names):
+        ``layers.0.self_attn.qkv_proj`` -> its q, k and v projections (or a fused
+        ``qkv_proj``), ``layers.0.mlp.gate_up_proj`` -> gate and up, a MoE router ->
+        Mixtral's ``block_sparse_moe.gate`` or ``mlp.gate``; the LM head is ``lm_head``."""
+        if name == "lm_head":
+            return ["lm_head"]
+        full = f"model.{name}"
+        if name.endswith("self_attn.qkv_proj"):
+            return [full.replace("qkv_proj", p) for p in _QKV]
+        if name.endswith("gate_up_proj"):
+            return [full.replace("gate_up_proj", p) for p in _GATE_UP]
+        if name.endswith("mlp.gate") and ".shared_expert" not in name:
+            return [full.replace(".mlp.gate", ".block_sparse_moe.gate"), full]
+        return [full]
+
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
         """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...) in,
         fusing q/k/v and gate/up. MoE experts' per-expert tensors (Mixtral's
         ``block_sparse_moe.experts.N.w1/w3/w2``, Qwen-MoE's ``mlp.experts.N.gate_proj/
         up_proj/down_proj``) are copied into the layer's stacked ``mlp.w13``/``mlp.w2``; a
         missing one is reported as ``layers.L.mlp.experts.N.gate|up|down``. FP8 KV-cache
-        scales are kept in ``kv_cache_scales``.
+        scales are kept in ``kv_cache_scales``. A quantized weight
+        (:class:`~kvpilot.engine.quantization.weights.QuantizedWeight`) goes to its
+        :class:`QuantizedLinear` (by the same rows), which :func:`finish_quantized` joins.
 
         Raises:
-            ValueError: an unexpected tensor name or shape, or a missing tensor.
+            ValueError: an unexpected tensor name or shape, or a missing tensor; a
+                quantized weight for a layer built dense, or the reverse; quantized MoE
+                experts (not supported yet).
         """
         params = dict(self.named_parameters())
+        quantized: dict[str, QuantizedLinear] = {}
+        for mname, module in self.named_modules():
+            if isinstance(module, QuantizedEmbedding):
+                quantized[f"{mname}.weight"] = module.inner
+            elif isinstance(module, QuantizedLinear) and not mname.endswith(".inner"):
+                quantized[f"{mname}.weight"] = module
+
+        def shape(pname: str) -> tuple[int, ...]:
+            return quantized[pname].shape if pname in quantized else tuple(params[pname].shape)
+
         loaded: set[str] = set()
         c = self.config
         qkv_rows = [0, c.q_size, c.q_size + c.kv_size, c.q_size + 2 * c.kv_size]
@@ -198,7 +236,7 @@ class LlamaForCausalLM(nn.Module):
             if pname.endswith("qkv_proj.weight") or pname.endswith("qkv_proj.bias"):
                 return {f"{pname}[{qkv_rows[i]}:{qkv_rows[i + 1]}]" for i in range(3)}
             if pname.endswith("gate_up_proj.weight") or pname.endswith("gate_up_proj.bias"):
-                half = params[pname].shape[0] // 2  # the shared expert's differs
+                half = shape(pname)[0] // 2  # the shared expert's differs
                 return {f"{pname}[0:{half}]", f"{pname}[{half}:{2 * half}]"}
             if pname.endswith(".w13") or pname.endswith(".w2"):  # stacked MoE experts
                 base = pname.removesuffix(".w13").removesuffix(".w2")
@@ -207,6 +245,22 @@ class LlamaForCausalLM(nn.Module):
             return {pname}
 
         for name, tensor in weights:
+            if isinstance(tensor, QuantizedWeight):
+                if _EXPERT.search(name) is not None:
+                    raise ValueError(f"checkpoint tensor {name!r} is a quantized MoE expert ({tensor.describe()}); "
+                                     "quantized experts are not supported yet: use a checkpoint whose experts "
+                                     "are unquantized (quantization_config ignore) or a GGUF file")
+                target, rows = self._map_name(name, qkv_rows, inter, c.shared_expert_intermediate_size)
+                if target is None or (target == "lm_head.weight" and self.lm_head is None):
+                    continue
+                qlinear = quantized.get(target)
+                if qlinear is None:
+                    raise ValueError(f"checkpoint tensor {name!r} is quantized ({tensor.describe()}), but the "
+                                     f"model's {target!r} was built unquantized (the checkpoint's quantization "
+                                     "config does not list it)")
+                qlinear.add_shard(rows, tensor, name)
+                loaded.update(shards(target) if rows is None else {f"{target}[{rows[0]}:{rows[1]}]"})
+                continue
             scale = _KV_SCALE.search(name)
             if scale is not None:
                 layer_scales = self.kv_cache_scales.setdefault(int(scale.group(1)), {})
@@ -233,6 +287,10 @@ class LlamaForCausalLM(nn.Module):
             target, rows = self._map_name(name, qkv_rows, inter, c.shared_expert_intermediate_size)
             if target is None or (target == "lm_head.weight" and self.lm_head is None):
                 continue
+            if target in quantized:
+                raise ValueError(f"checkpoint tensor {name!r} is unquantized ({tensor.dtype}), but the model's "
+                                 f"{target!r} was built for a quantized weight (the checkpoint's quantization config "
+                                 "lists it)")
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model ({target!r})")
@@ -244,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
                 loaded.add(f"{target}[{rows[0]}:{rows[1]}]")
             else:  # a whole tensor, fused ones included (Phi-3's qkv_proj, gate_up_proj)
                 loaded |= shards(target)
-        expected = set().union(*(shards(p) for p in params))
+        expected = set().union(*(shards(p) for p in (*params, *quantized)))
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")

@@ -81,6 +81,18 @@ class QuantizedWeight(ABC):
     in_features: int
 
     @abstractmethod
+    def params(self) -> tuple[object, ...]:
+        """The non-tensor parameters that must agree for two weights to be joined by rows."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One line: the format and its parameters."""
+
+    @abstractmethod
+    def cat(self, parts: Sequence[QuantizedWeight], name: str) -> QuantizedWeight:
+        """``parts`` (all of this class and :meth:`params`) joined by rows."""
+
+    @abstractmethod
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T + bias``: ``[T, in_features]`` -> ``[T, out_features]`` in ``x``'s dtype."""
 
@@ -158,19 +170,8 @@ def cat_rows(parts: Sequence[QuantizedWeight], name: str) -> QuantizedWeight:
     return first.cat(parts, name)
 
 
-class _Params:
-    """Mixin: the non-tensor parameters that must agree to fuse (``params``) and a
-    one-line description."""
-
-    def params(self) -> tuple[object, ...]:
-        raise NotImplementedError
-
-    def describe(self) -> str:
-        raise NotImplementedError
-
-
 # ----------------------------------------------------------------------------- WNA16
-class WNA16Weight(_Params, QuantizedWeight):
+class WNA16Weight(QuantizedWeight):
     """Grouped integer weights (4 or 8 bits), float activations; layout in the module
     docstring.
 
@@ -405,7 +406,7 @@ def quantize_fp8_weight(w: torch.Tensor, name: str = "weight") -> FP8Weight:
     return FP8Weight(q, s, act="dynamic", name=name)
 
 
-class FP8Weight(_Params, QuantizedWeight):
+class FP8Weight(QuantizedWeight):
     """FP8 E4M3 weights with per-channel or block scales; layout in the module docstring.
 
     Args:
@@ -537,7 +538,7 @@ def quantize_int8_rows(x: torch.Tensor, input_scale: float | None = None) -> tup
     return torch.round(xf / s).clamp(-128, 127).to(torch.int8), s
 
 
-class Int8Weight(_Params, QuantizedWeight):
+class Int8Weight(QuantizedWeight):
     """INT8 W8A8: int8 ``[N, K]`` weights with per-channel scales ``[N]``; activations
     quantized to int8 per token (``dynamic``) or with ``input_scale`` (``static``); the
     product accumulates in int32 (``torch._int_mm`` on CPU) and is scaled by
