@@ -439,7 +439,7 @@ def load_quantization(source: Any, gguf_file: Any, requested: str | None,
             raise UnsupportedModelError(f"--quantization {requested} does not match {source.path}: a GGUF file "
                                         "carries its own types (gguf)")
         reader = getattr(gguf_file, "quantization", None)
-        return None if reader is None else reader()  # type: ignore[no-any-return]
+        return None if reader is None else reader()
     if method == "gguf":
         raise UnsupportedModelError(f"--quantization gguf: {source.path} is not a GGUF file")
     if source.kind == "preset" or load_format == "dummy":

@@ -343,12 +343,13 @@ class WNA16Weight(QuantizedWeight):
         ones = torch.zeros(k // g, self.out_features, 2, dtype=torch.bfloat16)
         ones[..., 0] = 1.0
         eye = torch.eye(k, dtype=torch.bfloat16)
-        full = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self._int4pack, g, ones)  # [K, N] = q - 8
+        full: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self._int4pack, g, ones)  # q - 8
         return (full.t().index_select(0, idx).float() + 8.0).round().to(torch.uint8)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
+        y: torch.Tensor
         if self._int4pack is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self._int4pack,
                                                            self.group_size, self._scale_zeros).to(x.dtype)
@@ -360,8 +361,9 @@ class WNA16Weight(QuantizedWeight):
         elif x.is_cuda:
             from kvpilot.kernels.quant_gemm import wna16_gemm  # Triton: CUDA only
 
-            return wna16_gemm(x.contiguous(), self.qweight, self.scales, self.offsets, self.bits, self.group_size,
-                              bias=bias)
+            out: torch.Tensor = wna16_gemm(x.contiguous(), self.qweight, self.scales, self.offsets, self.bits,
+                                           self.group_size, bias=bias)
+            return out
         else:
             return self._tiled(x, bias, torch.float32 if x.dtype == torch.float32 else x.dtype)
         if bias is not None:
@@ -518,8 +520,10 @@ class FP8Weight(QuantizedWeight):
             from kvpilot.kernels.quant_gemm import fp8_gemm  # Triton: CUDA only
 
             scale = None if self.input_scale is None else torch.tensor([self.input_scale], device=x.device)
-            return fp8_gemm(x.contiguous(), self.weight, self.weight_scale, input_scale=scale, block=self.block,
-                            act_quant=self.act != "none", bias=bias, out_dtype=x.dtype)
+            out: torch.Tensor = fp8_gemm(x.contiguous(), self.weight, self.weight_scale, input_scale=scale,
+                                         block=self.block, act_quant=self.act != "none", bias=bias,
+                                         out_dtype=x.dtype)
+            return out
         y = self._tiled(self.quantize_input(x), None, torch.float32).to(x.dtype)
         if bias is not None:
             y += bias.to(y.dtype)
@@ -600,8 +604,9 @@ class Int8Weight(QuantizedWeight):
             from kvpilot.kernels.quant_gemm import int8_gemm  # Triton: CUDA only
 
             scale = None if self.input_scale is None else torch.tensor([self.input_scale], device=x.device)
-            return int8_gemm(x.contiguous(), self.weight, self.weight_scale, input_scale=scale, bias=bias,
-                             out_dtype=x.dtype)
+            out: torch.Tensor = int8_gemm(x.contiguous(), self.weight, self.weight_scale, input_scale=scale,
+                                          bias=bias, out_dtype=x.dtype)
+            return out
         xq, sx = quantize_int8_rows(x, self.input_scale)
         acc = torch._int_mm(xq, self.weight.t())  # [T, N] int32, exact
         y = (acc.float() * sx * self.weight_scale[None, :]).to(x.dtype)
