@@ -54,6 +54,7 @@ from kvpilot.engine.model.loader import (
     load_model_config,
     resolve_model,
 )
+from kvpilot.engine.model.moe import finish_quantized_experts, quantize_experts
 from kvpilot.engine.quantization.checkpoint import group_quantized
 from kvpilot.engine.quantization.config import CheckpointQuantization, load_quantization
 from kvpilot.engine.tokenizer import load_tokenizer
@@ -103,6 +104,7 @@ def build_model(
         quantized_names: set[str] = set()
         if quant is not None:
             quantized_names = quantize_linears(model, model.checkpoint_names, quant.is_quantized, dtype)
+            quantized_names |= quantize_experts(model, quant.is_quantized)
             logger.info("weights: %s (%d checkpoint modules quantized)", quant.summary(), len(quantized_names))
     model = model.to_empty(device=device).to(dtype)
     if load_format == "dummy":
@@ -125,7 +127,7 @@ def build_model(
             weights = group_quantized(weights, quant, quantized_names)
         model.load_weights(weights if tp is None else shard_weights(weights, config, tp.rank, size))
     if quant is not None:
-        model.packed_bytes += finish_quantized(model, device)
+        model.packed_bytes += finish_quantized(model, device) + finish_quantized_experts(model, device)
     model.init_rotary(device)
     model.eval()
     if can_pack_linears(device, dtype):

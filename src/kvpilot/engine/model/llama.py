@@ -223,6 +223,9 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, QuantizedLinear) and not mname.endswith(".inner"):
                 quantized[f"{mname}.weight"] = module
 
+        qblocks = {mname: m for mname, m in self.named_modules()
+                   if isinstance(m, SparseMoeBlock) and m.expert_shards is not None}
+
         def shape(pname: str) -> tuple[int, ...]:
             return quantized[pname].shape if pname in quantized else tuple(params[pname].shape)
 
@@ -246,10 +249,16 @@ class LlamaForCausalLM(nn.Module):
 
         for name, tensor in weights:
             if isinstance(tensor, QuantizedWeight):
-                if _EXPERT.search(name) is not None:
-                    raise ValueError(f"checkpoint tensor {name!r} is a quantized MoE expert ({tensor.describe()}); "
-                                     "quantized experts are not supported yet: use a checkpoint whose experts "
-                                     "are unquantized (quantization_config ignore) or a GGUF file")
+                expert = _EXPERT.search(name)
+                if expert is not None:
+                    block = qblocks.get(f"layers.{expert.group(1)}.mlp")
+                    e, part = int(expert.group(2)), _EXPERT_PART[expert.group(3)]
+                    if block is None or e >= block.num_experts:
+                        raise ValueError(f"checkpoint tensor {name!r} is a quantized MoE expert "
+                                         f"({tensor.describe()}) with no quantized place in the model")
+                    block.add_expert_shard(e, part, tensor, name)
+                    loaded.add(f"layers.{expert.group(1)}.mlp.experts.{e}.{part}")
+                    continue
                 target, rows = self._map_name(name, qkv_rows, inter, c.shared_expert_intermediate_size)
                 if target is None or (target == "lm_head.weight" and self.lm_head is None):
                     continue
@@ -303,6 +312,8 @@ class LlamaForCausalLM(nn.Module):
             else:  # a whole tensor, fused ones included (Phi-3's qkv_proj, gate_up_proj)
                 loaded |= shards(target)
         expected = set().union(*(shards(p) for p in (*params, *quantized)))
+        expected |= {f"{b}.experts.{e}.{part}" for b, m in qblocks.items() for e in range(m.num_experts)
+                     for part in ("gate", "up", "down")}
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
