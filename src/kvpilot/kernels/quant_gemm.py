@@ -1159,7 +1159,7 @@ def fp8_gemm_reference(
                 part = part * x_s
             part = part * weight_scale[n0:n1]
         else:
-            part = a @ (w * _expand_block_scales(weight_scale, block, n0, n1, k)).T
+            part = a @ w.mul_(_expand_block_scales(weight_scale, block, n0, n1, k)).T
         if bias is not None:
             part += bias[n0:n1].float()
         y[:, n0:n1] = part.to(dtype)
