@@ -1095,13 +1095,13 @@ def fp8_gemm(
     """
     *_, dtype = _check_fp8(x, weight, weight_scale, input_scale, block, act_quant, bias, out_dtype)
     overrides = _check_config(config)
-    check_device(*(t for t in (x, weight, weight_scale, input_scale, bias) if t is not None))
     if block is not None:
         check(
             block[1] % 16 == 0,
             f"block[1] (the K block) must be a multiple of 16 for the kernel; got block={tuple(block)}",
         )
         block = (int(block[0]), int(block[1]))
+    check_device(*(t for t in (x, weight, weight_scale, input_scale, bias) if t is not None))
     if not act_quant:
         return _launch_scaled(x, weight, None, weight_scale, block, bias, dtype, "w8a16", x.dtype, overrides)
     group = block[1] if block is not None and input_scale is None else None
