@@ -41,6 +41,20 @@ Sections:
                 also shows the launcher never syncs), the eager call's time, and the ratio
                 LoRA / base.
 
+  quant_gemm    quantized linear layers (kvpilot.kernels.quant_gemm) at Llama-3-8B's projection
+                shapes (K x N: 4,096 x 4,096, 4,096 x 14,336, 14,336 x 4,096), bf16 activations:
+                FP8 W8A8 (per-channel weights, dynamic per-token activations, quantizer included)
+                at 4,096 tokens, goal >= 1.6x bf16; W4A16 (group 128, asymmetric) at 1, 4 and 16
+                tokens, goal >= 2x bf16; INT8 W8A8 at 4,096 tokens and FP8 block-wise 128 x 128
+                (4,096 x 4,096) for information. Each row checked against the torch reference on
+                the same inputs (elementwise within f x 1e-2 x (|want| + rms(want)), f = 3 for
+                FP8 W8A8 (Hopper's FP8 accumulator), else 1: the section fails otherwise); on CUDA
+                timed against bf16 torch.matmul of the same shape: median of 30 CUDA-graph replays,
+                L2 flushed before each, the speed-up bf16 / kernel (and, for W8A8, the
+                quantizer's time and the GEMM's alone). A few alternative launch settings are
+                timed beside the defaults (W4A16 at 1 and 16 tokens, FP8 on the first shape) while
+                the section is under 40 s: the best is reported, to tune the defaults.
+
 A kernel_tests section killed at its timeout keeps the tests it finished (the JSON is
 rewritten after each test).
 
@@ -64,7 +78,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("env", "kernel_tests", "decode_bench", "decode_tune", "engine", "moe", "lora")
+SECTIONS = ("env", "kernel_tests", "decode_bench", "decode_tune", "engine", "moe", "lora", "quant_gemm")
 CACHE_DTYPES = ("bfloat16", "fp8_e4m3", "int4", "fp4_e2m1")
 
 
@@ -525,6 +539,168 @@ def section_lora(smoke: bool) -> dict:
     return {"ok": all(r["ok"] for r in rows), "ranks": list(LORA_RANKS), "rows": rows}
 
 
+# ----------------------------------------------------------------------------- quant_gemm
+QGEMM_SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))  # (K, N): Llama-3-8B's projections, in x out
+QGEMM_DECODE_TOKENS = (1, 4, 16)
+QGEMM_PREFILL_TOKENS = 4096
+QGEMM_SWEEP_SECONDS = 40  # the launch-settings sweeps stop once the section has run this long
+# Alternatives to the default launch settings, timed beside it (decode W4A16; FP8 W8A8 prefill).
+QGEMM_W4_SWEEP = ({"BLOCK_N": 16, "SPLIT_K": 1}, {"BLOCK_N": 16, "SPLIT_K": 2}, {"BLOCK_N": 64, "SPLIT_K": 4})
+QGEMM_FP8_SWEEP = (
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+)
+
+
+def _graph_us(fn, device, reps: int, flush) -> tuple[float, str, str | None]:
+    """Median microseconds of ``fn`` replayed from a CUDA graph (GPU time, no launch
+    cost; capturing also shows the launcher never syncs), each replay after ``flush()``;
+    the eager calls' median when capture fails. Returns (us, "cuda graph"/"eager", error)."""
+    import torch
+
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # warm-up (compile) off the default stream, as capture wants
+            fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return statistics.median(_time(graph.replay, device, reps=reps, flush=flush)) * 1e6, "cuda graph", None
+    except Exception as e:  # recorded; the eager time stands in
+        err = f"{type(e).__name__}: {str(e)[:300]}"
+        return statistics.median(_time(fn, device, reps=reps, flush=flush)) * 1e6, "eager", err
+
+
+def _qgemm_case(kind: str, m: int, k: int, n: int, device, seed: int):
+    """(kernel call, reference call, tolerance factor) for random quantized weights of
+    ``kind`` at [m, k] x [n, k]^T, bf16 activations ~ N(0, 1), weights of O(1/sqrt(k))
+    so outputs are O(1); the call takes an optional launch ``config``."""
+    import torch
+
+    from kvpilot.kernels import quant_gemm as qg
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+    std = k**-0.5
+    if kind == "w4a16_g128":
+        group = min(128, k)
+        q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8).to(device)
+        scales = (torch.rand(n, k // group, generator=g) * 0.5 + 0.75) * (std / 4.6)  # codes - 8 have std 4.6
+        zeros = torch.randint(6, 11, scales.shape, generator=g).float()
+        s, o = scales.to(device, torch.bfloat16), (-zeros * scales).to(device, torch.bfloat16)
+        args = (x, q, s, o, 4, group)
+        return (lambda config=None: qg.wna16_gemm(*args, config=config)), (lambda: qg.wna16_gemm_reference(*args)), 1.0
+    if kind == "int8_w8a8":
+        w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).to(device)
+        ws = torch.full((n,), std / 73.0, device=device)  # uniform codes have std 73
+        return ((lambda config=None: qg.int8_gemm(x, w, ws, config=config)),
+                (lambda: qg.int8_gemm_reference(x, w, ws)), 1.0)
+    block = (128, 128) if kind == "fp8_block128_w8a8" else None
+    w = (torch.randn(n, k, generator=g) * 64).to(device, torch.float8_e4m3fn)
+    shape = (n,) if block is None else (-(-n // 128), -(-k // 128))
+    ws = (torch.rand(shape, generator=g) * 0.5 + 0.75).to(device) * (std / 64)
+    # Hopper's FP8 MMA keeps about 14 bits while it sums: three times the bf16 tolerance
+    return ((lambda config=None: qg.fp8_gemm(x, w, ws, block=block, config=config)),
+            (lambda: qg.fp8_gemm_reference(x, w, ws, block=block)), 3.0)
+
+
+def _qgemm_row(kind: str, m: int, k: int, n: int, device, smoke: bool, flush, sweep, t_end: float) -> dict:
+    """One shape: kernel vs reference (each element within ``f * 1e-2 * (|want| +
+    rms(want))``, f 1 or 3 for FP8 W8A8, else the row fails), then on CUDA the kernel's
+    time against bf16 ``torch.matmul`` of the same shape (CUDA-graph replays, L2
+    flushed before each) and the launch settings of ``sweep`` while time is left."""
+    import torch
+
+    from kvpilot.kernels import quant_gemm as qg
+
+    call, reference, factor = _qgemm_case(kind, m, k, n, device, seed=m + k + n)
+    got, want = call().float(), reference().float()
+    err = (got - want).abs()
+    rms = float(want.pow(2).mean().sqrt())
+    bound = factor * 1e-2 * (want.abs() + rms)
+    row = {"kernel": kind, "tokens": m, "k": k, "n": n, "max_abs_diff": float(err.max()),
+           "rel_rms_err": float(err.pow(2).mean().sqrt()) / max(rms, 1e-30),
+           "worst_over_bound": float((err / bound).max()),
+           "ok": bool((err <= bound).all()) and bool(torch.isfinite(got).all())}
+    del got, want, err, bound
+    if device.type != "cuda":  # the interpreter's time says nothing about the kernels
+        return row
+    reps = 30
+    w_dense = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+    x_dense = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    row["bf16_us"], _, _ = _graph_us(lambda x=x_dense, w=w_dense: torch.matmul(x, w.t()), device, reps, flush)
+    row["kernel_us"], row["timing"], graph_error = _graph_us(call, device, reps, flush)
+    if graph_error:
+        row["graph_error"] = graph_error
+    row["speedup_vs_bf16"] = row["bf16_us"] / row["kernel_us"]
+    if kind in ("fp8_w8a8", "fp8_block128_w8a8", "int8_w8a8"):  # the activation quantizer's share
+        quant = qg.quantize_int8_activations if kind == "int8_w8a8" else qg.quantize_fp8_activations
+        kw = {"group_size": 128} if kind == "fp8_block128_w8a8" else {}
+        row["quant_us"], _, _ = _graph_us(lambda x=x_dense: quant(x, **kw), device, reps, flush)
+        row["speedup_gemm_only"] = row["bf16_us"] / max(row["kernel_us"] - row["quant_us"], 1e-3)
+    row["goal"] = {"fp8_w8a8": 1.6, "w4a16_g128": 2.0}.get(kind)
+    row["goal_met"] = None if row["goal"] is None else row["speedup_vs_bf16"] >= row["goal"]
+    points = []
+    for cfg in sweep:
+        if time.perf_counter() > t_end:
+            row["sweep_cut"] = "time budget spent"
+            break
+        try:
+            us, _, _ = _graph_us(lambda cfg=cfg: call(cfg), device, reps, flush)
+            points.append({"config": cfg, "us": us})
+        except Exception as e:  # a setting that does not compile is a data point
+            points.append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    if points:
+        row["sweep"] = points
+        timed = [p for p in points if "us" in p]
+        if timed:
+            best = min(timed, key=lambda p: p["us"])
+            row["best_sweep_config"], row["best_sweep_us"] = best["config"], best["us"]
+    return row
+
+
+def section_quant_gemm(smoke: bool) -> dict:
+    """:func:`_qgemm_row` for FP8 W8A8 (per channel, dynamic per-token activations) and
+    INT8 W8A8 at 4,096 tokens, FP8 block-wise 128 x 128 at 4,096 tokens on one shape,
+    and W4A16 (group 128, asymmetric) at 1, 4 and 16 tokens, over Llama-3-8B's
+    projection shapes; a row that raises is a failed row with its error. ok only if
+    every row agrees with its reference; the speed goals are reported, not enforced."""
+    import torch
+
+    device = _device()
+    t_end = time.perf_counter() + QGEMM_SWEEP_SECONDS
+    shapes = ((128, 48), (256, 40)) if smoke else QGEMM_SHAPES
+    decode = (1, 3) if smoke else QGEMM_DECODE_TOKENS
+    prefill = 20 if smoke else QGEMM_PREFILL_TOKENS
+    flush_buf = torch.empty(1 << 20 if smoke else 256 << 20, dtype=torch.uint8, device=device)
+    flush = None if smoke else (lambda: flush_buf.zero_())
+    plan = [("fp8_w8a8", prefill, k, n, QGEMM_FP8_SWEEP if not smoke and (k, n) == shapes[0] else ())
+            for k, n in shapes]
+    plan += [("w4a16_g128", m, k, n, QGEMM_W4_SWEEP if not smoke and m in (1, 16) else ())
+             for m in decode for k, n in shapes]
+    plan += [("int8_w8a8", prefill, k, n, ()) for k, n in shapes]
+    plan += [("fp8_block128_w8a8", prefill, *shapes[0], ())]
+    rows = []
+    for kind, m, k, n, sweep in plan:
+        try:
+            rows.append(_qgemm_row(kind, m, k, n, device, smoke, flush, sweep, t_end))
+        except Exception as e:  # recorded; the next shape still runs
+            rows.append({"kernel": kind, "tokens": m, "k": k, "n": n, "ok": False,
+                         "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def goal(kind: str):
+        met = [r.get("goal_met") for r in rows if r["kernel"] == kind]
+        return None if not met or None in met else all(met)
+
+    return {"ok": all(r["ok"] for r in rows), "rows": rows,
+            "fp8_w8a8_goal_1_6x_met": goal("fp8_w8a8"), "w4a16_goal_2x_met": goal("w4a16_g128")}
+
+
 # ----------------------------------------------------------------------------- driver
 def run_section(name: str, smoke: bool, out: Path) -> int:
     _setup_path()
@@ -601,6 +777,24 @@ def render(summary: dict) -> str:
             else:
                 lines.append(f"| {r['batch']} | {shape} | {'yes' if r['ok'] else 'NO'} | {r['max_abs_diff']:.3g} | "
                              "- | - | interpreter |")
+    qgemm = summary["sections"].get("quant_gemm", {})
+    if qgemm.get("rows"):
+        lines += ["", "| quant GEMM | tokens | K x N | ok | max abs diff | bf16 us | kernel us | speed-up vs bf16 | "
+                  "goal | best sweep us |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in qgemm["rows"]:
+            head = f"| {r['kernel']} | {r['tokens']} | {r['k']} x {r['n']} |"
+            if "error" in r:
+                lines.append(f"{head} FAILED: {r['error'][:120]} | | | | | | |")
+                continue
+            ok = f" {'yes' if r['ok'] else 'NO'} | {r['max_abs_diff']:.3g} |"
+            if "kernel_us" in r:
+                goal = "-" if r.get("goal") is None else f"{r['goal']}x {'met' if r['goal_met'] else 'MISSED'}"
+                alone = f" (GEMM alone {r['speedup_gemm_only']:.2f}x)" if "speedup_gemm_only" in r else ""
+                best = f"{r['best_sweep_us']:.1f}" if "best_sweep_us" in r else "-"
+                lines.append(f"{head}{ok} {r['bf16_us']:.1f} | {r['kernel_us']:.1f} | "
+                             f"{r['speedup_vs_bf16']:.2f}x{alone} | {goal} | {best} |")
+            else:
+                lines.append(f"{head}{ok} - | - | interpreter | - | - |")
     bench = summary["sections"].get("decode_bench", {})
     if bench.get("rows"):
         lines += ["", "| batch x context | KV cache | median us | TB/s | vs bf16 |", "|---|---|---|---|---|"]
