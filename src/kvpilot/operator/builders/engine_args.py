@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import json
 
+from kvpilot.flags import serve
+from kvpilot.flags.check import VLLMFlagError, split_vllm_flags
 from kvpilot.operator import constants as c
 from kvpilot.operator.spec import InferenceSpec
 from kvpilot.operator.spec.engine import KV_EVENTS_FLAG
 from kvpilot.operator.spec.gpus import GPU_RESOURCE_SUFFIX, MIG_RESOURCE_PREFIX, nonzero_quantity
+from kvpilot.sizing.quantization import AUTO, weight_format
+
+QUANTIZATION_FLAG = "--quantization"
 
 ENGINE_COMMAND = ("kvpilot", "serve")
 # On deletion the kubelet runs the preStop sleep (so the Service drops the pod first), then
@@ -84,6 +89,31 @@ def lora_args(spec: InferenceSpec) -> list[str]:
     return [*args, "--lora-adapters-file", adapters_file()]
 
 
+def engine_takes_quantization(value: str) -> bool:
+    """Whether ``kvpilot serve`` takes ``--quantization value``, by its flag tables: the
+    check of :mod:`kvpilot.flags.check` passes it (the vLLM table refuses the flag until
+    the engine loads quantized weights), and the flag's choices, where kvpilot's own table
+    defines it with some, hold the value."""
+    try:
+        split_vllm_flags([QUANTIZATION_FLAG, value])
+    except VLLMFlagError:
+        return False
+    own = next((f for f in serve.FLAGS if QUANTIZATION_FLAG in f.spellings), None)
+    return own is None or not own.choices or value in own.choices
+
+
+def quantization_args(spec: InferenceSpec) -> list[str]:
+    """``--quantization`` with vLLM's value for ``model.quantization`` (``w4a16-g128``
+    -> ``compressed-tensors``, ``gptq-int4`` -> ``gptq``, ``gguf-q4_k`` -> ``gguf``: the
+    table of :mod:`kvpilot.sizing.quantization`), when the engine takes that value
+    (:func:`engine_takes_quantization`); else [] (``auto``, or an engine that reads the
+    format from the checkpoint only)."""
+    if spec.model.quantization == AUTO:
+        return []
+    value = weight_format(spec.model.quantization).vllm
+    return [QUANTIZATION_FLAG, value] if engine_takes_quantization(value) else []
+
+
 def engine_args(spec: InferenceSpec) -> list[str]:
     """Arguments after ``kvpilot serve``; ``engine.extraArgs`` come last, unchanged."""
     e = spec.engine
@@ -100,6 +130,7 @@ def engine_args(spec: InferenceSpec) -> list[str]:
         "--block-size", str(e.block_size),
         "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
         "--drain-timeout", str(drain_timeout_seconds(spec)),
+        *quantization_args(spec),
     ]
     if e.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", repr(e.gpu_memory_utilization)]
