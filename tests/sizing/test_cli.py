@@ -155,6 +155,9 @@ def test_kv_calc_quantization_sizes_the_weights_and_grows_the_pool(capsys):
     bf16, fp8, w4 = run(), run("--quantization", "w8a8-fp8"), run("--quantization", "w4a16-g128")
     assert (bf16["quantization"], bf16["weight_bytes"], bf16["kv_capacity_tokens"]) == (
         None, 16_060_522_496, 464_688)
+    assert bf16["linear_params"] is None and bf16["vllm_quantization"] is None
+    # 6,979,321,856 x 4 bits + 54,525,952 groups x 2 B
+    assert (w4["linear_params"], w4["linear_weight_bytes"]) == (6_979_321_856, 3_598_712_832)
     assert (fp8["quantization"], fp8["vllm_quantization"]) == ("w8a8-fp8", "compressed-tensors")
     assert (fp8["weight_bytes"], fp8["kv_capacity_tokens"]) == (9_081_201_536, 517_936)
     assert (w4["weight_bytes"], w4["kv_capacity_tokens"]) == (5_700_591_616, 543_728)

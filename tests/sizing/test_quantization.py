@@ -194,6 +194,9 @@ def test_a_quantized_model_leaves_more_room_for_kv():
         ({"quant_method": "gptq", "bits": 4, "group_size": 32}, None),
         ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}, "awq"),
         ({"quant_method": "bitsandbytes", "load_in_8bit": True}, None),
+        ({"quant_method": "compressed-tensors", "config_groups": {"g": {
+            "input_activations": {"num_bits": 8, "type": "float"}}}}, None),
+        ({"quant_method": "compressed-tensors", "config_groups": {"g": "not an object"}}, None),
     ],
 )
 def test_formats_from_hf_quantization_configs(qc, name):

@@ -157,8 +157,9 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         "quantization": quantization,
         "vllm_quantization": None if fmt is None else fmt.vllm,
         "embeddings_quantized": bool(fmt and fmt.quantizes_embeddings),
-        "linear_params": weights.linear_params,
-        "linear_weight_bytes": weights.linear_bytes,
+        # the quantized linear layers (None when nothing is quantized)
+        "linear_params": weights.linear_params if fmt else None,
+        "linear_weight_bytes": weights.linear_bytes if fmt else None,
         "linear_bits_per_weight": weights.linear_bits_per_weight if fmt else None,
         "sliding_window": model.sliding_window or None,
         "num_sliding_layers": model.num_sliding_layers,

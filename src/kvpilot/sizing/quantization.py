@@ -231,11 +231,13 @@ def weight_bytes(linear_layers: Layers, embedding_layers: Layers, other_params: 
 
 
 def _compressed_tensors(qc: Mapping[str, Any]) -> str | None:
-    groups = qc.get("config_groups") or {}
-    schemes = {repr(g.get("weights")) for g in groups.values() if isinstance(g, Mapping)}
+    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, Mapping)]
+    schemes = {repr(g.get("weights")) for g in groups}
     if len(schemes) != 1:
         return None  # none, or a mix of schemes by layer
-    w = next(iter(groups.values())).get("weights") or {}
+    w = groups[0].get("weights")
+    if not isinstance(w, Mapping):
+        return None  # activations only
     bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
     if not w.get("symmetric", True):
         return None  # asymmetric: zero points the table does not count
