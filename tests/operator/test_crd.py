@@ -21,6 +21,7 @@ from kvpilot.operator.spec import (
     parse_spec,
 )
 from kvpilot.operator.spec.engine import BLOCK_SIZES, KV_CACHE_DTYPES, PULL_POLICIES
+from kvpilot.operator.spec.model import QUANTIZATIONS
 
 from .crdschema import (
     REPO,
@@ -133,6 +134,7 @@ def test_crd_defaults_equal_the_operators(crd):
 def test_crd_enums_equal_the_operators(crd):
     spec = sub_schema(root_schema(crd), "spec")
     assert tuple(sub_schema(spec, "engine.kvCacheDtype")["enum"]) == KV_CACHE_DTYPES
+    assert tuple(sub_schema(spec, "model.quantization")["enum"]) == QUANTIZATIONS
     assert tuple(sub_schema(spec, "engine.blockSize")["enum"]) == BLOCK_SIZES
     assert tuple(sub_schema(spec, "engine.imagePullPolicy")["enum"]) == PULL_POLICIES
     assert tuple(sub_schema(spec, "autoscaling.metrics.source")["enum"]) == METRIC_SOURCES
@@ -191,6 +193,12 @@ REFUSED = [
      "mutually exclusive"),
     ("unknown-kv-dtype", {"model": EMBEDDED, "engine": {"kvCacheDtype": "fp16"}},
      "'fp16' not in"),
+    ("unknown-quantization", {"model": {**EMBEDDED, "quantization": "int3"}}, "'int3' not in"),
+    ("quantization-in-extra-args", {"model": EMBEDDED, "engine": {"extraArgs": ["-q", "awq"]}},
+     "must not repeat a flag the operator sets"),
+    ("long-quantization-in-extra-args",
+     {"model": EMBEDDED, "engine": {"extraArgs": ["--quantization=fp8"]}},
+     "model.quantization the weights' format"),
     ("budget-zero", {"model": EMBEDDED, "engine": {"maxNumBatchedTokens": 0}},
      "below minimum 1"),
     ("budget-below-seqs", {"model": EMBEDDED,
@@ -467,3 +475,18 @@ def test_slo_on_a_gpu_pod_starts_from_the_gpu_prior():
     spec = {"model": EMBEDDED, "autoscaling": {"maxReplicas": 3, "slo": {"itlSeconds": 0.05}},
             "resources": {"limits": {"nvidia.com/gpu": 1}}}
     assert parse_spec(spec).autoscaling.slo.profile == "gpu"
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_every_quantization_is_admitted_and_parses(crd, quantization):
+    stored, errors = admit(crd, obj({"model": {**EMBEDDED, "quantization": quantization}}))
+    assert errors == []
+    assert parse_spec(stored["spec"]).model.quantization == quantization
+
+
+def test_quantization_has_no_default(crd):
+    """Unset means auto (the engine reads the checkpoint); no default, so objects that
+    predate the field read back unchanged."""
+    stored, errors = admit(crd, obj({"model": EMBEDDED}))
+    assert errors == [] and "quantization" not in stored["spec"]["model"]
+    assert parse_spec(stored["spec"]).model.quantization == "auto"

@@ -59,7 +59,7 @@ def test_flags_the_engine_accepts_pass(extra):
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2", "pipeline parallelism"),
     (["--pipeline-parallel-size=2"], "--pipeline-parallel-size=2", "pipeline parallelism"),
     (["--no-enforce-eager"], "--no-enforce-eager", "CUDA graphs"),
-    (["--quantization", "awq"], "--quantization awq", "quantized weights"),
+    (["--rope-theta", "1e6"], "--rope-theta 1e6", "RoPE theta"),
     (["--foo"], "--foo", "not a kvpilot flag"),
     (["--pipeline-parallel-size 2"], "--pipeline-parallel-size 2", "not a kvpilot flag"),
     (["--po", "9001"], "--po", "did you mean --port?"),
@@ -130,3 +130,15 @@ def test_the_operator_and_the_engine_agree_on_every_table_flag():
         except SpecError:
             operator_ok = False
         assert engine_ok == operator_ok, extra
+
+
+@pytest.mark.parametrize("extra", [
+    ["--quantization", "awq"], ["--quantization=fp8"], ["-q", "gptq"], ["-q=gguf"],
+])
+def test_quantization_is_the_model_fields_not_extra_args(extra):
+    """The operator writes --quantization from model.quantization: refused in extraArgs
+    (whether or not the engine takes the flag yet), naming the field to set instead."""
+    with pytest.raises(SpecError) as info:
+        spec_with(extra)
+    assert (info.value.field, info.value.value) == ("engine.extraArgs", extra[0])
+    assert "set the matching spec field (model.quantization) instead" in str(info.value)

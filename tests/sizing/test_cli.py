@@ -142,3 +142,71 @@ def test_kv_calc_says_a_hybrid_saves_nothing_yet(capsys):
     assert r["kv_tokens_per_request_max"] is None
     assert r["per_request"][0]["kv_bytes"] == 32768 * 344_064
     assert r["per_request"][0]["max_concurrent_requests"] == 5
+
+
+def test_kv_calc_quantization_sizes_the_weights_and_grows_the_pool(capsys):
+    """Llama-3.1-8B on one H100-80GB: bf16 16.06 GB of weights and 464,688 tokens; FP8
+    (compressed-tensors, per tensor) 9.08 GB and 517,936; W4A16 at group 128 5.70 GB and
+    543,728 (tests/sizing/test_quantization.py counts them)."""
+    def run(*extra):
+        assert main(["kv-calc", "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                     "--context", "8192", *extra, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+    bf16, fp8, w4 = run(), run("--quantization", "w8a8-fp8"), run("--quantization", "w4a16-g128")
+    assert (bf16["quantization"], bf16["weight_bytes"], bf16["kv_capacity_tokens"]) == (
+        None, 16_060_522_496, 464_688)
+    assert bf16["linear_params"] is None and bf16["vllm_quantization"] is None
+    # 6,979,321,856 x 4 bits + 54,525,952 groups x 2 B
+    assert (w4["linear_params"], w4["linear_weight_bytes"]) == (6_979_321_856, 3_598_712_832)
+    assert (fp8["quantization"], fp8["vllm_quantization"]) == ("w8a8-fp8", "compressed-tensors")
+    assert (fp8["weight_bytes"], fp8["kv_capacity_tokens"]) == (9_081_201_536, 517_936)
+    assert (w4["weight_bytes"], w4["kv_capacity_tokens"]) == (5_700_591_616, 543_728)
+    assert w4["linear_bits_per_weight"] == 4.125 and not w4["embeddings_quantized"]
+    assert w4["per_request"][0]["max_concurrent_requests"] == 66  # 543,728 // 8,192
+    assert main(["kv-calc", "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                 "--quantization", "w4a16-g128"]) == 0
+    out = capsys.readouterr().out
+    assert ("weights          5.70 GB  (w4a16-g128: linear layers 4.125 bits per weight;"
+            " embeddings, LM head and norms bfloat16)") in out
+    assert "KV capacity      543,728 tokens per replica" in out
+
+
+def test_kv_calc_uses_a_presets_format_unless_told_otherwise(capsys):
+    def run(*extra):
+        assert main(["kv-calc", "--model", "llama-3.1-70b-instruct-awq-int4", "--gpu", "H100-80GB",
+                     *extra, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+    awq, fp8 = run(), run("--quantization", "w8a8-fp8")
+    assert (awq["quantization"], awq["weight_bytes"]) == ("awq", 39_767_785_472)
+    assert fp8["weight_bytes"] == 72_656_373_952  # the 70B FP8 preset's bytes
+    # 76,968,728,985.6 B usable on one H100-80GB; 327,680 B per token, blocks of 16:
+    # AWQ leaves 37,200,943,513.6 B = 7,095 blocks, FP8 4,312,355,033.6 B = 822 blocks
+    assert (awq["kv_capacity_tokens"], fp8["kv_capacity_tokens"]) == (113_520, 13_152)
+    gguf = run("--quantization", "gguf-q4_k")
+    assert gguf["embeddings_quantized"] and gguf["vllm_quantization"] == "gguf"
+
+
+def test_kv_calc_refuses_an_unknown_quantization_naming_flag_value_and_choices(capsys):
+    assert main(["kv-calc", "--model", "llama-3.1-8b", "--quantization", "int3"]) == 2
+    err = capsys.readouterr().err
+    assert "--quantization must be one of auto, fp8, fp8-block128, w8a8-fp8," in err
+    assert "gguf-q6_k; got 'int3'" in err
+    assert main(["kv-calc", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "  awq               awq                 AWQ 4-bit" in out
+    assert "llama-3.1-70b-instruct-awq-int4" in out and "  w8a8-fp8\n" in out
+
+
+def test_kv_calc_refuses_a_folder_whose_format_it_cannot_size(tmp_path, capsys):
+    cfg = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 1000, "quantization_config": {"quant_method": "gptq", "bits": 4,
+                                                      "group_size": 32}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["kv-calc", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "declares weights kv-calc cannot size (unknown: quant_method gptq, bits 4," in err
+    assert "pass --quantization with one of fp8," in err
+    assert main(["kv-calc", "--model", str(tmp_path), "--quantization", "w4a16-g32",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["quantization"] == "w4a16-g32"

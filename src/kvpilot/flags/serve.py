@@ -284,9 +284,14 @@ OPERATOR_LORA_FLAGS: tuple[str, ...] = (
     "--enable-lora", "--no-enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
     "--lora-adapters-file",
 )
+# vLLM's --quantization (and -q), which the operator writes from spec.model.quantization
+# once the engine takes the flag: named here, like the LoRA flags, so that the operator
+# refuses it in engine.extraArgs whether or not (and however) the table above defines it.
+OPERATOR_QUANTIZATION_FLAGS: tuple[str, ...] = ("--quantization", "-q")
 # Flags the operator derives from spec fields; engine.extraArgs may not repeat them.
 MANAGED_FLAGS: tuple[str, ...] = tuple(dict.fromkeys(
-    (*(s for f in FLAGS if f.managed for s in f.spellings), *OPERATOR_LORA_FLAGS)))
+    (*(s for f in FLAGS if f.managed for s in f.spellings), *OPERATOR_LORA_FLAGS,
+     *OPERATOR_QUANTIZATION_FLAGS)))
 
 
 def _spellings_are_unique() -> None:

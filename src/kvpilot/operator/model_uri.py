@@ -60,6 +60,9 @@ class ModelSource:
             (``model.credentialsSecret``; s3 and oci only).
         oci_mount: ``InitContainer`` (pull into an emptyDir) or ``ImageVolume`` (the
             kubelet mounts the image; Kubernetes 1.35+ with a runtime that supports it).
+        quantization: ``model.quantization``: the weights' format, a name of
+            :data:`kvpilot.sizing.quantization.WEIGHT_FORMATS`, or ``auto`` (the engine
+            reads it from the checkpoint).
     """
 
     uri: str
@@ -71,6 +74,7 @@ class ModelSource:
     oci_reference: str | None = None
     credentials_secret: str | None = None
     oci_mount: str = "InitContainer"
+    quantization: str = "auto"
 
     @property
     def image_volume(self) -> bool:

@@ -2,6 +2,7 @@
 
     kvpilot kv-calc --model llama-3-70b --kv-cache-dtype float16 --context 8192 --context 65536
     kvpilot kv-calc --model ./my-hf-folder --gpu H100-80GB --kv-cache-dtype fp8
+    kvpilot kv-calc --model llama-3.1-8b --gpu H100-80GB --quantization w4a16-g128
     kvpilot kv-calc --list
 
 The arithmetic lives in :mod:`kvpilot.sizing.capacity` (shared with the engine's KV pool
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.sizing import capacity, presets
+from kvpilot.sizing import quantization as quant
 
 DEFAULT_CONTEXTS = (2048, 8192, 32768)
 
@@ -59,7 +61,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weight-dtype",
         default="bfloat16",
-        help="dtype of the weights, for their size (default bfloat16)",
+        help="the model dtype: of the weights, or with --quantization of what stays"
+        " unquantized (default bfloat16)",
+    )
+    parser.add_argument(
+        "--quantization",
+        default=quant.AUTO,
+        metavar="FORMAT",
+        help="the weights' format: auto (the preset's or config.json's, else none) or one of"
+        f" {', '.join(quant.WEIGHT_FORMATS)} (see --list)",
     )
     parser.add_argument(
         "--reserved-gib",
@@ -87,9 +97,29 @@ def _load_model(name: str) -> presets.ModelShape:
     return presets.model_preset(name)
 
 
+def _quantization(model: presets.ModelShape, flag: str) -> str | None:
+    """The weight format to size ``model`` in: ``--quantization``, or with ``auto`` the
+    preset's or config.json's (None: the model dtype). Raises ValueError naming the flag,
+    the value and the allowed values."""
+    if flag != quant.AUTO:
+        if flag not in quant.WEIGHT_FORMATS:
+            raise ValueError(f"--quantization must be one of {quant.AUTO},"
+                             f" {', '.join(quant.WEIGHT_FORMATS)}; got {flag!r}")
+        return flag
+    if model.quantization and model.quantization not in quant.WEIGHT_FORMATS:
+        raise ValueError(f"the config.json of {model.name!r} declares weights kv-calc cannot"
+                         f" size ({model.quantization}): pass --quantization with one of"
+                         f" {', '.join(quant.WEIGHT_FORMATS)}")
+    return model.quantization or None
+
+
 def compute(args: argparse.Namespace) -> dict[str, Any]:
-    """Everything kv-calc prints, as a JSON-ready dict. Raises ValueError on bad input."""
+    """Everything kv-calc prints, as a JSON-ready dict. Raises ValueError on bad input.
+
+    ``args`` holds the flags' values by attribute (``model``, ``kv_cache_dtype``,
+    ``quantization``, ...; :func:`add_arguments` on a parser makes them)."""
     model = _load_model(args.model)
+    quantization = _quantization(model, getattr(args, "quantization", quant.AUTO))
     contexts = args.context or list(DEFAULT_CONTEXTS)
     for c in contexts:
         if c <= 0:
@@ -98,7 +128,10 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     per_token = capacity.kv_bytes_per_token(
         model.num_layers, model.num_kv_heads, model.head_dim, dtype.name
     )
-    weight_bytes = model.num_params * capacity.kv_dtype(args.weight_dtype).bytes_per_element
+    weights = model.weight_bytes(capacity.kv_dtype(args.weight_dtype).bytes_per_element,
+                                 quantization)
+    weight_bytes = weights.total
+    fmt = None if quantization is None else quant.weight_format(quantization)
     if args.block_size <= 0:
         raise ValueError(f"--block-size must be > 0; got {args.block_size}")
     # Only a model whose every layer slides holds less than its context (ModelShape.kv_window).
@@ -121,6 +154,13 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         "block_size": args.block_size,
         "weight_dtype": args.weight_dtype,
         "weight_bytes": weight_bytes,
+        "quantization": quantization,
+        "vllm_quantization": None if fmt is None else fmt.vllm,
+        "embeddings_quantized": bool(fmt and fmt.quantizes_embeddings),
+        # the quantized linear layers (None when nothing is quantized)
+        "linear_params": weights.linear_params if fmt else None,
+        "linear_weight_bytes": weights.linear_bytes if fmt else None,
+        "linear_bits_per_weight": weights.linear_bits_per_weight if fmt else None,
         "sliding_window": model.sliding_window or None,
         "num_sliding_layers": model.num_sliding_layers,
         "kv_tokens_per_request_max": cap,
@@ -203,6 +243,18 @@ def _gb(n: float) -> str:
     return f"{n / capacity.GB:,.2f} GB"
 
 
+def _weights(r: Mapping[str, Any]) -> str:
+    """What the weights line says they are stored as."""
+    if not r.get("quantization"):
+        return str(r["weight_dtype"])
+    bits = f"{r['linear_bits_per_weight']:.6g} bits per weight"
+    if r["embeddings_quantized"]:
+        return (f"{r['quantization']}: linear layers, embeddings and LM head {bits};"
+                f" norms {r['weight_dtype']}")
+    return (f"{r['quantization']}: linear layers {bits}; embeddings, LM head and norms"
+            f" {r['weight_dtype']}")
+
+
 def render(r: Mapping[str, Any]) -> str:
     lines = [
         f"model            {r['model']}  ({r['num_params'] / 1e9:.2f} B params, {r['num_layers']}"
@@ -212,7 +264,7 @@ def render(r: Mapping[str, Any]) -> str:
         + ")",
         f"KV per token     {r['kv_bytes_per_token']:,.0f} B  (2 x bytes x layers x KV heads x"
         " head_dim)",
-        f"weights          {_gb(r['weight_bytes'])}  ({r['weight_dtype']})",
+        f"weights          {_gb(r['weight_bytes'])}  ({_weights(r)})",
     ]
     window = r.get("sliding_window")
     if window and r.get("kv_tokens_per_request_max"):
@@ -240,7 +292,7 @@ def render(r: Mapping[str, Any]) -> str:
         if r["kv_capacity_tokens"] == 0:
             lines.append(
                 "warning          the weights leave no room for a KV cache: raise"
-                " --tensor-parallel-size or use a smaller --weight-dtype"
+                " --tensor-parallel-size, or size a quantized checkpoint (--quantization)"
             )
     if "cost_per_hour" in r:
         lines.append(f"cost             {r['cost_per_hour']:,.2f} per hour")
@@ -264,20 +316,26 @@ def render(r: Mapping[str, Any]) -> str:
 
 
 def _listing() -> str:
-    lines = ["models (preset: layers / KV heads / head_dim / params / sliding window):"]
+    lines = ["models (preset: layers / KV heads / head_dim / params / sliding window,"
+             " weight format):"]
     for m in presets.MODEL_PRESETS.values():
         window = ""
         if m.sliding_window:
             which = "all layers" if m.kv_window else f"{m.num_sliding_layers} of {m.num_layers} layers"
             window = f"  W {m.sliding_window} on {which}"
+        if m.quantization:
+            window += f"  {m.quantization}"
         lines.append(
-            f"  {m.name:18} {m.num_layers:>4} {m.num_kv_heads:>3} {m.head_dim:>4}"
+            f"  {m.name:31} {m.num_layers:>4} {m.num_kv_heads:>3} {m.head_dim:>4}"
             f"  {m.num_params / 1e9:7.2f} B{window}"
         )
     lines.append("GPUs (memory as nvidia-smi reports it):")
     for g, mib in presets.GPU_MEMORY_MIB.items():
         lines.append(f"  {g:10} {mib:>7,} MiB")
     lines.append(f"KV dtypes: {', '.join(sorted(capacity.KV_DTYPES))}")
+    lines.append("weight formats (--quantization: name, vLLM's --quantization, storage):")
+    for f in quant.WEIGHT_FORMATS.values():
+        lines.append(f"  {f.name:17} {f.vllm:19} {f.summary}")
     return "\n".join(lines)
 
 

@@ -2,9 +2,12 @@
 
 Model presets carry the fields of each model's published HF ``config.json`` that the KV
 and weight arithmetic needs; the parameter count is computed from them (and equals the
-count printed on each model card, which the tests check). :func:`load_model_folder` reads
+count printed on each model card, which the tests check). A preset of a quantized
+checkpoint also names its format (:mod:`kvpilot.sizing.quantization`), and
+:meth:`ModelShape.weight_bytes` sizes its weights in it. :func:`load_model_folder` reads
 the same fields from a local HF folder, counting parameters exactly from the
-``*.safetensors`` headers when present.
+``*.safetensors`` headers when present (unless the checkpoint is quantized: packed
+tensors do not count weights), and names the format of its ``quantization_config``.
 
 GPU sizes are the total memory ``nvidia-smi`` reports (MiB), not the marketing number.
 """
@@ -18,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpilot.sizing import quantization as quant
+
 MIB = 1024**2
 
 
@@ -26,7 +31,9 @@ class ModelShape:
     """What KV sizing needs to know about a Llama-family decoder.
 
     Attributes mirror HF ``config.json``; ``num_params`` overrides the computed count
-    (set from safetensors headers for a local folder).
+    (set from safetensors headers for a local folder); ``quantization`` names the format
+    of a quantized checkpoint's weights (``kvpilot.sizing.quantization``; "" for the
+    model dtype throughout).
     """
 
     name: str
@@ -55,6 +62,7 @@ class ModelShape:
     # (Mistral-7B-v0.1). Whether the window saves KV memory is :attr:`kv_window`.
     sliding_window: int = 0
     num_full_attention_layers: int = 0
+    quantization: str = ""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads"):
@@ -118,6 +126,46 @@ class ModelShape:
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embed + self.num_layers * layer + h
 
+    def linear_layers(self) -> tuple[tuple[int, int, int], ...]:
+        """The linear layers a weight format quantizes, as ``(in_features, out_features,
+        count)``: q, k, v, o and the MLP's gate, up and down projections (each expert's,
+        and a shared expert's), in every layer. Not here: embeddings and LM head
+        (:meth:`embedding_layers`), biases, norms, a MoE router and a shared expert's
+        gate, which formats keep in the model dtype."""
+        h, q, kv, d, n = (self.hidden_size, self.num_attention_heads, self.num_kv_heads,
+                          self.head_dim, self.num_layers)
+        layers = [(h, q * d, n), (h, kv * d, 2 * n), (q * d, h, n)]
+        if self.num_experts:
+            inter = self.moe_intermediate_size or self.intermediate_size
+            layers += [(h, inter, 2 * n * self.num_experts), (inter, h, n * self.num_experts)]
+            if self.shared_expert_intermediate_size:
+                shared = self.shared_expert_intermediate_size
+                layers += [(h, shared, 2 * n), (shared, h, n)]
+        else:
+            layers += [(h, self.intermediate_size, 2 * n), (self.intermediate_size, h, n)]
+        return tuple(layers)
+
+    def embedding_layers(self) -> tuple[tuple[int, int, int], ...]:
+        """The token embeddings and the LM head as ``(hidden_size, vocab_size, count)``:
+        one table when tied, two otherwise."""
+        return ((self.hidden_size, self.vocab_size, 1 if self.tie_word_embeddings else 2),)
+
+    def weight_bytes(self, dtype_bytes: float, quantization: str | None = quant.AUTO) -> quant.WeightBytes:
+        """The weights' bytes in memory: the linear layers (:meth:`linear_layers`) in the
+        format named ``quantization`` (``"auto"``: the shape's own, :attr:`quantization`;
+        None or "": none), embeddings and LM head too when the format quantizes them
+        (GGUF), everything else at ``dtype_bytes`` per parameter. Raises ValueError on an
+        unknown format name."""
+        name = self.quantization if quantization == quant.AUTO else quantization
+        if not name:
+            return quant.weight_bytes((), (), self.num_params, dtype_bytes)
+        linear = sum(i * o * c for i, o, c in self.linear_layers())
+        embedding = sum(i * o * c for i, o, c in self.embedding_layers())
+        # Norms, biases, a router (and, in a counted folder, whatever else it holds).
+        other = max(0, self.num_params - linear - embedding)
+        return quant.weight_bytes(self.linear_layers(), self.embedding_layers(), other,
+                                  dtype_bytes, name)
+
 
 def _m(name: str, h: int, inter: int, layers: int, heads: int, kv: int, vocab: int,
        head_dim: int = 0, tied: bool = False, bias: bool = False) -> ModelShape:
@@ -169,6 +217,16 @@ MODEL_PRESETS: dict[str, ModelShape] = {
                    moe_intermediate_size=768, qk_norm=True),
         ModelShape("qwen1.5-moe-a2.7b", 2048, 5632, 24, 16, 16, 151936, attention_bias=True, num_experts=60,
                    moe_intermediate_size=1408, shared_expert_intermediate_size=5632),
+        # Quantized checkpoints (their config.json: the base model's shape, and its
+        # quantization_config). RedHatAI's (formerly neuralmagic's) FP8: compressed-tensors,
+        # FP8 weights with one scale per tensor, lm_head not quantized. hugging-quants'
+        # AWQ: 4-bit, group 128, zero points, lm_head not quantized.
+        ModelShape("llama-3.1-8b-instruct-fp8", 4096, 14336, 32, 32, 8, 128256,
+                   quantization="w8a8-fp8"),
+        ModelShape("llama-3.1-70b-instruct-fp8", 8192, 28672, 80, 64, 8, 128256,
+                   quantization="w8a8-fp8"),
+        ModelShape("llama-3.1-70b-instruct-awq-int4", 8192, 28672, 80, 64, 8, 128256,
+                   quantization="awq"),
     )
 }
 
@@ -234,9 +292,26 @@ def _sliding_layers(cfg: Mapping[str, Any]) -> tuple[int, int]:
     return (int(window), n - sliding) if sliding else (0, 0)
 
 
+def quantization_from_config(config: Mapping[str, Any]) -> str:
+    """The weight format a HF ``config.json`` declares: "" for none, a name of
+    :data:`~kvpilot.sizing.quantization.WEIGHT_FORMATS`, or, for a format the table does
+    not have, a description of it (``"unknown: gptq, bits 4, group_size 32"``), which
+    sizing refuses with the allowed names. Older compressed-tensors checkpoints call the
+    field ``compression_config``."""
+    qc = config.get("quantization_config") or config.get("compression_config")
+    if not isinstance(qc, Mapping):
+        return ""
+    name = quant.format_from_hf_config(qc)
+    if name is not None:
+        return name
+    keys = ("quant_method", "bits", "group_size", "weight_block_size")
+    return "unknown: " + ", ".join(f"{k} {qc[k]}" for k in keys if k in qc)
+
+
 def shape_from_config(name: str, config: Mapping[str, Any]) -> ModelShape:
     """Read a HF ``config.json`` mapping (Llama, Mistral, Mixtral, Qwen2/3 and their MoE,
-    Gemma 2/3, SmolLM2 keys)."""
+    Gemma 2/3, SmolLM2 keys), and the format of its ``quantization_config``
+    (:func:`quantization_from_config`)."""
     cfg = config.get("text_config", config)  # multimodal wrappers nest the decoder
     kind = cfg.get("model_type")
     gemma = kind in ("gemma2", "gemma3", "gemma3_text")
@@ -261,6 +336,7 @@ def shape_from_config(name: str, config: Mapping[str, Any]) -> ModelShape:
             norms_per_layer=4 if gemma else 2,
             sliding_window=window,
             num_full_attention_layers=full_layers,
+            quantization=quantization_from_config(config),
         )
     except KeyError as exc:
         raise ValueError(f"config.json of {name!r} lacks {exc.args[0]!r}") from None
@@ -285,13 +361,15 @@ def safetensors_params(folder: Path) -> int:
 
 
 def load_model_folder(folder: str | Path) -> ModelShape:
-    """A :class:`ModelShape` from a HF folder's ``config.json`` (+ safetensors headers)."""
+    """A :class:`ModelShape` from a HF folder's ``config.json`` (+ safetensors headers,
+    unless the checkpoint is quantized: a packed int32 holds 8 weights, and scales are
+    tensors too, so the headers do not count its parameters)."""
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{folder} has no config.json: pass a HF model folder or a preset name")
     shape = shape_from_config(folder.name, json.loads(config_path.read_text()))
-    counted = safetensors_params(folder)
+    counted = 0 if shape.quantization else safetensors_params(folder)
     if counted:
         fields = {k: getattr(shape, k) for k in shape.__dataclass_fields__}
         shape = ModelShape(**{**fields, "num_params": counted})

@@ -13,6 +13,9 @@ from kvpilot.operator import constants as c
 from kvpilot.operator.spec import InferenceSpec
 from kvpilot.operator.spec.engine import KV_EVENTS_FLAG
 from kvpilot.operator.spec.gpus import GPU_RESOURCE_SUFFIX, MIG_RESOURCE_PREFIX, nonzero_quantity
+from kvpilot.sizing.quantization import AUTO, weight_format
+
+QUANTIZATION_FLAG = "--quantization"
 
 ENGINE_COMMAND = ("kvpilot", "serve")
 # On deletion the kubelet runs the preStop sleep (so the Service drops the pod first), then
@@ -84,6 +87,17 @@ def lora_args(spec: InferenceSpec) -> list[str]:
     return [*args, "--lora-adapters-file", adapters_file()]
 
 
+def quantization_args(spec: InferenceSpec) -> list[str]:
+    """``--quantization`` with vLLM's value for ``model.quantization`` (``w4a16-g128``
+    -> ``compressed-tensors``, ``gptq-int4`` -> ``gptq``, ``gguf-q4_k`` -> ``gguf``: the
+    table of :mod:`kvpilot.sizing.quantization`): the engine checks the checkpoint against
+    it. [] for ``auto`` (the engine reads the format from the checkpoint)."""
+    if spec.model.quantization == AUTO:
+        return []
+    value = weight_format(spec.model.quantization).vllm
+    return [QUANTIZATION_FLAG, value]
+
+
 def engine_args(spec: InferenceSpec) -> list[str]:
     """Arguments after ``kvpilot serve``; ``engine.extraArgs`` come last, unchanged."""
     e = spec.engine
@@ -100,6 +114,7 @@ def engine_args(spec: InferenceSpec) -> list[str]:
         "--block-size", str(e.block_size),
         "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
         "--drain-timeout", str(drain_timeout_seconds(spec)),
+        *quantization_args(spec),
     ]
     if e.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", repr(e.gpu_memory_utilization)]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.flags.check import VLLMFlagError, split_vllm_flags
-from kvpilot.flags.serve import MANAGED_FLAGS, OPERATOR_LORA_FLAGS
+from kvpilot.flags.serve import MANAGED_FLAGS, OPERATOR_LORA_FLAGS, OPERATOR_QUANTIZATION_FLAGS
 from kvpilot.operator.spec.adapters import LoraSpec, parse_lora
 from kvpilot.operator.spec.defaults import DEFAULTS
 from kvpilot.operator.spec.fields import FieldReader, SpecError
@@ -95,6 +95,7 @@ def parse_engine(raw: Any) -> EngineSpec:
             field_hint = (" (engine.tensorParallelSize; default: the pod's GPU count)"
                           if flag in TENSOR_PARALLEL_FLAGS else
                           " (spec.adapters and engine.lora)" if flag in OPERATOR_LORA_FLAGS
+                          else " (model.quantization)" if flag in OPERATOR_QUANTIZATION_FLAGS
                           else "")
             raise SpecError("engine.extraArgs", arg, "set the matching spec field"
                             f"{field_hint} instead of repeating a managed flag")
