@@ -28,6 +28,7 @@ Module names are the checkpoint's (``model.layers.0.self_attn.q_proj``, ``lm_hea
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Iterable
@@ -82,6 +83,12 @@ class LinearScheme:
             f"{self.block[0]}x{self.block[1]} block"
         acts = "A16" if self.act == "none" else f"A8 {self.act}"
         return f"{self.kind.upper()} W8{acts} ({scales} weight scales; {self.layout})"
+
+
+def _refuse(where: str, key: str, value: Any, allowed: str) -> UnsupportedModelError:
+    """The error for ``quantization_config.<key> = value`` in file ``where``."""
+    return UnsupportedModelError(f"{where}: quantization_config.{key} = {value!r} is not supported; "
+                                 f"supported: {allowed}")
 
 
 def _match(pattern: str, name: str) -> bool:
@@ -161,8 +168,7 @@ class CompressedTensorsQuantization(CheckpointQuantization):
         self.kv_cache_scheme = q.get("kv_cache_scheme")
 
     def _refuse(self, key: str, value: Any, allowed: str) -> UnsupportedModelError:
-        return UnsupportedModelError(f"{self.where}: quantization_config.{key} = {value!r} is not supported; "
-                                     f"supported: {allowed}")
+        return _refuse(self.where, key, value, allowed)
 
     def _scheme(self, group: dict[str, Any], key: str, fmt: str) -> LinearScheme:
         w = group.get("weights")
@@ -260,10 +266,7 @@ class GPTQQuantization(CheckpointQuantization):
     method = "gptq"
 
     def __init__(self, q: dict[str, Any], where: str) -> None:
-        def refuse(key: str, value: Any, allowed: str) -> UnsupportedModelError:
-            return UnsupportedModelError(f"{where}: quantization_config.{key} = {value!r} is not supported; "
-                                         f"supported: {allowed}")
-
+        refuse = functools.partial(_refuse, where)
         bits, group = q.get("bits"), q.get("group_size", 128)
         if bits not in (4, 8):
             raise refuse("bits", bits, "4 or 8")
@@ -295,10 +298,7 @@ class AWQQuantization(GPTQQuantization):
     method = "awq"
 
     def __init__(self, q: dict[str, Any], where: str) -> None:
-        def refuse(key: str, value: Any, allowed: str) -> UnsupportedModelError:
-            return UnsupportedModelError(f"{where}: quantization_config.{key} = {value!r} is not supported; "
-                                         f"supported: {allowed}")
-
+        refuse = functools.partial(_refuse, where)
         bits = q.get("bits", q.get("w_bit"))
         group = q.get("group_size", q.get("q_group_size", 128))
         version = str(q.get("version", "gemm")).lower()
@@ -327,10 +327,7 @@ class FP8Quantization(CheckpointQuantization):
     method = "fp8"
 
     def __init__(self, q: dict[str, Any], where: str, online: bool = False) -> None:
-        def refuse(key: str, value: Any, allowed: str) -> UnsupportedModelError:
-            return UnsupportedModelError(f"{where}: quantization_config.{key} = {value!r} is not supported; "
-                                         f"supported: {allowed}")
-
+        refuse = functools.partial(_refuse, where)
         self.online = online
         scheme = q.get("activation_scheme", "dynamic")
         if scheme not in ("dynamic", "static"):
