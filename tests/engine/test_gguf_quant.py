@@ -230,3 +230,117 @@ def test_bad_tensors_are_refused_by_name():
         gguf_weight(bad.reshape(2, 420), "Q6_K", (2, 512), "t")
     with pytest.raises(QuantizedWeightError, match="row length 100 is not a multiple of the Q6_K block of 256"):
         GGUFBlockWeight(torch.zeros(2, 210, dtype=torch.uint8), "Q6_K", 100, "t")
+
+
+# ------------------------------------------------------------------ the loader
+HEADS, KV_HEADS, HIDDEN, FFN, VOCAB = 4, 2, 256, 512, 64
+META = {"context_length": 128, "embedding_length": HIDDEN, "block_count": 1, "feed_forward_length": FFN,
+        "head_count": HEADS, "head_count_kv": KV_HEADS, "layer_norm_rms_eps": 1e-5}
+LAYOUT = {  # GGUF name -> (type, [N, K])
+    "token_embd.weight": ("Q8_0", (VOCAB, HIDDEN)),
+    "blk.0.attn_q.weight": ("Q4_K", (HIDDEN, HIDDEN)),
+    "blk.0.attn_k.weight": ("Q4_0", (HIDDEN // 2, HIDDEN)),
+    "blk.0.attn_v.weight": ("Q6_K", (HIDDEN // 2, HIDDEN)),
+    "blk.0.attn_output.weight": ("Q5_K", (HIDDEN, HIDDEN)),
+    "blk.0.ffn_gate.weight": ("Q4_1", (FFN, HIDDEN)),
+    "blk.0.ffn_up.weight": ("Q4_1", (FFN, HIDDEN)),
+    "blk.0.ffn_down.weight": ("Q4_K", (HIDDEN, FFN)),
+    "output.weight": ("F16", (VOCAB, HIDDEN)),
+}
+
+
+def tiny_llama(path: Path, extra: dict[str, tuple[str, np.ndarray]] | None = None) -> GGUFModelFile:
+    rng = np.random.default_rng(0)
+    tensors: dict[str, tuple[str, np.ndarray]] = {}
+    for i, (name, (t, (n, k))) in enumerate(LAYOUT.items()):
+        if t == "F16":
+            tensors[name] = (t, rng.standard_normal((n, k)).astype(np.float16))
+        else:
+            tensors[name] = (t, quantized_bytes(t, n, k, seed=i))
+    for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
+        tensors[name] = ("F32", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
+    tensors.update(extra or {})
+    gf = write_file(path, tensors, meta=META)
+    gf.metadata["tokenizer.ggml.tokens.count"] = VOCAB  # no token list written: the vocabulary size
+    return gf
+
+
+def test_loader_yields_kept_types_quantized_and_the_rest_dense(tmp_path):
+    gf = tiny_llama(tmp_path / "m.gguf")
+    cfg = gf.model_config()
+    quant = gf.quantization(cfg)
+    assert quant.method == "gguf"
+    assert quant.is_quantized("model.layers.0.self_attn.q_proj") and quant.is_quantized("model.embed_tokens")
+    assert not quant.is_quantized("lm_head") and not quant.is_quantized("model.layers.0.input_layernorm")
+    assert quant.weight_type("model.layers.0.self_attn.v_proj.weight") == "Q6_K"
+    assert quant.type_counts() == {"F32": 3, "Q4_K": 2, "Q4_1": 2, "Q8_0": 1, "Q4_0": 1, "Q6_K": 1, "Q5_K": 1,
+                                   "F16": 1}
+    assert quant.summary() == ("gguf: 8 weights kept quantized (Q4_K x2, Q4_1 x2, Q8_0 x1, Q4_0 x1, Q6_K x1, "
+                               "Q5_K x1); 4 dense (F32 x3, F16 x1)")
+    kept = dict(gf.iter_weights(cfg))
+    dense = dict(gf.iter_weights(cfg, keep_quantized=False))
+    assert list(kept) == list(dense)
+    file_total = resident = 0
+    for hf, w in kept.items():
+        ref = dense[hf]
+        if isinstance(w, torch.Tensor):
+            assert not quant.is_quantized(hf) and torch.equal(w, ref)
+            continue
+        assert quant.is_quantized(hf) and hf.endswith(".weight")
+        t = quant.weight_type(hf)
+        # q/k rows un-permuted like the dense path; Q4_K within its 16-bit scale rounding
+        if t == "Q4_K":
+            _close(w.dequantize(), ref, 2.0 ** -10)
+        else:
+            assert torch.equal(w.dequantize(), ref), hf
+        file_total += file_bytes(t, (w.out_features, w.in_features))
+        resident += w.nbytes
+    assert resident <= RATIO * file_total
+
+
+def test_loader_refuses_other_quantized_types_by_name(tmp_path):
+    q50 = gguf.quants.quantize(np.zeros((HIDDEN, HIDDEN), np.float32), Q.Q5_0)
+    gf = tiny_llama(tmp_path / "m.gguf", {"blk.0.attn_output.weight": ("Q5_0", q50)})
+    cfg = gf.model_config()
+    with pytest.raises(QuantizedWeightError, match=r"m\.gguf: tensor blk\.0\.attn_output\.weight: GGUF tensor "
+                                                   r"type Q5_0 is not supported; .*Q8_0, Q4_0, Q4_1, Q4_K, "
+                                                   r"Q5_K, Q6_K"):
+        next(gf.iter_weights(cfg))
+    dense = dict(gf.iter_weights(cfg, keep_quantized=False))  # the dequantizing path still reads it
+    assert dense["model.layers.0.self_attn.o_proj.weight"].shape == (HIDDEN, HIDDEN)
+
+
+def test_moe_routers_stay_dense(tmp_path):
+    router = quantized_bytes("Q8_0", 4, HIDDEN)
+    gf = tiny_llama(tmp_path / "m.gguf", {"blk.0.ffn_gate_inp.weight": ("Q8_0", router)})
+    cfg = gf.model_config()
+    quant = gf.quantization(cfg)
+    assert not quant.is_quantized("model.layers.0.mlp.gate")
+    assert quant.summary().endswith("; 1 quantized tensors dequantized to float32 (MoE experts, routers)")
+    weights = dict(gf.iter_weights(cfg))
+    assert torch.equal(weights["model.layers.0.mlp.gate.weight"],
+                       torch.from_numpy(gguf.quants.dequantize(router, Q.Q8_0)))
+
+
+# --------------------------------------------------------- the embedded model
+@pytest.mark.slow  # reads the embedded model file (98 MB)
+def test_embedded_model_stays_quantized_under_150_mib():
+    from kvpilot.engine.model.loader import embedded_model_path
+
+    gf = GGUFModelFile(embedded_model_path())
+    cfg = gf.model_config()
+    quant = gf.quantization(cfg)
+    assert quant.type_counts() == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+    assert quant.weight_type("model.embed_tokens") == "Q8_0"  # the token embedding stays quantized too
+    resident = 0
+    for hf, w in gf.iter_weights(cfg):
+        assert isinstance(w, torch.Tensor) != quant.is_quantized(hf), hf
+        resident += w.nbytes if not isinstance(w, torch.Tensor) else w.numel() * w.element_size()
+    file_total = sum(t.n_bytes for t in gf.reader.tensors)
+    assert resident < 150 * 2**20
+    assert resident <= RATIO * file_total
+    for name in ("token_embd.weight", "blk.0.ffn_down.weight", "blk.29.attn_v.weight"):
+        tensor = gf.tensors[name]
+        w = gguf_tensor_weight(tensor)
+        rows = torch.tensor([0, 17, w.out_features - 1])
+        assert torch.equal(w.dequantize(rows), reference(tensor)[rows]), name

