@@ -322,6 +322,18 @@ def test_moe_routers_stay_dense(tmp_path):
                        torch.from_numpy(gguf.quants.dequantize(router, Q.Q8_0)))
 
 
+def test_big_endian_files_are_refused(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "be.gguf"), "llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_tensor("token_embd.weight", quantized_bytes("Q8_0", 4, 64), raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    gf = GGUFModelFile(tmp_path / "be.gguf")
+    with pytest.raises(QuantizedWeightError, match=r"^be\.gguf: a big-endian GGUF file"):
+        gf.quantization()  # before the config is read
+
+
 # --------------------------------------------------------- the embedded model
 @pytest.mark.slow  # reads the embedded model file (98 MB)
 def test_embedded_model_stays_quantized_under_150_mib():

@@ -35,7 +35,7 @@ from kvpilot.engine.quantization.gguf import (
     check_type,
     gguf_tensor_weight,
 )
-from kvpilot.engine.quantization.weights import QuantizedWeight
+from kvpilot.engine.quantization.weights import QuantizedWeight, QuantizedWeightError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -247,8 +247,12 @@ class GGUFModelFile:
 
         Raises:
             QuantizedWeightError: a tensor of another quantized type (Q5_0, IQ4_XS, ...),
-                naming it, its type and the supported ones.
+                naming it, its type and the supported ones; a big-endian file (its blocks'
+                fp16 factors are byte-swapped, which the conversion does not undo).
         """
+        if getattr(self.reader, "byte_order", "I") == "S":
+            raise QuantizedWeightError(f"{self.path.name}: a big-endian GGUF file; quantized weights are read from "
+                                       "little-endian files (as llama.cpp writes them) only")
         arch = (config or self.model_config()).architecture
         types: dict[str, str] = {}
         modules: dict[str, str] = {}
