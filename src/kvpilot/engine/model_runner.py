@@ -103,8 +103,21 @@ def build_model(
             seed += tp.rank
         quantized_names: set[str] = set()
         if quant is not None:
-            quantized_names = quantize_linears(model, model.checkpoint_names, quant.is_quantized, dtype)
-            quantized_names |= quantize_experts(model, quant.is_quantized)
+            parts = checkpoint_modules(source)
+            has = None if parts is None else parts.__contains__
+            quantized = quant.is_quantized
+
+            def quantized_here(name: str) -> bool:
+                """The config quantizes it and the checkpoint holds it so (GPTQ and AWQ leave
+                modules they cannot quantize, e.g. a 1-row shared-expert gate, dense)."""
+                assert parts is not None
+                return quant.is_quantized(name) and (quant.online or bool(parts.get(name, set()) - {"weight", "bias"}))
+
+            if parts is not None:
+                quantized = quantized_here
+            quantized_names = quantize_linears(model, model.checkpoint_names, quantized, dtype, has,
+                                               embeddings=quant.method == "gguf")
+            quantized_names |= quantize_experts(model, quantized, has)
             logger.info("weights: %s (%d checkpoint modules quantized)", quant.summary(), len(quantized_names))
     model = model.to_empty(device=device).to(dtype)
     if load_format == "dummy":
@@ -145,6 +158,24 @@ def build_model(
                     "KV cache sometimes its tokens, can depend on what it was batched with (docs/engine.md, "
                     "Determinism)", detail)
     return model
+
+
+def checkpoint_modules(source: ModelSource | None) -> dict[str, set[str]] | None:
+    """An HF checkpoint's module names and their tensors' suffixes
+    (``model.layers.0.self_attn.q_proj`` -> ``{weight_packed, weight_scale, ...}``), read
+    from the safetensors headers only; None for other sources (a GGUF file's quantization
+    names its modules itself)."""
+    if source is None or source.kind != "hf":
+        return None
+    from safetensors import safe_open
+
+    modules: dict[str, set[str]] = {}
+    for file in sorted(source.path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                module, _, part = key.rpartition(".")
+                modules.setdefault(module, set()).add(part)
+    return modules
 
 
 def num_kv_blocks(

@@ -282,7 +282,8 @@ class QuantizedEmbedding(nn.Module):
 
 
 def quantize_linears(model: nn.Module, checkpoint_names: Callable[[str], list[str]],
-                     is_quantized: Callable[[str], bool], dtype: torch.dtype) -> set[str]:
+                     is_quantized: Callable[[str], bool], dtype: torch.dtype,
+                     present: Callable[[str], bool] | None = None, embeddings: bool = False) -> set[str]:
     """Replace every ``nn.Linear`` the checkpoint quantizes (and a quantized token
     embedding) with a :class:`QuantizedLinear` (:class:`QuantizedEmbedding`) of the same
     shape and bias, before any weight is read: call on the model built on the meta device.
@@ -293,6 +294,11 @@ def quantize_linears(model: nn.Module, checkpoint_names: Callable[[str], list[st
             from (``layers.0.self_attn.qkv_proj`` -> the q, k and v projections).
         is_quantized: whether a checkpoint module is quantized.
         dtype: the model's dtype (a quantized embedding's rows).
+        present: whether the checkpoint has a module of that name (our names map to
+            several spellings: Mixtral's ``block_sparse_moe.gate`` and Qwen-MoE's
+            ``mlp.gate``); only present ones are asked. None: all are.
+        embeddings: whether token embeddings may be quantized (GGUF); a
+            compressed-tensors ``Linear`` target never names one.
     Returns:
         the checkpoint module names now loaded into quantized modules.
     Raises:
@@ -303,9 +309,9 @@ def quantize_linears(model: nn.Module, checkpoint_names: Callable[[str], list[st
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if not isinstance(child, (nn.Linear, nn.Embedding)):
+            if not isinstance(child, nn.Linear) and not (embeddings and isinstance(child, nn.Embedding)):
                 continue
-            names = checkpoint_names(name)
+            names = [n for n in checkpoint_names(name) if present is None or present(n)]
             flags = [is_quantized(n) for n in names]
             if not any(flags):
                 continue

@@ -74,6 +74,9 @@ _GATE_UP = {"gate_proj": 0, "up_proj": 1}
 # One MoE expert's projection: Mixtral's w1 (gate) / w3 (up) / w2 (down), Qwen-MoE's names.
 _EXPERT = re.compile(r"layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
                      r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# Dtypes a dense weight never has: a checkpoint tensor of one is a quantized weight whose
+# scales are missing, which must not be widened into a dense parameter as if it were values.
+_QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8, torch.int32)
 _EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
@@ -277,6 +280,9 @@ class LlamaForCausalLM(nn.Module):
                     layer_scales[kind] = float(tensor.float().max())
                 continue
             expert = _EXPERT.search(name)
+            if tensor.dtype in _QUANTIZED_DTYPES:
+                raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype} without the scales a quantized "
+                                 "weight needs (weight_scale, or a quantization_config naming this module)")
             if expert is not None:  # one expert's projection into the layer's stacked tensor
                 layer, e, proj = int(expert.group(1)), int(expert.group(2)), expert.group(3)
                 part = _EXPERT_PART[proj]

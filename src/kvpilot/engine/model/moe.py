@@ -116,20 +116,23 @@ def expert_checkpoint_names(layer: int, expert: int) -> list[str]:
     return [f"{mix}.w1", f"{mix}.w3", f"{mix}.w2", f"{qwen}.gate_proj", f"{qwen}.up_proj", f"{qwen}.down_proj"]
 
 
-def quantize_experts(model: nn.Module, is_quantized: Callable[[str], bool]) -> set[str]:
+def quantize_experts(model: nn.Module, is_quantized: Callable[[str], bool],
+                     present: Callable[[str], bool] | None = None) -> set[str]:
     """Make every MoE block whose experts the checkpoint quantizes hold quantized experts
     (:meth:`SparseMoeBlock.make_quantized`), before any weight is read. Returns the
-    checkpoint module names that are now loaded as quantized weights."""
+    checkpoint module names that are now loaded as quantized weights. ``present``: as
+    :func:`~kvpilot.engine.model.layers.quantize_linears`'s (only the spelling the
+    checkpoint has is asked)."""
     names: set[str] = set()
     for mname, block in model.named_modules():
         if not isinstance(block, SparseMoeBlock):
             continue
         layer = int(mname.split(".")[1])
-        first = expert_checkpoint_names(layer, 0)
+        first = [n for n in expert_checkpoint_names(layer, 0) if present is None or present(n)]
         if any(is_quantized(n) for n in first):
             block.make_quantized()
             for e in range(block.num_experts):
-                names.update(expert_checkpoint_names(layer, e))
+                names.update(n for n in expert_checkpoint_names(layer, e) if present is None or present(n))
     return names
 
 

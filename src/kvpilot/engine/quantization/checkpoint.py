@@ -111,7 +111,9 @@ def group_quantized(weights: Iterator[tuple[str, torch.Tensor]], quant: Checkpoi
         pending.setdefault(module, {})[part] = tensor
     for module, parts in pending.items():
         scheme = quant.scheme_for(module)
-        assert scheme is not None
+        if scheme is None:
+            raise QuantizedWeightError(f"{module}: the model holds it quantized but the checkpoint's quantization "
+                                       f"config does not quantize it ({', '.join(sorted(parts))})")
         missing = sorted(required_parts(scheme) - parts.keys())
         if missing:
             raise QuantizedWeightError(
