@@ -1,0 +1,630 @@
+"""Tiny quantized checkpoints, written by the quantization libraries' own code, and their
+references computed by transformers (a helper module for
+tests/engine/test_quantized_checkpoints.py, not a test file).
+
+The models follow tests/engine/test_model_families.py (its ``COMMON``, weights scaled by 3
+so greedy paths are well separated) with the shapes every group size here divides: hidden
+128, intermediate 256 (Mixtral: 128 per expert), Qwen3's head_dim 32, so every linear has
+``K`` in {128, 256} and groups of 32, 64 and 128 all fit. Two layers, vocabulary 256,
+fp32, untied ``lm_head``.
+
+compressed-tensors checkpoints (:func:`write_ct_checkpoint`) are made the way
+llm-compressor's ``oneshot`` makes them, with compressed-tensors 0.20's API directly
+(llm-compressor pins torch/transformers versions this venv cannot hold):
+``apply_quantization_config`` on the transformers model, round-to-nearest weight
+quantization parameters from min/max (``calculate_qparams``) set on each module,
+static input scales from a calibration pass (``calculate_qparams`` of the observed
+``-amax, amax``: ``amax / 448`` for FP8), status ``frozen``, then
+``ModelCompressor.from_pretrained_model`` -> ``compress_model`` -> ``save_pretrained`` ->
+``update_config``. ``ignore`` is what compressed-tensors derives: ``["lm_head"]`` (and
+Mixtral's routers, ``model.layers.N.block_sparse_moe.gate``). Mixtral's experts are fused
+3-D parameters in transformers 5, which compressed-tensors cannot target, so they are first
+split into ``nn.Linear`` ``w1``/``w2``/``w3`` per expert (llm-compressor's
+``linearize_moe_model`` does the same); transformers' save renames ``mlp`` to
+``block_sparse_moe``, giving the layout of published Mixtral checkpoints.
+
+The schemes (:data:`CT_SCHEMES`; each one ``config_groups.group_0`` targeting
+``["Linear"]``) and the tensors each quantized linear has in the saved file:
+
+==================  ===================  ================================================
+scheme              format               tensors (``N`` out, ``K`` in, ``G = K / group``)
+==================  ===================  ================================================
+fp8_dynamic         float-quantized      preset FP8_DYNAMIC: weights float 8 bits
+                                         ``channel`` symmetric, input_activations float 8
+                                         ``token`` dynamic. ``weight`` float8_e4m3fn
+                                         ``[N, K]``, ``weight_scale`` f32 ``[N, 1]``
+fp8_static          float-quantized      preset FP8: weights ``tensor``, input_activations
+                                         ``tensor`` static (observer static_minmax).
+                                         ``weight`` fp8 ``[N, K]``, ``weight_scale``
+                                         ``[1]``, ``input_scale`` ``[1]``
+fp8_w8a16           naive-quantized      weights float 8 ``channel``, no activations.
+                                         ``weight`` fp8 ``[N, K]``, ``weight_scale``
+                                         ``[N, 1]``
+int8_w8a8           int-quantized        preset W8A8: weights int 8 ``channel``
+                                         symmetric, input_activations int 8 ``token``
+                                         dynamic. ``weight`` int8 ``[N, K]``,
+                                         ``weight_scale`` ``[N, 1]``
+w{4,8}a16_g{32,64,  pack-quantized       weights int 4/8 ``group`` (group_size 32/64/128),
+128}_{sym,asym}                          symmetric or not. ``weight_packed`` int32
+                                         ``[N, K * bits / 32]``, ``weight_scale`` ``[N, G]``,
+                                         ``weight_shape`` int64 ``[2]`` (= ``[N, K]``), and
+                                         asymmetric: ``weight_zero_point`` int32
+                                         ``[N * bits / 32, G]`` (packed along ``N``)
+w4a16_g32_actorder  pack-quantized       as w4a16_g32_sym with ``actorder: "group"`` and
+                                         ``weight_g_idx`` int32 ``[K]`` (see below)
+==================  ===================  ================================================
+
+Packing (compressed-tensors' ``pack_to_int32``): element ``i`` of a row in bits
+``i * bits ..`` of word ``i * bits // 32``, codes stored offset to unsigned
+(``q + 2**(bits-1)``); zero points likewise, packed along dimension 0.
+
+Act-order: compressed-tensors 0.20 refuses ``actorder: "group"`` ("has been removed";
+``QuantizationArgs`` raises) and no longer writes or reads ``weight_g_idx``, but
+checkpoints made before (llm-compressor's GPTQ with ``actorder="group"``) carry it and vLLM
+serves them. :func:`write_ct_checkpoint` writes that fixture itself: the 4-bit
+group-32 symmetric checkpoint with columns assigned to groups by a random permutation
+(GPTQ's ``desc_act``: ``g_idx[perm[i]] = i // 32``), each group's scale from its own
+columns' min/max, codes packed in the original column order with compressed-tensors'
+``pack_to_int32``, and ``weight_g_idx`` beside. transformers cannot load it, so its
+reference is the dense model holding the dequantized weights (``w[:, k] =
+q[:, k] * scale[:, g_idx[k]]``).
+
+GPTQ and AWQ (:func:`write_gptq_checkpoint`, :func:`write_awq_checkpoint`): auto-gptq,
+gptqmodel and autoawq cannot be installed beside this venv's torch, so the tensors are
+packed here per their documented formats, checked against AutoGPTQ's
+``qlinear_cuda_old.QuantLinear.pack`` and AutoAWQ's ``WQLinear_GEMM.from_linear`` (and
+vLLM's readers; see the test module):
+
+- GPTQ (v1, ``checkpoint_format: gptq``): ``qweight`` int32 ``[K * bits / 32, N]``
+  (column ``k``'s code in word ``k * bits // 32``, bits ``(k % (32 / bits)) * bits``),
+  ``qzeros`` int32 ``[K / g, N * bits / 32]`` holding ``zero - 1`` packed the same way
+  along ``N``, ``scales`` fp16 ``[K / g, N]``, ``g_idx`` int32 ``[K]``;
+  ``w[n, k] = scales[g_idx[k], n] * (q[k, n] - zero[g_idx[k], n])``. Symmetric: ``zero =
+  2**(bits-1)``, scale ``2 * amax / (2**bits - 1)`` (GPTQ's quantizer).
+- AWQ GEMM: ``qweight`` int32 ``[K, N / 8]`` packed along ``N`` in the order
+  ``[0, 2, 4, 6, 1, 3, 5, 7]`` (nibble ``i`` of word ``j`` is column ``8 j + order[i]``),
+  ``qzeros`` int32 ``[K / g, N / 8]`` the same way, ``scales`` fp16 ``[K / g, N]``;
+  ``w[n, k] = scales[k // g, n] * (q[k, n] - zero[k // g, n])``, zero from min/max.
+
+Their unquantized tensors are saved in fp16, as those tools save them, and the reference
+model holds the same fp16-rounded values.
+
+References (:func:`reference_model`): ``AutoModelForCausalLM.from_pretrained(folder,
+dtype=...)``. What transformers 5.25 with compressed-tensors 0.20 does with them:
+
+- It keeps the checkpoint's compressed modules and decompresses them on the first forward
+  pass; each quantized ``Linear``'s forward is compressed-tensors' ``quantized_forward``,
+  which fake-quantizes (quantize, then dequantize) the layer's input per
+  ``input_activations``: dynamic per-token scales ``amax / 448`` (FP8) or
+  ``amax / 127.5`` (INT8, ``calculate_qparams``' symmetric range 255 / 2, where vLLM's
+  ``scaled_int8_quant`` uses ``amax / 127``), or the checkpoint's static ``input_scale``.
+  So the reference does simulate W8A8's activation quantization.
+- Asymmetric pack-quantized checkpoints do not load that way: transformers builds the
+  modules' parameters on the meta device, where compressed-tensors does not pack the zero
+  point, and refuses ``weight_zero_point`` ``[N * bits / 32, G]`` against ``[N, G]``
+  ("size mismatch"). Those load with ``CompressedTensorsConfig(dequantize=True)``, which
+  dequantizes every weight at load (right for weight-only schemes).
+- MoE experts are 3-D tensors dequantized at load: no activation quantization on them,
+  and transformers cannot read INT8 or asymmetric packed experts at all. For Mixtral
+  ``fp8_dynamic`` the reference re-runs the expert loop with compressed-tensors'
+  ``fake_quantize`` of each expert's inputs per token (:func:`reference_model`), which is
+  what a W8A8 MoE kernel computes (vLLM's per-token dynamic FP8 MoE).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tests.engine.test_model_families import COMMON, VOCAB, prompts
+
+# Shapes that groups of 32, 64 and 128 divide (see the module docstring).
+QCOMMON = {**COMMON, "hidden_size": 128, "intermediate_size": 256}
+FP8_MAX = 448.0
+
+
+def _llama(t):
+    return t.LlamaConfig(**QCOMMON, rope_theta=10000.0), t.LlamaForCausalLM
+
+
+def _qwen3(t):
+    return t.Qwen3Config(**QCOMMON, head_dim=32, rope_theta=1e6), t.Qwen3ForCausalLM
+
+
+def _mixtral(t):
+    return (t.MixtralConfig(**{**QCOMMON, "intermediate_size": 128}, num_local_experts=4,
+                            num_experts_per_tok=2, rope_theta=1e6), t.MixtralForCausalLM)
+
+
+ARCHS: dict[str, Callable] = {"llama": _llama, "qwen3": _qwen3, "mixtral": _mixtral}
+
+
+def dense_model(arch: str, seed: int = 0):
+    """The fp32 transformers model (eval) every fixture of ``arch`` quantizes: random
+    weights scaled by 3 (biases none), as tests/engine/test_model_families.py's
+    ``tiny_checkpoint``."""
+    import transformers
+
+    cfg, cls = ARCHS[arch](transformers)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    return model
+
+
+# ----------------------------------------------------------------------------- MoE
+class _ExpertMLP(nn.Module):
+    """One Mixtral expert as the checkpoint names it: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, inter, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class _LinearExperts(nn.ModuleList):
+    """transformers' ``MixtralExperts`` split into per-expert ``nn.Linear`` modules (same
+    call signature, same result): what compressed-tensors can quantize."""
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self):
+            tok, slot = torch.where(top_k_index == e)
+            if tok.numel():
+                out.index_add_(0, tok, expert(x[tok]) * top_k_weights[tok, slot, None])
+        return out
+
+
+def linearize_experts(model) -> None:
+    """Replace every ``MixtralExperts`` (fused ``gate_up_proj [E, 2I, H]``, ``down_proj
+    [E, H, I]``) by :class:`_LinearExperts` holding the same weights."""
+    for layer in model.model.layers:
+        fused = layer.mlp.experts
+        inter = fused.intermediate_dim
+        experts = _LinearExperts([_ExpertMLP(fused.hidden_dim, inter) for _ in range(fused.num_experts)])
+        with torch.no_grad():
+            for e, ex in enumerate(experts):
+                ex.w1.weight.copy_(fused.gate_up_proj[e, :inter])
+                ex.w3.weight.copy_(fused.gate_up_proj[e, inter:])
+                ex.w2.weight.copy_(fused.down_proj[e])
+        layer.mlp.experts = experts
+
+
+# ------------------------------------------------------------------ compressed-tensors
+@dataclass(frozen=True)
+class CTScheme:
+    """One compressed-tensors scheme: a preset name, or the weights' QuantizationArgs
+    (keyword arguments) alone; ``actorder``: the hand-written ``weight_g_idx`` fixture."""
+
+    preset: str | None = None
+    weights: dict[str, Any] | None = None
+    actorder: bool = False
+
+    def scheme(self):
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
+
+        if self.preset is not None:
+            return preset_name_to_scheme(self.preset, ["Linear"])
+        return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**(self.weights or {})))
+
+    @property
+    def act_quant(self) -> bool:
+        return self.preset in ("FP8", "FP8_DYNAMIC", "W8A8")
+
+    @property
+    def asymmetric(self) -> bool:
+        return bool(self.weights) and self.weights.get("symmetric") is False
+
+
+def _wna16(bits: int, group: int, symmetric: bool, actorder: bool = False) -> CTScheme:
+    return CTScheme(weights=dict(num_bits=bits, type="int", strategy="group", group_size=group,
+                                 symmetric=symmetric, dynamic=False), actorder=actorder)
+
+
+CT_SCHEMES: dict[str, CTScheme] = {
+    "fp8_dynamic": CTScheme(preset="FP8_DYNAMIC"),
+    "fp8_static": CTScheme(preset="FP8"),
+    "fp8_w8a16": CTScheme(weights=dict(num_bits=8, type="float", strategy="channel", symmetric=True,
+                                       dynamic=False)),
+    "int8_w8a8": CTScheme(preset="W8A8"),
+    **{f"w{b}a16_g{g}_{'sym' if s else 'asym'}": _wna16(b, g, s)
+       for b in (4, 8) for g in (32, 64, 128) for s in (True, False)},
+    "w4a16_g32_actorder": _wna16(4, 32, True, actorder=True),
+}
+
+
+def calibration_ids() -> torch.Tensor:
+    """The calibration batch for static input scales: 4 random sequences of 32 tokens."""
+    return torch.tensor(prompts(4, 32, seed=7))
+
+
+def _input_amax(model, ids: torch.Tensor) -> dict[str, float]:
+    """Largest ``|x|`` each ``nn.Linear`` sees over ``ids`` (forward pre-hooks)."""
+    amax: dict[str, float] = {}
+
+    def hook(name):
+        def record(_mod, args):
+            amax[name] = max(amax.get(name, 0.0), float(args[0].detach().abs().max()))
+        return record
+
+    hooks = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return amax
+
+
+def _weight_minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The observed min/max over the scheme's reduction: the whole tensor (``[1]``), each
+    row (``[N, 1]``) or each group (``[N, G]``), as llm-compressor's min-max observer."""
+    if args.strategy == "group":
+        wg = w.reshape(w.shape[0], -1, args.group_size)
+        return wg.amin(-1), wg.amax(-1)
+    if args.strategy == "channel":
+        return w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    return w.min().reshape(1), w.max().reshape(1)
+
+
+def write_ct_checkpoint(arch: str, scheme_name: str, path: Path, seed: int = 0) -> dict[str, Any]:
+    """Quantize :func:`dense_model` ``(arch, seed)`` with ``CT_SCHEMES[scheme_name]`` and
+    save it to ``path`` as llm-compressor would (module docstring).
+
+    Returns:
+        ``{"dense": the fp32 model before quantization, "reference": a model to use as
+        the reference instead of loading ``path`` with transformers, or None}`` (only the
+        act-order fixture has one).
+    """
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    spec = CT_SCHEMES[scheme_name]
+    dense = dense_model(arch, seed)
+    model = dense_model(arch, seed)
+    if arch == "mixtral":
+        linearize_experts(model)
+    amax = _input_amax(model, calibration_ids()) if spec.preset == "FP8" else {}
+    scheme = spec.scheme()
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    apply_quantization_config(model, config, show_progress=False)
+    gen = torch.Generator().manual_seed(seed + 11)
+    g_idx: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        sch = getattr(module, "quantization_scheme", None)
+        if sch is None:
+            continue
+        w = module.weight.data
+        args = sch.weights
+        if spec.actorder:  # groups of columns picked by a permutation (GPTQ's desc_act)
+            k, g = w.shape[1], args.group_size
+            perm = torch.randperm(k, generator=gen)
+            gi = torch.empty(k, dtype=torch.int64)
+            gi[perm] = torch.arange(k) // g
+            g_idx[name] = gi
+            cols = [torch.nonzero(gi == j).flatten() for j in range(k // g)]
+            lo = torch.stack([w[:, c].amin(-1) for c in cols], dim=1)
+            hi = torch.stack([w[:, c].amax(-1) for c in cols], dim=1)
+        else:
+            lo, hi = _weight_minmax(w, args)
+        scale, zero = calculate_qparams(lo, hi, args)
+        module.weight_scale.data.copy_(scale)
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data.copy_(zero)
+        ia = sch.input_activations
+        if ia is not None and not ia.dynamic:
+            a = torch.tensor([amax[name]])
+            s, z = calculate_qparams(-a, a, ia)
+            module.input_scale.data.copy_(s)
+            if hasattr(module, "input_zero_point"):
+                module.input_zero_point.data.copy_(z)
+        module.quantization_status = QuantizationStatus.FROZEN
+    if spec.actorder:
+        return {"dense": dense_model(arch, seed), "reference": _write_actorder(model, dense, g_idx, path)}
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(str(path))
+    compressor.update_config(str(path))
+    return {"dense": dense, "reference": None}
+
+
+def _write_actorder(model, dense, g_idx: dict[str, torch.Tensor], path: Path):
+    """The ``actorder: group`` checkpoint compressed-tensors 0.20 no longer writes: the
+    dense tensors of ``model``, and for each quantized linear ``weight_packed`` (codes in
+    the original column order, compressed-tensors' ``pack_to_int32``), ``weight_scale``
+    ``[N, G]``, ``weight_shape`` and ``weight_g_idx`` ``[K]``; the config is compressed-
+    tensors' own with ``actorder: "group"`` added to the weights. The returned reference is
+    ``dense`` with every quantized weight replaced by its dequantized value."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.torch import save_file
+
+    compressor = ModelCompressor.from_pretrained_model(model)
+    qconfig = compressor.quantization_config
+    tensors: dict[str, torch.Tensor] = {}
+    deq: dict[str, torch.Tensor] = {}
+    quantized = {n for n, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None}
+    for name, module in model.named_modules():
+        if name not in quantized:
+            continue
+        args = module.quantization_scheme.weights
+        w, s, gi = module.weight.data, module.weight_scale.data, g_idx[name]
+        lo, hi = -(2 ** (args.num_bits - 1)), 2 ** (args.num_bits - 1) - 1
+        q = torch.clamp(torch.round(w / s[:, gi]), lo, hi).to(torch.int8)
+        tensors[f"{name}.weight_packed"] = pack_to_int32(q, args.num_bits)
+        tensors[f"{name}.weight_scale"] = s.clone()
+        tensors[f"{name}.weight_shape"] = torch.tensor(w.shape)
+        tensors[f"{name}.weight_g_idx"] = gi.to(torch.int32)
+        deq[f"{name}.weight"] = q.float() * s[:, gi]
+    for name, t in model.state_dict().items():
+        owner = name.rsplit(".", 1)[0]
+        if owner not in quantized:
+            tensors[name] = t.clone()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(str(path))
+    qconfig.format = "pack-quantized"
+    qconfig.quantization_status = "compressed"
+    compressor.update_config(str(path))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    with torch.no_grad():
+        params = dict(dense.named_parameters())
+        for name, w in deq.items():
+            params[name].copy_(w)
+    return dense
+
+
+# ------------------------------------------------------------------------ GPTQ / AWQ
+def pack_gptq_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """GPTQ's ``qweight``: codes ``q`` ``[K, N]`` (unsigned) packed along ``K``, ``32 /
+    bits`` per int32 word, the first in the lowest bits -> int32 ``[K * bits / 32, N]``."""
+    per = 32 // bits
+    k, n = q.shape
+    q = q.to(torch.int64).reshape(k // per, per, n)
+    shifts = (torch.arange(per, dtype=torch.int64) * bits)[None, :, None]
+    return _as_int32((q << shifts).sum(dim=1))
+
+
+def pack_gptq_cols(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """GPTQ's ``qzeros`` packing: ``[G, N]`` values packed along ``N`` -> ``[G, N * bits / 32]``."""
+    return pack_gptq_rows(z.t().contiguous(), bits).t().contiguous()
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def pack_awq_cols(q: torch.Tensor) -> torch.Tensor:
+    """AWQ GEMM packing of 4-bit values ``[R, N]`` along ``N``: nibble ``i`` of word ``j``
+    holds column ``8 j + AWQ_ORDER[i]`` -> int32 ``[R, N / 8]``."""
+    r, n = q.shape
+    q = q.to(torch.int64).reshape(r, n // 8, 8)[:, :, list(AWQ_ORDER)]
+    shifts = (torch.arange(8, dtype=torch.int64) * 4)[None, None, :]
+    return _as_int32((q << shifts).sum(dim=-1))
+
+
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    """uint32 values held in int64 -> the same bits as int32 (two's complement)."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _fp16_model(arch: str, seed: int):
+    """:func:`dense_model` rounded through fp16 (the dtype GPTQ/AWQ tools save)."""
+    model = dense_model(arch, seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    return model
+
+
+def _quantized_linears(model) -> list[tuple[str, nn.Linear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+
+
+def write_gptq_checkpoint(arch: str, path: Path, bits: int, group_size: int, desc_act: bool,
+                          seed: int = 0) -> dict[str, Any]:
+    """A GPTQ v1 checkpoint (module docstring) of :func:`dense_model`, symmetric, RTN from
+    each group's min/max (GPTQ's quantizer without its Hessian updates); ``desc_act``: a
+    random column permutation ``perm`` per linear and ``g_idx[perm[i]] = i // group_size``.
+
+    Returns ``{"dense": the fp16-rounded model, "reference": it with the dequantized
+    weights}``; ``config.json``'s ``quantization_config`` is ``{quant_method: gptq, bits,
+    group_size, desc_act, sym: true, checkpoint_format: gptq, ...}``.
+    """
+    if arch == "mixtral":
+        raise ValueError("GPTQ fixtures are for dense models here")
+    model = _fp16_model(arch, seed)
+    dense = _fp16_model(arch, seed)
+    gen = torch.Generator().manual_seed(seed + 23)
+    maxq = 2**bits - 1
+    tensors: dict[str, torch.Tensor] = {}
+    linears = _quantized_linears(model)
+    for name, lin in linears:
+        w = lin.weight.data  # [N, K]
+        n, k = w.shape
+        if desc_act:
+            perm = torch.randperm(k, generator=gen)
+            g_idx = torch.empty(k, dtype=torch.int64)
+            g_idx[perm] = torch.arange(k) // group_size
+        else:
+            g_idx = torch.arange(k) // group_size
+        groups = k // group_size
+        amax = torch.stack([w[:, g_idx == j].abs().amax(-1) for j in range(groups)], dim=1)  # [N, G]
+        scale = (2 * amax / maxq).clamp(min=1e-8).half()  # GPTQ sym: (xmax - (-xmax)) / maxq
+        zero = torch.full((n, groups), 2 ** (bits - 1), dtype=torch.int64)
+        s_col = scale.float()[:, g_idx]  # [N, K]
+        z_col = zero[:, g_idx]
+        q = torch.clamp(torch.round(w / s_col) + z_col, 0, maxq).to(torch.int64)  # [N, K]
+        lin.weight.data.copy_((q - z_col).float() * s_col)
+        tensors[f"{name}.qweight"] = pack_gptq_rows(q.t().contiguous(), bits)
+        tensors[f"{name}.qzeros"] = pack_gptq_cols((zero - 1).t().contiguous(), bits)
+        tensors[f"{name}.scales"] = scale.t().contiguous()
+        tensors[f"{name}.g_idx"] = g_idx.to(torch.int32)
+    quantized = {n for n, _ in linears}
+    for name, t in model.state_dict().items():
+        if name.rsplit(".", 1)[0] not in quantized:
+            tensors[name] = t.half()
+    qc = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": True,
+          "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
+          "lm_head": False}
+    _save(model, tensors, qc, path, "float16")
+    return {"dense": dense, "reference": model}
+
+
+def write_awq_checkpoint(arch: str, path: Path, group_size: int, seed: int = 0) -> dict[str, Any]:
+    """An AWQ GEMM checkpoint (module docstring) of :func:`dense_model`: 4 bits,
+    asymmetric (``zero_point: true``), RTN from each group's min/max as AutoAWQ's
+    ``pseudo_quantize_tensor`` (without its activation-aware scale search):
+    ``scale = (max - min) / 15``, ``zero = clamp(-round(min / scale), 0, 15)``.
+
+    Returns like :func:`write_gptq_checkpoint`; ``quantization_config`` is
+    ``{quant_method: awq, bits: 4, group_size, zero_point: true, version: gemm}``.
+    """
+    if arch == "mixtral":
+        raise ValueError("AWQ fixtures are for dense models here")
+    model = _fp16_model(arch, seed)
+    dense = _fp16_model(arch, seed)
+    tensors: dict[str, torch.Tensor] = {}
+    linears = _quantized_linears(model)
+    for name, lin in linears:
+        w = lin.weight.data
+        n, k = w.shape
+        wg = w.reshape(n, k // group_size, group_size)
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        scale = ((hi - lo).clamp(min=1e-5) / 15).half()  # [N, G]
+        zero = torch.clamp(-torch.round(lo / scale.float()), 0, 15).to(torch.int64)
+        s_col = scale.float().repeat_interleave(group_size, dim=1)
+        z_col = zero.repeat_interleave(group_size, dim=1)
+        q = torch.clamp(torch.round(w / s_col) + z_col, 0, 15).to(torch.int64)
+        lin.weight.data.copy_((q - z_col).float() * s_col)
+        tensors[f"{name}.qweight"] = pack_awq_cols(q.t().contiguous())
+        tensors[f"{name}.qzeros"] = pack_awq_cols(zero.t().contiguous())
+        tensors[f"{name}.scales"] = scale.t().contiguous()
+    quantized = {n for n, _ in linears}
+    for name, t in model.state_dict().items():
+        if name.rsplit(".", 1)[0] not in quantized:
+            tensors[name] = t.half()
+    qc = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
+          "modules_to_not_convert": None}
+    _save(model, tensors, qc, path, "float16")
+    return {"dense": dense, "reference": model}
+
+
+def _save(model, tensors: dict[str, torch.Tensor], quantization_config: dict[str, Any], path: Path,
+          dtype: str) -> None:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    model.config.save_pretrained(str(path))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = quantization_config
+    cfg["torch_dtype"] = dtype
+    cfg.pop("dtype", None)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+
+# ------------------------------------------------------------------------- references
+def reference_model(path: Path, scheme_name: str, dtype: torch.dtype = torch.float32):
+    """transformers' model of the compressed-tensors checkpoint at ``path`` in ``dtype``
+    (module docstring): the default load, or ``dequantize=True`` for asymmetric
+    pack-quantized ones; Mixtral's experts fake-quantize their inputs for ``fp8_dynamic``."""
+    import transformers
+
+    spec = CT_SCHEMES[scheme_name]
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if spec.asymmetric:
+        kwargs["quantization_config"] = transformers.CompressedTensorsConfig(dequantize=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+    if model.config.model_type == "mixtral" and spec.act_quant:
+        if spec.preset != "FP8_DYNAMIC":
+            raise ValueError(f"no Mixtral reference for {scheme_name}: transformers' experts simulate no "
+                             "activation quantization, and only per-token dynamic is re-created here")
+        for layer in model.model.layers:
+            _fake_quant_experts(layer.mlp.experts, spec.scheme().input_activations)
+    return model
+
+
+def _fake_quant_experts(experts: nn.Module, input_args) -> None:
+    """Give a transformers ``MixtralExperts`` (dequantized ``gate_up_proj``/``down_proj``) a
+    forward that fake-quantizes each expert's two inputs with compressed-tensors'
+    per-token dynamic ``fake_quantize`` (``compute_dynamic_scales_and_zp``)."""
+    from compressed_tensors.quantization import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    def qdq(x: torch.Tensor) -> torch.Tensor:
+        scale, zero = compute_dynamic_scales_and_zp(x, input_args, experts)
+        return fake_quantize(x, scale, zero, input_args)
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        inter = experts.intermediate_dim
+        for e in range(experts.num_experts):
+            tok, slot = torch.where(top_k_index == e)
+            if tok.numel() == 0:
+                continue
+            h = nn.functional.linear(qdq(hidden_states[tok]), experts.gate_up_proj[e])
+            h = experts.act_fn(h[:, :inter]) * h[:, inter:]
+            y = nn.functional.linear(qdq(h), experts.down_proj[e]) * top_k_weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+    experts.forward = forward
+
+
+def logprobs(model, ids: list[int]) -> torch.Tensor:
+    """``log_softmax`` of the next-token logits at every position but the last: ``[len - 1,
+    vocab]`` fp32 (what ``score_tokens(..., return_logprobs=True).logprobs`` returns)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, :-1]
+    return torch.log_softmax(logits.double(), dim=-1).float()
+
+
+def greedy(model, batch: list[list[int]], new: int) -> list[list[int]]:
+    """transformers' greedy continuations (``new`` tokens each, EOS ignored)."""
+    model.generation_config.eos_token_id = None
+    out = []
+    for ids in batch:
+        t = torch.tensor([ids])
+        gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=new, do_sample=False)
+        out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def safetensors_bytes(path: Path, exclude: tuple[str, ...] = ()) -> int:
+    """Bytes of the tensors in ``path``'s ``*.safetensors`` (data only, from the headers),
+    leaving out tensors whose name starts with one of ``exclude``."""
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, meta in header.items():
+            if name == "__metadata__" or name.startswith(exclude):
+                continue
+            start, end = meta["data_offsets"]
+            total += end - start
+    return total
+
+
+__all__ = ["ARCHS", "CT_SCHEMES", "FP8_MAX", "VOCAB", "dense_model", "greedy", "logprobs", "prompts",
+           "reference_model", "safetensors_bytes", "write_awq_checkpoint", "write_ct_checkpoint",
+           "write_gptq_checkpoint"]
