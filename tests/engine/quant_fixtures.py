@@ -10,14 +10,16 @@ fp32, untied ``lm_head``.
 
 compressed-tensors checkpoints (:func:`write_ct_checkpoint`) are made the way
 llm-compressor's ``oneshot`` makes them, with compressed-tensors 0.20's API directly
-(llm-compressor pins torch/transformers versions this venv cannot hold):
-``apply_quantization_config`` on the transformers model, round-to-nearest weight
+(llm-compressor pins torch/transformers versions this venv cannot hold): the dense model
+saved and loaded back with ``from_pretrained`` (so compressed-tensors writes ``ignore`` in
+checkpoint names), ``apply_quantization_config`` on it, round-to-nearest weight
 quantization parameters from min/max (``calculate_qparams``) set on each module,
 static input scales from a calibration pass (``calculate_qparams`` of the observed
 ``-amax, amax``: ``amax / 448`` for FP8), status ``frozen``, then
 ``ModelCompressor.from_pretrained_model`` -> ``compress_model`` -> ``save_pretrained`` ->
 ``update_config``. ``ignore`` is what compressed-tensors derives: ``["lm_head"]`` (and
-Mixtral's routers, ``model.layers.N.block_sparse_moe.gate``). Mixtral's experts are fused
+Mixtral's routers, ``model.layers.N.block_sparse_moe.gate``, and its experts by name when
+``experts=False`` leaves them dense). Mixtral's experts are fused
 3-D parameters in transformers 5, which compressed-tensors cannot target, so they are first
 split into ``nn.Linear`` ``w1``/``w2``/``w3`` per expert (llm-compressor's
 ``linearize_moe_model`` does the same); transformers' save renames ``mlp`` to
@@ -62,8 +64,9 @@ Act-order: compressed-tensors 0.20 refuses ``actorder: "group"`` ("has been remo
 ``QuantizationArgs`` raises) and no longer writes or reads ``weight_g_idx``, but
 checkpoints made before (llm-compressor's GPTQ with ``actorder="group"``) carry it and vLLM
 serves them. :func:`write_ct_checkpoint` writes that fixture itself: the 4-bit
-group-32 symmetric checkpoint with columns assigned to groups by a random permutation
-(GPTQ's ``desc_act``: ``g_idx[perm[i]] = i // 32``), each group's scale from its own
+group-32 symmetric checkpoint with columns assigned to groups as GPTQ's ``desc_act`` does
+(:func:`desc_act_g_idx`: by decreasing Hessian diagonal of the calibration inputs, so
+q/k/v and gate/up, which share an input, share ``g_idx``), each group's scale from its own
 columns' min/max, codes packed in the original column order with compressed-tensors'
 ``pack_to_int32``, and ``weight_g_idx`` beside. transformers cannot load it, so its
 reference is the dense model holding the dequantized weights (``w[:, k] =
@@ -80,7 +83,8 @@ vLLM's readers; see the test module):
   ``qzeros`` int32 ``[K / g, N * bits / 32]`` holding ``zero - 1`` packed the same way
   along ``N``, ``scales`` fp16 ``[K / g, N]``, ``g_idx`` int32 ``[K]``;
   ``w[n, k] = scales[g_idx[k], n] * (q[k, n] - zero[g_idx[k], n])``. Symmetric: ``zero =
-  2**(bits-1)``, scale ``2 * amax / (2**bits - 1)`` (GPTQ's quantizer).
+  2**(bits-1)``, scale ``2 * amax / (2**bits - 1)`` (GPTQ's quantizer); ``desc_act``
+  groups as above, else ``g_idx[k] = k // g``.
 - AWQ GEMM: ``qweight`` int32 ``[K, N / 8]`` packed along ``N`` in the order
   ``[0, 2, 4, 6, 1, 3, 5, 7]`` (nibble ``i`` of word ``j`` is column ``8 j + order[i]``),
   ``qzeros`` int32 ``[K / g, N / 8]`` the same way, ``scales`` fp16 ``[K / g, N]``;
@@ -98,22 +102,29 @@ dtype=...)``. What transformers 5.25 with compressed-tensors 0.20 does with them
   ``input_activations``: dynamic per-token scales ``amax / 448`` (FP8) or
   ``amax / 127.5`` (INT8, ``calculate_qparams``' symmetric range 255 / 2, where vLLM's
   ``scaled_int8_quant`` uses ``amax / 127``), or the checkpoint's static ``input_scale``.
-  So the reference does simulate W8A8's activation quantization.
+  So the reference does simulate W8A8's activation quantization. With ``dequantize=True``
+  it does not (the modules are plain dense ``Linear``).
+- For INT8 W8A8 :func:`reference_model` replaces that rule by vLLM's (``int8_rule``): the
+  ``amax / 127.5`` scale puts each token's largest element on a rounding tie, which makes
+  the simulation unstable (tests/engine/test_quantized_checkpoints.py has the numbers).
 - Asymmetric pack-quantized checkpoints do not load that way: transformers builds the
   modules' parameters on the meta device, where compressed-tensors does not pack the zero
   point, and refuses ``weight_zero_point`` ``[N * bits / 32, G]`` against ``[N, G]``
   ("size mismatch"). Those load with ``CompressedTensorsConfig(dequantize=True)``, which
   dequantizes every weight at load (right for weight-only schemes).
 - MoE experts are 3-D tensors dequantized at load: no activation quantization on them,
-  and transformers cannot read INT8 or asymmetric packed experts at all. For Mixtral
-  ``fp8_dynamic`` the reference re-runs the expert loop with compressed-tensors'
-  ``fake_quantize`` of each expert's inputs per token (:func:`reference_model`), which is
-  what a W8A8 MoE kernel computes (vLLM's per-token dynamic FP8 MoE).
+  and transformers cannot read INT8 or asymmetric packed experts at all, nor dense
+  experts beside packed attention (its expert converter assumes the packed scheme); FP8
+  attention with dense experts loads. For Mixtral ``fp8_dynamic`` with quantized experts
+  the reference re-runs the expert loop with compressed-tensors' ``fake_quantize`` of each
+  expert's inputs per token (:func:`reference_model`), which is what a W8A8 MoE kernel
+  computes (vLLM's per-token dynamic FP8 MoE).
 """
 
 from __future__ import annotations
 
 import json
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,7 +137,6 @@ from tests.engine.test_model_families import COMMON, VOCAB, prompts
 
 # Shapes that groups of 32, 64 and 128 divide (see the module docstring).
 QCOMMON = {**COMMON, "hidden_size": 128, "intermediate_size": 256}
-FP8_MAX = 448.0
 
 
 def _llama(t):
@@ -213,7 +223,11 @@ class CTScheme:
     actorder: bool = False
 
     def scheme(self):
-        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
+        from compressed_tensors.quantization import (
+            QuantizationArgs,
+            QuantizationScheme,
+            preset_name_to_scheme,
+        )
 
         if self.preset is not None:
             return preset_name_to_scheme(self.preset, ["Linear"])
@@ -245,18 +259,33 @@ CT_SCHEMES: dict[str, CTScheme] = {
 }
 
 
+@dataclass
+class Fixture:
+    """A written checkpoint: its folder, the fp32 model it was quantized from (``dense``)
+    and, where transformers cannot load the folder, the reference model to use instead
+    (the dense model holding the dequantized weights; None: :func:`reference_model`)."""
+
+    path: Path
+    dense: Any
+    reference: Any = None
+
+
 def calibration_ids() -> torch.Tensor:
-    """The calibration batch for static input scales: 4 random sequences of 32 tokens."""
+    """The calibration batch: 4 random sequences of 32 tokens."""
     return torch.tensor(prompts(4, 32, seed=7))
 
 
-def _input_amax(model, ids: torch.Tensor) -> dict[str, float]:
-    """Largest ``|x|`` each ``nn.Linear`` sees over ``ids`` (forward pre-hooks)."""
-    amax: dict[str, float] = {}
+def calibrate(model, ids: torch.Tensor) -> dict[str, tuple[float, torch.Tensor]]:
+    """For each ``nn.Linear``: the largest ``|x|`` of its inputs over ``ids`` (static input
+    scales) and the per-column sums of ``x**2`` (GPTQ's Hessian diagonal ``diag(X^T X)``,
+    whose descending order is ``desc_act``'s column order)."""
+    stats: dict[str, tuple[float, torch.Tensor]] = {}
 
     def hook(name):
         def record(_mod, args):
-            amax[name] = max(amax.get(name, 0.0), float(args[0].detach().abs().max()))
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            amax, sq = stats.get(name, (0.0, torch.zeros(x.shape[-1], dtype=torch.float64)))
+            stats[name] = (max(amax, float(x.abs().max())), sq + (x * x).sum(0))
         return record
 
     hooks = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -266,7 +295,18 @@ def _input_amax(model, ids: torch.Tensor) -> dict[str, float]:
     finally:
         for h in hooks:
             h.remove()
-    return amax
+    return stats
+
+
+def desc_act_g_idx(hessian_diag: torch.Tensor, group_size: int) -> torch.Tensor:
+    """GPTQ's act-order groups: columns taken in decreasing ``diag(H)``, ``group_size`` at
+    a time: ``g_idx[perm[i]] = i // group_size`` (int64 ``[K]``). Projections that share an
+    input (q/k/v, gate/up) share ``diag(H)``, hence ``g_idx``, as in real checkpoints."""
+    k = hessian_diag.numel()
+    perm = torch.argsort(hessian_diag, descending=True, stable=True)
+    g_idx = torch.empty(k, dtype=torch.int64)
+    g_idx[perm] = torch.arange(k) // group_size
+    return g_idx
 
 
 def _weight_minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,15 +320,26 @@ def _weight_minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     return w.min().reshape(1), w.max().reshape(1)
 
 
-def write_ct_checkpoint(arch: str, scheme_name: str, path: Path, seed: int = 0) -> dict[str, Any]:
+def pretrained_dense(arch: str, seed: int, workdir: Path):
+    """:func:`dense_model` saved to ``workdir`` and loaded back with ``from_pretrained``,
+    as llm-compressor starts (the loaded model carries transformers' checkpoint-name
+    conversions, which compressed-tensors uses to write ``ignore`` in checkpoint names)."""
+    import transformers
+
+    dense_model(arch, seed).save_pretrained(str(workdir))
+    return transformers.AutoModelForCausalLM.from_pretrained(str(workdir), dtype=torch.float32).eval()
+
+
+def write_ct_checkpoint(arch: str, scheme_name: str, path: Path, seed: int = 0, experts: bool = True) -> Fixture:
     """Quantize :func:`dense_model` ``(arch, seed)`` with ``CT_SCHEMES[scheme_name]`` and
     save it to ``path`` as llm-compressor would (module docstring).
 
-    Returns:
-        ``{"dense": the fp32 model before quantization, "reference": a model to use as
-        the reference instead of loading ``path`` with transformers, or None}`` (only the
-        act-order fixture has one).
+    Args:
+        experts: Mixtral: quantize the experts too (False: ``ignore`` them, regex
+            ``re:.*mlp[.]experts[.].*``, so only attention is quantized).
     """
+    import tempfile
+
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
@@ -298,15 +349,16 @@ def write_ct_checkpoint(arch: str, scheme_name: str, path: Path, seed: int = 0) 
     from compressed_tensors.quantization.utils import calculate_qparams
 
     spec = CT_SCHEMES[scheme_name]
-    dense = dense_model(arch, seed)
-    model = dense_model(arch, seed)
+    path.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as work:
+        model = pretrained_dense(arch, seed, Path(work))
     if arch == "mixtral":
         linearize_experts(model)
-    amax = _input_amax(model, calibration_ids()) if spec.preset == "FP8" else {}
+    stats = calibrate(model, calibration_ids()) if spec.preset == "FP8" or spec.actorder else {}
     scheme = spec.scheme()
-    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
-    apply_quantization_config(model, config, show_progress=False)
-    gen = torch.Generator().manual_seed(seed + 11)
+    ignore = ["lm_head"] + ([] if experts else ["re:.*mlp[.]experts[.].*"])
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore),
+                              show_progress=False)
     g_idx: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         sch = getattr(module, "quantization_scheme", None)
@@ -314,13 +366,9 @@ def write_ct_checkpoint(arch: str, scheme_name: str, path: Path, seed: int = 0) 
             continue
         w = module.weight.data
         args = sch.weights
-        if spec.actorder:  # groups of columns picked by a permutation (GPTQ's desc_act)
-            k, g = w.shape[1], args.group_size
-            perm = torch.randperm(k, generator=gen)
-            gi = torch.empty(k, dtype=torch.int64)
-            gi[perm] = torch.arange(k) // g
-            g_idx[name] = gi
-            cols = [torch.nonzero(gi == j).flatten() for j in range(k // g)]
+        if spec.actorder:  # each group's min/max over the columns g_idx assigns it
+            gi = g_idx[name] = desc_act_g_idx(stats[name][1], args.group_size)
+            cols = [torch.nonzero(gi == j).flatten() for j in range(w.shape[1] // args.group_size)]
             lo = torch.stack([w[:, c].amin(-1) for c in cols], dim=1)
             hi = torch.stack([w[:, c].amax(-1) for c in cols], dim=1)
         else:
@@ -331,34 +379,35 @@ def write_ct_checkpoint(arch: str, scheme_name: str, path: Path, seed: int = 0) 
             module.weight_zero_point.data.copy_(zero)
         ia = sch.input_activations
         if ia is not None and not ia.dynamic:
-            a = torch.tensor([amax[name]])
+            a = torch.tensor([stats[name][0]])
             s, z = calculate_qparams(-a, a, ia)
             module.input_scale.data.copy_(s)
             if hasattr(module, "input_zero_point"):
                 module.input_zero_point.data.copy_(z)
         module.quantization_status = QuantizationStatus.FROZEN
     if spec.actorder:
-        return {"dense": dense_model(arch, seed), "reference": _write_actorder(model, dense, g_idx, path)}
+        if arch == "mixtral":
+            raise ValueError("the act-order fixture is written for dense models")
+        return Fixture(path, dense_model(arch, seed), _write_actorder(model, arch, seed, g_idx, path))
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.save_pretrained(str(path))
     compressor.update_config(str(path))
-    return {"dense": dense, "reference": None}
+    return Fixture(path, dense_model(arch, seed))
 
 
-def _write_actorder(model, dense, g_idx: dict[str, torch.Tensor], path: Path):
+def _write_actorder(model, arch: str, seed: int, g_idx: dict[str, torch.Tensor], path: Path):
     """The ``actorder: group`` checkpoint compressed-tensors 0.20 no longer writes: the
     dense tensors of ``model``, and for each quantized linear ``weight_packed`` (codes in
     the original column order, compressed-tensors' ``pack_to_int32``), ``weight_scale``
     ``[N, G]``, ``weight_shape`` and ``weight_g_idx`` ``[K]``; the config is compressed-
-    tensors' own with ``actorder: "group"`` added to the weights. The returned reference is
-    ``dense`` with every quantized weight replaced by its dequantized value."""
+    tensors' own with ``actorder: "group"`` added to the weights. Returns the reference:
+    :func:`dense_model` with every quantized weight replaced by its dequantized value."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from safetensors.torch import save_file
 
     compressor = ModelCompressor.from_pretrained_model(model)
-    qconfig = compressor.quantization_config
     tensors: dict[str, torch.Tensor] = {}
     deq: dict[str, torch.Tensor] = {}
     quantized = {n for n, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None}
@@ -375,22 +424,22 @@ def _write_actorder(model, dense, g_idx: dict[str, torch.Tensor], path: Path):
         tensors[f"{name}.weight_g_idx"] = gi.to(torch.int32)
         deq[f"{name}.weight"] = q.float() * s[:, gi]
     for name, t in model.state_dict().items():
-        owner = name.rsplit(".", 1)[0]
-        if owner not in quantized:
+        if name.rsplit(".", 1)[0] not in quantized:
             tensors[name] = t.clone()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     model.config.save_pretrained(str(path))
-    qconfig.format = "pack-quantized"
-    qconfig.quantization_status = "compressed"
+    compressor.quantization_config.format = "pack-quantized"
+    compressor.quantization_config.quantization_status = "compressed"
     compressor.update_config(str(path))
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
     (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    reference = dense_model(arch, seed)
     with torch.no_grad():
-        params = dict(dense.named_parameters())
+        params = dict(reference.named_parameters())
         for name, w in deq.items():
             params[name].copy_(w)
-    return dense
+    return reference
 
 
 # ------------------------------------------------------------------------ GPTQ / AWQ
@@ -440,39 +489,34 @@ def _quantized_linears(model) -> list[tuple[str, nn.Linear]]:
 
 
 def write_gptq_checkpoint(arch: str, path: Path, bits: int, group_size: int, desc_act: bool,
-                          seed: int = 0) -> dict[str, Any]:
+                          seed: int = 0) -> Fixture:
     """A GPTQ v1 checkpoint (module docstring) of :func:`dense_model`, symmetric, RTN from
-    each group's min/max (GPTQ's quantizer without its Hessian updates); ``desc_act``: a
-    random column permutation ``perm`` per linear and ``g_idx[perm[i]] = i // group_size``.
+    each group's absolute max (GPTQ's quantizer without its Hessian updates: ``scale =
+    2 amax / (2**bits - 1)``, ``zero = 2**(bits-1)``, ``q = clamp(round(w / scale) + zero,
+    0, 2**bits - 1)``); ``desc_act``: groups by decreasing Hessian diagonal from the
+    calibration batch (:func:`desc_act_g_idx`), else ``g_idx[k] = k // group_size``.
 
-    Returns ``{"dense": the fp16-rounded model, "reference": it with the dequantized
-    weights}``; ``config.json``'s ``quantization_config`` is ``{quant_method: gptq, bits,
-    group_size, desc_act, sym: true, checkpoint_format: gptq, ...}``.
+    The fixture's reference is the fp16-rounded model holding the dequantized weights;
+    ``quantization_config`` is ``{quant_method: gptq, bits, group_size, desc_act, sym:
+    true, checkpoint_format: gptq, ...}``.
     """
     if arch == "mixtral":
-        raise ValueError("GPTQ fixtures are for dense models here")
+        raise ValueError("GPTQ fixtures are written for dense models")
     model = _fp16_model(arch, seed)
-    dense = _fp16_model(arch, seed)
-    gen = torch.Generator().manual_seed(seed + 23)
+    stats = calibrate(model, calibration_ids()) if desc_act else {}
     maxq = 2**bits - 1
     tensors: dict[str, torch.Tensor] = {}
     linears = _quantized_linears(model)
     for name, lin in linears:
         w = lin.weight.data  # [N, K]
         n, k = w.shape
-        if desc_act:
-            perm = torch.randperm(k, generator=gen)
-            g_idx = torch.empty(k, dtype=torch.int64)
-            g_idx[perm] = torch.arange(k) // group_size
-        else:
-            g_idx = torch.arange(k) // group_size
+        g_idx = desc_act_g_idx(stats[name][1], group_size) if desc_act else torch.arange(k) // group_size
         groups = k // group_size
         amax = torch.stack([w[:, g_idx == j].abs().amax(-1) for j in range(groups)], dim=1)  # [N, G]
-        scale = (2 * amax / maxq).clamp(min=1e-8).half()  # GPTQ sym: (xmax - (-xmax)) / maxq
+        scale = (2 * amax / maxq).clamp(min=1e-8).half()
         zero = torch.full((n, groups), 2 ** (bits - 1), dtype=torch.int64)
-        s_col = scale.float()[:, g_idx]  # [N, K]
-        z_col = zero[:, g_idx]
-        q = torch.clamp(torch.round(w / s_col) + z_col, 0, maxq).to(torch.int64)  # [N, K]
+        s_col, z_col = scale.float()[:, g_idx], zero[:, g_idx]  # [N, K]
+        q = torch.clamp(torch.round(w / s_col) + z_col, 0, maxq).to(torch.int64)
         lin.weight.data.copy_((q - z_col).float() * s_col)
         tensors[f"{name}.qweight"] = pack_gptq_rows(q.t().contiguous(), bits)
         tensors[f"{name}.qzeros"] = pack_gptq_cols((zero - 1).t().contiguous(), bits)
@@ -486,22 +530,22 @@ def write_gptq_checkpoint(arch: str, path: Path, bits: int, group_size: int, des
           "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
           "lm_head": False}
     _save(model, tensors, qc, path, "float16")
-    return {"dense": dense, "reference": model}
+    return Fixture(path, _fp16_model(arch, seed), model)
 
 
-def write_awq_checkpoint(arch: str, path: Path, group_size: int, seed: int = 0) -> dict[str, Any]:
+def write_awq_checkpoint(arch: str, path: Path, group_size: int, seed: int = 0) -> Fixture:
     """An AWQ GEMM checkpoint (module docstring) of :func:`dense_model`: 4 bits,
     asymmetric (``zero_point: true``), RTN from each group's min/max as AutoAWQ's
     ``pseudo_quantize_tensor`` (without its activation-aware scale search):
-    ``scale = (max - min) / 15``, ``zero = clamp(-round(min / scale), 0, 15)``.
+    ``scale = (max - min) / 15`` (stored fp16), ``zero = clamp(-round(min / scale), 0, 15)``,
+    ``q = clamp(round(w / scale) + zero, 0, 15)``.
 
-    Returns like :func:`write_gptq_checkpoint`; ``quantization_config`` is
+    Reference as :func:`write_gptq_checkpoint`'s; ``quantization_config`` is
     ``{quant_method: awq, bits: 4, group_size, zero_point: true, version: gemm}``.
     """
     if arch == "mixtral":
-        raise ValueError("AWQ fixtures are for dense models here")
+        raise ValueError("AWQ fixtures are written for dense models")
     model = _fp16_model(arch, seed)
-    dense = _fp16_model(arch, seed)
     tensors: dict[str, torch.Tensor] = {}
     linears = _quantized_linears(model)
     for name, lin in linears:
@@ -525,7 +569,7 @@ def write_awq_checkpoint(arch: str, path: Path, group_size: int, seed: int = 0) 
     qc = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
           "modules_to_not_convert": None}
     _save(model, tensors, qc, path, "float16")
-    return {"dense": dense, "reference": model}
+    return Fixture(path, _fp16_model(arch, seed), model)
 
 
 def _save(model, tensors: dict[str, torch.Tensor], quantization_config: dict[str, Any], path: Path,
@@ -533,6 +577,7 @@ def _save(model, tensors: dict[str, torch.Tensor], quantization_config: dict[str
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
     model.config.save_pretrained(str(path))
@@ -544,10 +589,18 @@ def _save(model, tensors: dict[str, torch.Tensor], quantization_config: dict[str
 
 
 # ------------------------------------------------------------------------- references
-def reference_model(path: Path, scheme_name: str, dtype: torch.dtype = torch.float32):
+def reference_model(path: Path, scheme_name: str, dtype: torch.dtype = torch.float32, int8_rule: str = "vllm"):
     """transformers' model of the compressed-tensors checkpoint at ``path`` in ``dtype``
     (module docstring): the default load, or ``dequantize=True`` for asymmetric
-    pack-quantized ones; Mixtral's experts fake-quantize their inputs for ``fp8_dynamic``."""
+    pack-quantized ones; Mixtral's quantized experts fake-quantize their inputs for
+    ``fp8_dynamic``.
+
+    Args:
+        int8_rule: INT8 W8A8's dynamic activation quantization: ``vllm`` (per token,
+            ``s = amax / 127``, ``round(x / s)`` clamped to [-128, 127]: vLLM's
+            ``scaled_int8_quant`` and the engine's rule), or ``compressed-tensors`` (its own
+            fake quantization, ``s = amax / 127.5``).
+    """
     import transformers
 
     spec = CT_SCHEMES[scheme_name]
@@ -555,13 +608,35 @@ def reference_model(path: Path, scheme_name: str, dtype: torch.dtype = torch.flo
     if spec.asymmetric:
         kwargs["quantization_config"] = transformers.CompressedTensorsConfig(dequantize=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
-    if model.config.model_type == "mixtral" and spec.act_quant:
+    if spec.preset == "W8A8" and int8_rule == "vllm":
+        for module in model.modules():
+            if getattr(module, "quantization_scheme", None) is not None:
+                module.quantization_enabled = False  # compressed-tensors' activation rule off
+                module.register_forward_pre_hook(_int8_per_token_qdq)
+    elif spec.preset == "W8A8" and int8_rule != "compressed-tensors":
+        raise ValueError(f"int8_rule {int8_rule!r}: vllm or compressed-tensors")
+    experts = [layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    if experts and spec.act_quant and _experts_quantized(path):
         if spec.preset != "FP8_DYNAMIC":
-            raise ValueError(f"no Mixtral reference for {scheme_name}: transformers' experts simulate no "
-                             "activation quantization, and only per-token dynamic is re-created here")
-        for layer in model.model.layers:
-            _fake_quant_experts(layer.mlp.experts, spec.scheme().input_activations)
+            raise ValueError(f"no MoE reference for {scheme_name}: transformers' experts simulate no activation "
+                             "quantization, and only per-token dynamic FP8 is re-created here")
+        for e in experts:
+            _fake_quant_experts(e, spec.scheme().input_activations)
     return model
+
+
+def _int8_per_token_qdq(_module, args):
+    """vLLM's dynamic per-token INT8 activation quantization, quantized and dequantized."""
+    x = args[0]
+    s = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 127.0
+    return (torch.round(x / s).clamp(-128, 127) * s, *args[1:])
+
+
+def _experts_quantized(path: Path) -> bool:
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return any(".experts." in k and k.endswith(("weight_scale", "weight_packed")) for k in f.keys())  # noqa: SIM118
 
 
 def _fake_quant_experts(experts: nn.Module, input_args) -> None:
@@ -575,20 +650,20 @@ def _fake_quant_experts(experts: nn.Module, input_args) -> None:
         scale, zero = compute_dynamic_scales_and_zp(x, input_args, experts)
         return fake_quantize(x, scale, zero, input_args)
 
-    def forward(hidden_states, top_k_index, top_k_weights):
+    def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
-        inter = experts.intermediate_dim
-        for e in range(experts.num_experts):
+        inter = self.intermediate_dim
+        for e in range(self.num_experts):
             tok, slot = torch.where(top_k_index == e)
             if tok.numel() == 0:
                 continue
-            h = nn.functional.linear(qdq(hidden_states[tok]), experts.gate_up_proj[e])
-            h = experts.act_fn(h[:, :inter]) * h[:, inter:]
-            y = nn.functional.linear(qdq(h), experts.down_proj[e]) * top_k_weights[tok, slot, None]
+            h = nn.functional.linear(qdq(hidden_states[tok]), self.gate_up_proj[e])
+            h = self.act_fn(h[:, :inter]) * h[:, inter:]
+            y = nn.functional.linear(qdq(h), self.down_proj[e]) * top_k_weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 
-    experts.forward = forward
+    experts.forward = types.MethodType(forward, experts)  # bound, as compressed-tensors' offloading expects
 
 
 def logprobs(model, ids: list[int]) -> torch.Tensor:
@@ -599,14 +674,17 @@ def logprobs(model, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.double(), dim=-1).float()
 
 
-def greedy(model, batch: list[list[int]], new: int) -> list[list[int]]:
-    """transformers' greedy continuations (``new`` tokens each, EOS ignored)."""
+def greedy(model, batch: list[list[int]], new: int) -> list[tuple[list[int], torch.Tensor]]:
+    """transformers' greedy continuations (``new`` tokens each, EOS ignored), each with the
+    log-probabilities it chose from: ``(tokens, [new, vocab] fp32)``."""
     model.generation_config.eos_token_id = None
     out = []
     for ids in batch:
         t = torch.tensor([ids])
-        gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=new, do_sample=False)
-        out.append(gen[0, len(ids):].tolist())
+        gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=new, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+        steps = torch.stack([torch.log_softmax(s[0].double(), -1) for s in gen.logits]).float()
+        out.append((gen.sequences[0, len(ids):].tolist(), steps))
     return out
 
 
@@ -625,6 +703,6 @@ def safetensors_bytes(path: Path, exclude: tuple[str, ...] = ()) -> int:
     return total
 
 
-__all__ = ["ARCHS", "CT_SCHEMES", "FP8_MAX", "VOCAB", "dense_model", "greedy", "logprobs", "prompts",
-           "reference_model", "safetensors_bytes", "write_awq_checkpoint", "write_ct_checkpoint",
-           "write_gptq_checkpoint"]
+__all__ = ["ARCHS", "CT_SCHEMES", "VOCAB", "Fixture", "calibrate", "dense_model", "desc_act_g_idx", "greedy",
+           "logprobs", "prompts", "reference_model", "safetensors_bytes", "write_awq_checkpoint",
+           "write_ct_checkpoint", "write_gptq_checkpoint"]
