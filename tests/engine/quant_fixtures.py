@@ -115,10 +115,12 @@ dtype=...)``. What transformers 5.25 with compressed-tensors 0.20 does with them
 - MoE experts are 3-D tensors dequantized at load: no activation quantization on them,
   and transformers cannot read INT8 or asymmetric packed experts at all, nor dense
   experts beside packed attention (its expert converter assumes the packed scheme); FP8
-  attention with dense experts loads. For Mixtral ``fp8_dynamic`` with quantized experts
-  the reference re-runs the expert loop with compressed-tensors' ``fake_quantize`` of each
-  expert's inputs per token (:func:`reference_model`), which is what a W8A8 MoE kernel
-  computes (vLLM's per-token dynamic FP8 MoE).
+  attention with dense experts loads. For Mixtral FP8 W8A8 with quantized experts the
+  reference re-runs transformers' expert loop with compressed-tensors' ``fake_quantize`` of
+  each expert's two inputs (:func:`reference_model`): per token (``fp8_dynamic``, as vLLM's
+  dynamic FP8 MoE), or with each expert's own static ``input_scale`` (``fp8_static``; vLLM
+  instead takes the largest over a layer's experts). Note compressed-tensors' ``token``
+  strategy keeps the first two dimensions: a 2-D ``[T, H]`` input would get one scale.
 """
 
 from __future__ import annotations
@@ -592,8 +594,8 @@ def _save(model, tensors: dict[str, torch.Tensor], quantization_config: dict[str
 def reference_model(path: Path, scheme_name: str, dtype: torch.dtype = torch.float32, int8_rule: str = "vllm"):
     """transformers' model of the compressed-tensors checkpoint at ``path`` in ``dtype``
     (module docstring): the default load, or ``dequantize=True`` for asymmetric
-    pack-quantized ones; Mixtral's quantized experts fake-quantize their inputs for
-    ``fp8_dynamic``.
+    pack-quantized ones; Mixtral's experts by transformers' eager loop, fake-quantizing
+    their inputs for ``fp8_dynamic`` when they are quantized.
 
     Args:
         int8_rule: INT8 W8A8's dynamic activation quantization: ``vllm`` (per token,
@@ -605,6 +607,8 @@ def reference_model(path: Path, scheme_name: str, dtype: torch.dtype = torch.flo
 
     spec = CT_SCHEMES[scheme_name]
     kwargs: dict[str, Any] = {"dtype": dtype}
+    if json.loads((path / "config.json").read_text()).get("model_type") == "mixtral":
+        kwargs["experts_implementation"] = "eager"  # transformers' loop (its grouped_mm has no fp64)
     if spec.asymmetric:
         kwargs["quantization_config"] = transformers.CompressedTensorsConfig(dequantize=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
@@ -616,12 +620,15 @@ def reference_model(path: Path, scheme_name: str, dtype: torch.dtype = torch.flo
     elif spec.preset == "W8A8" and int8_rule != "compressed-tensors":
         raise ValueError(f"int8_rule {int8_rule!r}: vllm or compressed-tensors")
     experts = [layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    for e in experts:  # transformers' expert converter leaves them in the checkpoint's dtype
+        e.to(dtype)
     if experts and spec.act_quant and _experts_quantized(path):
-        if spec.preset != "FP8_DYNAMIC":
+        if spec.preset not in ("FP8_DYNAMIC", "FP8"):
             raise ValueError(f"no MoE reference for {scheme_name}: transformers' experts simulate no activation "
-                             "quantization, and only per-token dynamic FP8 is re-created here")
-        for e in experts:
-            _fake_quant_experts(e, spec.scheme().input_activations)
+                             "quantization, and only FP8's is re-created here")
+        scales = _expert_input_scales(path) if spec.preset == "FP8" else {}
+        for layer, e in enumerate(experts):
+            _fake_quant_experts(e, spec.scheme().input_activations, scales.get(layer))
     return model
 
 
@@ -639,16 +646,43 @@ def _experts_quantized(path: Path) -> bool:
         return any(".experts." in k and k.endswith(("weight_scale", "weight_packed")) for k in f.keys())  # noqa: SIM118
 
 
-def _fake_quant_experts(experts: nn.Module, input_args) -> None:
+def _expert_input_scales(path: Path) -> dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Static FP8 experts' input scales: layer -> expert -> (the gate/up input's, the
+    down input's); gate and up see the same input, and a fused gate/up takes the larger."""
+    from safetensors import safe_open
+
+    out: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        for layer in range(64):
+            pre = f"model.layers.{layer}.block_sparse_moe.experts"
+            e = 0
+            while f"{pre}.{e}.w1.input_scale" in names:
+                s13 = torch.maximum(f.get_tensor(f"{pre}.{e}.w1.input_scale"), f.get_tensor(f"{pre}.{e}.w3.input_scale"))
+                out.setdefault(layer, {})[e] = (s13, f.get_tensor(f"{pre}.{e}.w2.input_scale"))
+                e += 1
+    return out
+
+
+def _fake_quant_experts(experts: nn.Module, input_args, static: dict[int, tuple[torch.Tensor, torch.Tensor]] | None
+                        ) -> None:
     """Give a transformers ``MixtralExperts`` (dequantized ``gate_up_proj``/``down_proj``) a
     forward that fake-quantizes each expert's two inputs with compressed-tensors'
-    per-token dynamic ``fake_quantize`` (``compute_dynamic_scales_and_zp``)."""
+    ``fake_quantize``: per-token dynamic scales (``compute_dynamic_scales_and_zp``), or
+    each expert's own static ``input_scale`` (``static``: expert -> (gate/up's, down's))."""
     from compressed_tensors.quantization import fake_quantize
     from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
 
-    def qdq(x: torch.Tensor) -> torch.Tensor:
-        scale, zero = compute_dynamic_scales_and_zp(x, input_args, experts)
-        return fake_quantize(x, scale, zero, input_args)
+    def qdq(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        # As [1, T, H], the shape a Linear sees in transformers: compressed-tensors' "token"
+        # strategy reduces the dimensions after the first two, so a 2-D [T, H] would get
+        # one scale for all tokens.
+        x3 = x.unsqueeze(0)
+        if scale is None:
+            scale, zero = compute_dynamic_scales_and_zp(x3, input_args, experts)
+        else:
+            scale, zero = scale.to(x.dtype), torch.zeros_like(scale, dtype=x.dtype)
+        return fake_quantize(x3, scale, zero, input_args)[0]
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
@@ -657,9 +691,10 @@ def _fake_quant_experts(experts: nn.Module, input_args) -> None:
             tok, slot = torch.where(top_k_index == e)
             if tok.numel() == 0:
                 continue
-            h = nn.functional.linear(qdq(hidden_states[tok]), self.gate_up_proj[e])
+            s13, s2 = (None, None) if static is None else static[e]
+            h = nn.functional.linear(qdq(hidden_states[tok], s13), self.gate_up_proj[e])
             h = self.act_fn(h[:, :inter]) * h[:, inter:]
-            y = nn.functional.linear(qdq(h), self.down_proj[e]) * top_k_weights[tok, slot, None]
+            y = nn.functional.linear(qdq(h, s2), self.down_proj[e]) * top_k_weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 

@@ -4,8 +4,9 @@ references computed from what the quantization libraries wrote.
 Fixtures: tests/engine/quant_fixtures.py (its docstring lists every scheme, the tensors
 each writes and what transformers does with them). Cases (:data:`CASES`): every
 compressed-tensors scheme on Llama; FP8 dynamic, INT8 W8A8, W4A16 asymmetric and W8A16 on
-Qwen3; FP8 W8A8/W8A16 of Mixtral's attention (its experts left unquantized: kvpilot does
-not serve quantized experts yet, :func:`test_quantized_moe_experts_are_refused_by_name`);
+Qwen3; FP8 W8A8 (dynamic and static), FP8 W8A16 and W4A16 Mixtral with every expert
+quantized (as llm-compressor writes Mixtral) and FP8 W8A8 of its attention alone (experts
+ignored);
 GPTQ v1 4 and 8 bits with ``desc_act`` false and true; AWQ GEMM 4 bits. Models: two
 layers, hidden 128, intermediate 256, vocabulary 256, fp32.
 
@@ -32,8 +33,9 @@ act-order fixture). Two deliberate deviations, both measured:
   the whole quantization (0.81 against the dense model). The reference uses vLLM's rule on
   transformers' decompressed weights (fp64 against fp32: 0.055, mean 4.5e-4);
   :func:`test_int8_reference_rule` keeps those numbers honest.
-- Mixtral's experts: transformers dequantizes them at load and simulates no activation
-  quantization there (see the fixtures' docstring).
+- Mixtral's FP8 W8A8 experts: transformers dequantizes them at load and simulates no
+  activation quantization there; the reference adds compressed-tensors' fake quantization
+  of each expert's inputs (see the fixtures' docstring).
 
 Tolerance, per case, measured at test time from the reference against itself in another
 dtype (the numbers below are this suite's, torch 2.15 on CPU):
@@ -46,8 +48,9 @@ dtype (the numbers below are this suite's, torch 2.15 on CPU):
 - products the engine computes over bf16 activations (4-bit weights, and 8-bit weights
   with one group per row; weights.py: torch's ``_weight_int4pack_mm_for_cpu`` and
   ``_weight_int8pack_mm``): ``2 x max|ref_bf16 - ref_fp32|``, transformers' own model
-  run in bf16. Measured spreads 0.30..0.49 on Llama, 0.65..1.44 on Qwen3 (means
-  0.04..0.07); the engine's differences 0.18..0.59 (means 0.026..0.053).
+  run in bf16. Measured spreads 0.30..0.49 on Llama, 0.65..1.44 on Qwen3, 1.6 on Mixtral
+  (bf16 flips a routing choice; means 0.04..0.09); the engine's differences 0.18..0.59,
+  2.15 on Mixtral (means 0.026..0.065).
 
 Against these, the quantized references differ from their dense models by 0.4..8 (max;
 :func:`test_reference_differs_from_the_dense_model`), so a misread format fails; the
@@ -134,7 +137,9 @@ CASES = [
     *(_ct("llama", s, greedy=s in GREEDY_CT) for s in qf.CT_SCHEMES),
     _ct("qwen3", "fp8_dynamic"), _ct("qwen3", "int8_w8a8"), _ct("qwen3", "w4a16_g64_asym", greedy=True),
     _ct("qwen3", "w8a16_g32_sym"),
-    _ct("mixtral", "fp8_dynamic", greedy=True, experts=False), _ct("mixtral", "fp8_w8a16", experts=False),
+    _ct("mixtral", "fp8_dynamic", greedy=True), _ct("mixtral", "fp8_static"), _ct("mixtral", "fp8_w8a16"),
+    _ct("mixtral", "w4a16_g32_sym"),
+    _ct("mixtral", "fp8_dynamic", experts=False),
     Case("gptq", "llama", bits=4, group=128), Case("gptq", "llama", bits=4, group=32, desc_act=True, greedy=True),
     Case("gptq", "llama", bits=8, group=64), Case("gptq", "llama", bits=8, group=32, desc_act=True),
     Case("gptq", "qwen3", bits=4, group=64, desc_act=True),
@@ -399,18 +404,45 @@ def test_gptq_and_awq_packing_read_back_as_vllm_reads_it(case, tmp_path_factory)
 
 
 # ----------------------------------------------------------------------- the engine
-def _engine_weights(engine) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, bool]]:
-    """Our quantized modules: name -> (dequantized ``W`` fp32 in the matrix's column order,
-    the act-order permutation or None, whether it is served by a bf16 kernel)."""
+def _engine_weights(engine) -> dict[str, tuple[list[str], torch.Tensor, torch.Tensor | None, bool]]:
+    """Our quantized matrices: name -> (the checkpoint modules whose rows it joins, its
+    dequantized ``W`` fp32 in the matrix's column order, the act-order permutation or None,
+    whether it is served by a bf16 kernel). MoE experts appear as ``<block>.experts.E.w13``
+    (gate rows, then up) and ``.w2``."""
     from kvpilot.engine.model.layers import QuantizedLinear
+    from kvpilot.engine.model.moe import SparseMoeBlock, expert_checkpoint_names
 
-    out = {}
-    for name, m in engine.loaded.model.named_modules():
+    model = engine.loaded.model
+    found: dict[str, tuple[list[str], object]] = {}
+    for name, m in model.named_modules():
         if isinstance(m, QuantizedLinear) and m.qweight is not None:
-            w = m.qweight
-            bf16 = getattr(w, "_int4pack", None) is not None or getattr(w, "_int8", None) is not None
-            out[name] = (w.dequantize(dtype=torch.float32), getattr(w, "perm", None), bf16)
+            found[name] = (model.checkpoint_names(name), m.qweight)
+        elif isinstance(m, SparseMoeBlock) and m.quantized_experts is not None:
+            layer = int(name.split(".")[1])
+            for e, (w13, w2) in enumerate(m.quantized_experts):
+                gate, up, down = expert_checkpoint_names(layer, e)[:3]
+                found[f"{name}.experts.{e}.w13"] = ([gate, up], w13)
+                found[f"{name}.experts.{e}.w2"] = ([down], w2)
+    out = {}
+    for name, (parts, w) in found.items():
+        bf16 = getattr(w, "_int4pack", None) is not None or getattr(w, "_int8", None) is not None
+        out[name] = (parts, w.dequantize(dtype=torch.float32), getattr(w, "perm", None), bf16)
     return out
+
+
+def _reference_weight(ref: dict[str, torch.Tensor], module: str) -> torch.Tensor:
+    """The reference model's weight of checkpoint module ``module``; Mixtral's experts from
+    transformers' fused ``gate_up_proj [E, 2I, H]`` (w1 rows, then w3) and ``down_proj``
+    (or the fixture's own per-expert modules)."""
+    if f"{module}.weight" in ref:
+        return ref[f"{module}.weight"]
+    pre, e, proj = module.rsplit(".", 2)
+    fused = pre.replace(".block_sparse_moe.", ".mlp.")
+    if proj == "w2":
+        return ref[f"{fused}.down_proj"][int(e)]
+    gate_up = ref[f"{fused}.gate_up_proj"][int(e)]
+    half = gate_up.shape[0] // 2
+    return gate_up[:half] if proj == "w1" else gate_up[half:]
 
 
 def test_dequantized_weights_match_the_reference(prepared):
@@ -420,15 +452,13 @@ def test_dequantized_weights_match_the_reference(prepared):
     2**-7 of the row's largest weight (bf16 keeps 8 significant bits; a wrong code, zero
     point or group is a whole quantization step, >= 1/15 of the row's range)."""
     engine = engine_of(prepared)
-    model = engine.loaded.model
     ref = {n: t.detach().float() for n, t in prepared.ref.named_parameters()}
     ours = _engine_weights(engine)
     assert ours, "the engine built no quantized module"
     want_modules = {m for m, _, _ in _linears(prepared.case)}
     covered: set[str] = set()
-    for name, (w, perm, bf16) in ours.items():
-        parts = model.checkpoint_names(name)
-        expect = torch.cat([ref[f"{p}.weight"] for p in parts])
+    for name, (parts, w, perm, bf16) in ours.items():
+        expect = torch.cat([_reference_weight(ref, p) for p in parts])
         if perm is not None:
             expect = expect[:, perm]
         scale = expect.abs().amax(dim=1, keepdim=True)
@@ -573,19 +603,6 @@ def test_transformers_simulates_activation_quantization(tmp_path_factory):
     asym = prepare(Case("ct", "llama", "w4a16_g128_asym"), tmp_path_factory)
     with pytest.raises(RuntimeError, match=r"(?i)size mismatch|mismatch"):
         transformers.AutoModelForCausalLM.from_pretrained(str(asym.fixture.path), dtype=torch.float32)
-
-
-@pytest.mark.parametrize("scheme", ["fp8_dynamic", "w4a16_g32_sym"])
-def test_quantized_moe_experts_are_refused_by_name(scheme, tmp_path):
-    """Mixtral with its experts quantized as llm-compressor writes them (transformers
-    loads these): kvpilot does not serve quantized experts yet and refuses at load, naming
-    the first expert tensor. When it does, this becomes a parity case in :data:`CASES`."""
-    fixture = qf.write_ct_checkpoint("mixtral", scheme, tmp_path)
-    lp = qf.logprobs(qf.reference_model(tmp_path, scheme), IDS)
-    assert torch.isfinite(lp).all()
-    with pytest.raises(ValueError, match=r"block_sparse_moe\.experts\.\d+\.w\d\.weight.*quantized MoE experts are "
-                                         r"not supported yet"):
-        make_engine(fixture.path, attention_backend="torch")
 
 
 # ------------------------------------------------------------------ bad checkpoints
