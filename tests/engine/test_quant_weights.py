@@ -26,6 +26,7 @@ from kvpilot.engine.quantization.weights import (
     FP8Weight,
     Int8Weight,
     QuantizedWeightError,
+    StackedWeight,
     WNA16Weight,
     cat_rows,
     quantize_fp8_rows,
@@ -89,15 +90,28 @@ def test_wna16_rejects_shapes_that_do_not_fit():
         WNA16Weight(w.qweight, w.scales[:, :1], w.offsets, 4, 32, 64, name="m.weight")
 
 
-def test_fused_parts_join_by_rows_and_refuse_mixed_formats():
+def test_fused_parts_join_by_rows_and_mixed_formats_stack():
+    """Same-format parts become one matrix; a part in another format (a GGUF Q4_K_M
+    file's Q6_K attn_v) is multiplied by its own kernel into its columns."""
     a, da = _wna16(32, 64, 4, 32, seed=1)
     b, db = _wna16(16, 64, 4, 32, seed=2)
     joined = cat_rows([a, b], "qkv")
+    assert isinstance(joined, WNA16Weight) and joined.out_features == 48
     x = torch.randn(3, 64)
     assert _rel(joined.linear(x), x.double() @ torch.cat([da, db]).T) < 1e-5
-    c, _ = _wna16(16, 64, 8, 64, seed=3)
-    with pytest.raises(QuantizedWeightError, match="qkv: its parts are quantized differently"):
-        cat_rows([a, c], "qkv")
+    c, dc = _wna16(16, 64, 8, 64, seed=3)
+    mixed = cat_rows([a, b, c], "qkv")
+    assert isinstance(mixed, StackedWeight) and [p.out_features for p in mixed.parts] == [48, 16]
+    dense = torch.cat([da, db, dc])
+    bias = torch.randn(64)
+    assert _rel(mixed.linear(x, bias), x.double() @ dense.T + bias.double()) < 1e-5
+    assert _rel(mixed.prepare(CPU).linear(x), x.double() @ dense.T) < 1e-2
+    rows = torch.tensor([63, 0, 40, 50])
+    assert torch.allclose(mixed.dequantize(rows).double(), dense[rows], atol=1e-6)
+    assert mixed.nbytes == a.nbytes + b.nbytes + c.nbytes
+    wide, _ = _wna16(16, 128, 4, 32, seed=4)
+    with pytest.raises(QuantizedWeightError, match="qkv: parts with 64 and 128 input columns"):
+        cat_rows([a, wide], "qkv")
 
 
 def test_fp8_weights_per_channel_and_block():

@@ -151,23 +151,90 @@ class QuantizedWeight(ABC):
 
 def cat_rows(parts: Sequence[QuantizedWeight], name: str) -> QuantizedWeight:
     """One weight whose rows are ``parts``' rows in order (the fused q/k/v and gate/up
-    projections of the model files).
+    projections of the model files). Consecutive parts of one format are joined into one
+    matrix (one kernel call); parts in different formats (a GGUF Q4_K_M file's Q6_K
+    ``attn_v`` beside Q4_K ``attn_q``/``attn_k``) become a :class:`StackedWeight`.
 
     Raises:
-        QuantizedWeightError: parts of different classes or parameters ("mixed formats":
-            the fused projection has one kernel), or different ``in_features``.
+        QuantizedWeightError: parts with different ``in_features``.
     """
-    if len(parts) == 1:
-        return parts[0]
     first = parts[0]
     for p in parts[1:]:
-        if type(p) is not type(first) or p.params() != first.params():
-            raise QuantizedWeightError(
-                f"{name}: its parts are quantized differently ({first.name}: {first.describe()}; {p.name}: "
-                f"{p.describe()}); a fused projection needs one format for all its parts")
         _check(p.in_features == first.in_features, name,
                f"parts with {first.in_features} and {p.in_features} input columns cannot be fused")
-    return first.cat(parts, name)
+    runs: list[list[QuantizedWeight]] = []
+    for p in parts:
+        if runs and type(p) is type(runs[-1][0]) and p.params() == runs[-1][0].params():
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    joined = [run[0] if len(run) == 1 else run[0].cat(run, name) for run in runs]
+    return joined[0] if len(joined) == 1 else StackedWeight(joined, name)
+
+
+class StackedWeight(QuantizedWeight):
+    """Row blocks in different formats, each multiplied by its own kernel into its columns
+    of the output (a fused projection whose parts are stored in different types).
+
+    Args:
+        parts: the blocks, in row order (same ``in_features``).
+    """
+
+    format = "stacked"
+
+    def __init__(self, parts: Sequence[QuantizedWeight], name: str = "weight") -> None:
+        self.name = name
+        self.parts = list(parts)
+        self.in_features = parts[0].in_features
+        self.starts = [0]
+        for p in parts:
+            self.starts.append(self.starts[-1] + p.out_features)
+        self.out_features = self.starts[-1]
+
+    def params(self) -> tuple[object, ...]:
+        return ("stacked", *(type(p).__name__ for p in self.parts), *(p.params() for p in self.parts))
+
+    def describe(self) -> str:
+        return " + ".join(f"{p.out_features} rows of {p.describe()}" for p in self.parts)
+
+    def cat(self, parts: Sequence[QuantizedWeight], name: str) -> QuantizedWeight:
+        return StackedWeight([q for p in parts for q in (p.parts if isinstance(p, StackedWeight) else [p])], name)
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        return {}
+
+    def _replace(self, **tensors: torch.Tensor | None) -> QuantizedWeight:
+        return self
+
+    def select_rows(self, rows: torch.Tensor) -> QuantizedWeight:
+        raise QuantizedWeightError(f"{self.name}: rows of a weight stacked from several formats cannot be reordered")
+
+    def to(self, device: torch.device) -> QuantizedWeight:
+        return StackedWeight([p.to(device) for p in self.parts], self.name)
+
+    def prepare(self, device: torch.device) -> QuantizedWeight:
+        return StackedWeight([p.prepare(device) for p in self.parts], self.name)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self, rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if rows is None:
+            return torch.cat([p.dequantize(None, dtype) for p in self.parts])
+        out = torch.empty(rows.numel(), self.in_features, dtype=dtype, device=rows.device)
+        for p, start in zip(self.parts, self.starts):
+            mask = (rows >= start) & (rows < start + p.out_features)
+            if bool(mask.any()):
+                out[mask] = p.dequantize(rows[mask] - start, dtype)
+        return out
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], self.out_features)
+        for p, start in zip(self.parts, self.starts):
+            end = start + p.out_features
+            out[:, start:end] = p.linear(x, None if bias is None else bias[start:end])
+        return out
 
 
 # ----------------------------------------------------------------------------- WNA16
