@@ -342,14 +342,6 @@ def write_ct_checkpoint(arch: str, scheme_name: str, path: Path, seed: int = 0, 
     """
     import tempfile
 
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationConfig,
-        QuantizationStatus,
-        apply_quantization_config,
-    )
-    from compressed_tensors.quantization.utils import calculate_qparams
-
     spec = CT_SCHEMES[scheme_name]
     path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
@@ -357,8 +349,30 @@ def write_ct_checkpoint(arch: str, scheme_name: str, path: Path, seed: int = 0, 
     if arch == "mixtral":
         linearize_experts(model)
     stats = calibrate(model, calibration_ids()) if spec.preset == "FP8" or spec.actorder else {}
-    scheme = spec.scheme()
     ignore = ["lm_head"] + ([] if experts else ["re:.*mlp[.]experts[.].*"])
+    g_idx = quantize_in_place(model, spec, ignore, stats)
+    if spec.actorder:
+        if arch == "mixtral":
+            raise ValueError("the act-order fixture is written for dense models")
+        return Fixture(path, dense_model(arch, seed), _write_actorder(model, arch, seed, g_idx, path))
+    save_compressed(model, path)
+    return Fixture(path, dense_model(arch, seed))
+
+
+def quantize_in_place(model, spec: CTScheme, ignore: list[str],
+                      stats: dict[str, tuple[float, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``apply_quantization_config`` of ``spec`` on ``model`` (loaded with
+    ``from_pretrained``), round-to-nearest weight scales from min/max, static input scales
+    from ``stats`` (:func:`calibrate`), status frozen: what llm-compressor's ``oneshot``
+    leaves before saving. Returns the act-order ``g_idx`` per module (empty without)."""
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme = spec.scheme()
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore),
                               show_progress=False)
     g_idx: dict[str, torch.Tensor] = {}
@@ -387,15 +401,17 @@ def write_ct_checkpoint(arch: str, scheme_name: str, path: Path, seed: int = 0, 
             if hasattr(module, "input_zero_point"):
                 module.input_zero_point.data.copy_(z)
         module.quantization_status = QuantizationStatus.FROZEN
-    if spec.actorder:
-        if arch == "mixtral":
-            raise ValueError("the act-order fixture is written for dense models")
-        return Fixture(path, dense_model(arch, seed), _write_actorder(model, arch, seed, g_idx, path))
+    return g_idx
+
+
+def save_compressed(model, path: Path) -> None:
+    """Compress a model :func:`quantize_in_place` left and save it as llm-compressor does."""
+    from compressed_tensors.compressors import ModelCompressor
+
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.save_pretrained(str(path))
     compressor.update_config(str(path))
-    return Fixture(path, dense_model(arch, seed))
 
 
 def _write_actorder(model, arch: str, seed: int, g_idx: dict[str, torch.Tensor], path: Path):
