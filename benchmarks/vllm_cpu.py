@@ -429,8 +429,8 @@ class Server:
         self.engine = engine
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        common = ["--model", str(HF_DIR), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
-                  "--port", str(self.port), "--dtype", "float32", "--max-model-len", str(cfg.max_model_len),
+        common = ["--model", str(cfg.model_dir), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
+                  "--port", str(self.port), "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len),
                   "--max-num-batched-tokens", str(budget), "--max-num-seqs", str(cfg.max_num_seqs),
                   "--enable-prefix-caching"]
         if cfg.block_size:
@@ -754,7 +754,7 @@ def worker_offline(engine: str, spec: dict[str, Any]) -> dict[str, Any]:
         from kvpilot.engine.llm import LLM
         from kvpilot.engine.sampling_params import SamplingParams
 
-        llm = LLM(spec["model"], dtype="float32", device="cpu", kv_cache_memory=float(KV_CACHE_GIB), **kw)
+        llm = LLM(spec["model"], dtype=spec["dtype"], device="cpu", kv_cache_memory=float(KV_CACHE_GIB), **kw)
 
         def generate(ps: list[list[int]], n: int) -> list[list[int]]:
             res = llm.generate(ps, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
@@ -763,7 +763,7 @@ def worker_offline(engine: str, spec: dict[str, Any]) -> dict[str, Any]:
         from vllm import LLM as VLLM
         from vllm import SamplingParams as VSamplingParams
 
-        vllm = VLLM(model=spec["model"], dtype="float32", enforce_eager=True, seed=0, **kw)
+        vllm = VLLM(model=spec["model"], dtype=spec["dtype"], enforce_eager=True, seed=0, **kw)
 
         def generate(ps: list[list[int]], n: int) -> list[list[int]]:
             res = vllm.generate([{"prompt_token_ids": p} for p in ps],
@@ -783,7 +783,7 @@ def worker_offline(engine: str, spec: dict[str, Any]) -> dict[str, Any]:
 def run_offline(engine: str, sz: dict[str, Any], cfg: argparse.Namespace, seed: int) -> dict[str, Any]:
     spec = {"prompts": offline_prompts(sz, seed), "output_len": sz["off_out"], "budget": cfg.budget,
             "max_num_seqs": cfg.max_num_seqs, "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
-            "model": str(HF_DIR), "compare": sz["off_compare"]}
+            "model": str(cfg.model_dir), "dtype": cfg.dtype, "compare": sz["off_compare"]}
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="vllm-cpu-bench-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
@@ -929,6 +929,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="auto: LD_PRELOAD tcmalloc (if the system has it) and the venv's libiomp5, as vLLM's "
                          "CPU guide asks; none: vLLM's own fallback (torch's libgomp)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-dir", type=Path, default=HF_DIR,
+                    help="the HF folder both engines load (default: the converted SmolLM2; "
+                         "benchmarks/quant.py passes its quantized copies)")
+    ap.add_argument("--dtype", default="float32", help="both engines' --dtype")
     ap.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to start")
     ap.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one run may take")
     ap.add_argument("--log-dir", type=Path, default=BENCH_DIR / "logs")
@@ -974,7 +978,8 @@ def main(argv: list[str] | None = None) -> int:
         "vllm_venv": vllm_versions() if "vllm" in engines else None, "setup": setup_info,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if v is not None},
         "sizes": sz, "engines": engines, "workloads": {},
-        "settings": {"threads": 1, "dtype": "float32", "kv_cache_gib": KV_CACHE_GIB, "prefix_caching": True,
+        "settings": {"threads": 1, "dtype": args.dtype, "model_dir": str(args.model_dir),
+                     "kv_cache_gib": KV_CACHE_GIB, "prefix_caching": True,
                      "vllm_enforce_eager": True, "vllm_env": vllm_settings},
     }
     log(f"{info['cpu']} x{info['cpu_count']}, load {os.getloadavg()}, vLLM {payload['vllm_venv']}, "

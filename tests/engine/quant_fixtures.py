@@ -255,6 +255,8 @@ CT_SCHEMES: dict[str, CTScheme] = {
     "fp8_w8a16": CTScheme(weights=dict(num_bits=8, type="float", strategy="channel", symmetric=True,
                                        dynamic=False)),
     "int8_w8a8": CTScheme(preset="W8A8"),
+    "w8a16_channel": CTScheme(weights=dict(num_bits=8, type="int", strategy="channel", symmetric=True,
+                                           dynamic=False)),
     **{f"w{b}a16_g{g}_{'sym' if s else 'asym'}": _wna16(b, g, s)
        for b in (4, 8) for g in (32, 64, 128) for s in (True, False)},
     "w4a16_g32_actorder": _wna16(4, 32, True, actorder=True),

@@ -261,7 +261,7 @@ def expected_parts(case: Case, n: int, k: int) -> dict[str, tuple[torch.dtype, t
         return {"weight": (torch.int8, (n, k)), "weight_scale": (f32, (n, 1))}
     w = spec.weights
     assert w is not None
-    bits, g = w["num_bits"], w["group_size"]
+    bits, g = w["num_bits"], w.get("group_size") or k  # channel: one group per row
     parts = {"weight_packed": (torch.int32, (n, k * bits // 32)), "weight_scale": (f32, (n, k // g)),
              "weight_shape": (torch.int64, (2,))}
     if not w["symmetric"]:
