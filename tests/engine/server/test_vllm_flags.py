@@ -101,8 +101,6 @@ def test_every_no_op_of_the_table_is_accepted():
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill", "always chunks prefills"),
     (["--enable-log-requests"], "--enable-log-requests", "does not log requests"),
     (["--fully-sharded-loras"], "--fully-sharded-loras", "fully sharded LoRA"),
-    (["--quantization", "awq"], "--quantization awq", "quantized weights are not supported"),
-    (["-q", "gptq"], "-q gptq", "quantized weights are not supported"),
     (["--speculative-config", '{"method": "ngram"}'], '--speculative-config {"method": "ngram"}',
      "speculative decoding"),
     (["--max-logprobs", "-1"], "--max-logprobs -1", "fixed at 20"),
@@ -118,8 +116,6 @@ def test_a_switch_given_a_value_and_a_flag_missing_its_value():
     assert refused(["--pipeline-parallel-size"]) == [
         ("--pipeline-parallel-size", "needs a value (1 is accepted)")]
     assert refused(["--swap-space", "--port", "9000"]) == [("--swap-space", "needs a value")]
-    [(arg, why)] = refused(["--quantization"])
-    assert arg == "--quantization" and "quantized weights" in why
 
 
 def test_unknown_flags_are_refused_with_a_hint_and_their_value_is_not_the_model():
@@ -134,12 +130,12 @@ def test_unknown_flags_are_refused_with_a_hint_and_their_value_is_not_the_model(
 
 def test_every_bad_flag_is_named_in_one_message():
     argv = ["Qwen/Qwen2.5-0.5B", "--pipeline-parallel-size", "2", "--enforce-eager", "--foo",
-            "--port", "8000", "--quantization=awq", "--no-enable-chunked-prefill"]
+            "--port", "8000", "--speculative-model=m", "--no-enable-chunked-prefill"]
     with pytest.raises(VLLMFlagError) as info:
         split_vllm_flags(argv)
     msg = str(info.value)
     assert msg.startswith("4 flags cannot be honoured: --pipeline-parallel-size 2 (pipeline parallelism")
-    for part in ("--foo (not a kvpilot flag", "--quantization=awq (quantized",
+    for part in ("--foo (not a kvpilot flag", "--speculative-model=m (speculative",
                  "--no-enable-chunked-prefill (kvpilot always chunks"):
         assert part in msg
     assert "--enforce-eager" not in msg and "--port" not in msg
