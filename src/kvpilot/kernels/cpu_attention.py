@@ -46,9 +46,10 @@ from .kv4 import kv4_format
 log = logging.getLogger("kvpilot.engine")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-# One extension: the paged decode attention and the fused layer ops
-# (:mod:`kvpilot.kernels.cpu_layer_ops`) of ``csrc/layer_ops_cpu.cpp``.
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp")
+# One extension: the paged decode attention, the fused layer ops
+# (:mod:`kvpilot.kernels.cpu_layer_ops`) of ``csrc/layer_ops_cpu.cpp`` and the WNA16 GEMM
+# (:mod:`kvpilot.kernels.cpu_quant_gemm`) of ``csrc/quant_gemm_cpu.cpp``.
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "quant_gemm_cpu.cpp")
 HEADERS = (CSRC / "cpu_math.h",)
 # -fno-trapping-math / -fno-math-errno: no FP exception or errno is ever read, and without
 # them GCC keeps a branch per clamp or sqrt and leaves the exp loops scalar.
