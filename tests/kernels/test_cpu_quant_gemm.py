@@ -100,6 +100,20 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch(bits, group):
         assert torch.equal(wna16_gemm(x[rows], q, s, o, bits, group), full[rows]), rows
 
 
+def test_the_thread_count_does_not_change_a_bit():
+    """Each output row is one work item's, summed in one order: 1 and 2 threads agree."""
+    q, s, o, _ = make(2000, 576, 4, 32, torch.float16)  # enough work for the pool
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(9))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = wna16_gemm(x, q, s, o, 4, 32)
+        torch.set_num_threads(2)
+        assert torch.equal(wna16_gemm(x, q, s, o, 4, 32), one)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_empty_inputs():
     q, s, o, _ = make(16, 64, 4, 32, torch.float32)
     assert wna16_gemm(torch.zeros(0, 64), q, s, o, 4, 32).shape == (0, 16)
@@ -116,7 +130,7 @@ def test_bad_input_is_refused_by_the_kernel():
         wna16_gemm(x, q, s[:, :1], o[:, :1], 4, 32)
     with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
         wna16_gemm(x, q, s, o, 2, 32)
-    with pytest.raises(RuntimeError, match="qweight must be contiguous uint8"):
+    with pytest.raises(RuntimeError, match="qweight must be contiguous uint8"):  # the dtype
         wna16_gemm(x, q.to(torch.int8), s, o, 4, 32)
     with pytest.raises(RuntimeError, match="scales must be float32, bfloat16 or float16"):
         wna16_gemm(x, q, s.double(), o.double(), 4, 32)

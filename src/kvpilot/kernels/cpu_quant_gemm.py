@@ -28,7 +28,7 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, off
     Args:
         x: ``[M, K]`` float32 or bfloat16 (other float dtypes are converted to float32).
         qweight: uint8 ``[N, K // 2]`` (4 bits: column ``2j`` in byte ``j``'s low nibble,
-            ``2j + 1`` in its high one) or ``[N, K]`` (8 bits), contiguous.
+            ``2j + 1`` in its high one) or ``[N, K]`` (8 bits).
         scales, offsets: ``[N, K // group_size]``, one of float32/bfloat16/float16.
         bits: 4 or 8; group_size: divides ``K`` (multiples of 32 take the vectorized
             path, any other size a slower one).
@@ -46,6 +46,6 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, off
     if offsets.dtype != scales.dtype:
         offsets = offsets.to(scales.dtype)
     out = torch.empty(x.shape[0], qweight.shape[0], dtype=torch.float32)
-    torch.ops.kvpilot_cpu.wna16_gemm_cpu(out, x, qweight, scales.contiguous(), offsets.contiguous(), int(bits),
-                                         int(group_size))
+    torch.ops.kvpilot_cpu.wna16_gemm_cpu(out, x, qweight.contiguous(), scales.contiguous(), offsets.contiguous(),
+                                         int(bits), int(group_size))
     return out
