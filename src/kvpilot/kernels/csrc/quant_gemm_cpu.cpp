@@ -55,7 +55,6 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -285,15 +284,12 @@ void rows_block(const Tile& t, int64_t r0, int64_t r1) {
 
 template <int BITS>
 void rows_tokens(const Tile& t, int64_t rows, int64_t mb) {
+  static_assert(kMaxTokens == 4, "one case per token count up to kMaxTokens");
   switch (mb) {
     case 1: rows_block<BITS, 1>(t, 0, rows); break;
     case 2: rows_block<BITS, 2>(t, 0, rows); break;
     case 3: rows_block<BITS, 3>(t, 0, rows); break;
-    case 4: rows_block<BITS, 4>(t, 0, rows); break;
-    case 5: rows_block<BITS, 5>(t, 0, rows); break;
-    case 6: rows_block<BITS, 6>(t, 0, rows); break;
-    case 7: rows_block<BITS, 7>(t, 0, rows); break;
-    default: rows_block<BITS, 8>(t, 0, rows); break;
+    default: rows_block<BITS, 4>(t, 0, rows); break;
   }
 }
 
@@ -430,7 +426,7 @@ void wna16_gemm_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& qwei
   }
   const bool vec = vector_path(bits, group_size);
   // The activations as the kernel reads them: fp32 [M, K], permuted per 32 columns for
-  // the 4-bit vector paths. At most 32 x K floats for a decode step.
+  // the 4-bit vector paths (a copy the size of x; none for fp32 x otherwise).
   at::Tensor xf;
   if (vec && bits == 4) {
     xf = at::empty({M, K}, x.options().dtype(at::kFloat));
