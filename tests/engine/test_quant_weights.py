@@ -1,10 +1,10 @@
 """The quantized layouts' products and the checkpoint config reader, without a model.
 
-- Each layout's CPU product (torch's int4/int8 weight-only kernels after ``prepare``, the
-  int32 product of INT8 W8A8, the dequantize-a-tile path) against ``x @ W.T`` of the
-  dequantized matrix computed here independently, in float64: within what the compute
-  dtype allows (bf16 activations and scales on the int4/int8 kernels: 1e-2 relative;
-  fp32 tiles: 1e-5).
+- Each layout's CPU product (the C++ WNA16 GEMM, or torch's int4/int8 weight-only kernels
+  after ``prepare`` where the C++ kernels do not load, the int32 product of INT8 W8A8, the
+  dequantize-a-tile path) against ``x @ W.T`` of the dequantized matrix computed here
+  independently, in float64: within what the compute dtype allows (bf16 activations and
+  scales on the int4/int8 kernels: 1e-2 relative; the C++ GEMM and fp32 tiles: 1e-5).
 - ``quantization_config`` values outside the supported formats are refused naming the
   key and value; ``--quantization`` that contradicts the checkpoint is refused.
 - A quantized module missing a part, or a part whose shape does not fit, is refused
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kvpilot.engine.model.config import UnsupportedModelError
+from kvpilot.engine.quantization import weights as weights_mod
 from kvpilot.engine.quantization.checkpoint import convert, group_quantized
 from kvpilot.engine.quantization.config import LinearScheme, read_quantization
 from kvpilot.engine.quantization.weights import (
@@ -70,6 +71,51 @@ def test_wna16_products_match_the_dequantized_matrix(n, k, bits, group):
     # prepare() never changes the canonical weight it came from
     assert _rel(w.linear(x), want) < 1e-5
     assert p.nbytes <= w.nbytes * 1.15
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, 256), (4, 128)])
+def test_wna16_on_cpu_keeps_the_canonical_layout_for_the_cpp_gemm(bits, group, monkeypatch):
+    """Where the C++ CPU kernels load, ``prepare`` keeps the canonical tensors and
+    ``linear`` runs the exact fp32 GEMM up to ``SMALL_M`` rows (a row's bits do not depend
+    on its batch); more rows take the fp32 tiles, bf16 activations give bf16 back, and
+    the embedding lookup still dequantizes rows."""
+    if not weights_mod._cpu_kernels():
+        pytest.skip("the C++ CPU kernels do not build here")
+    w, dense = _wna16(80, 256, bits, group)  # 80 rows: no multiple of 16 or 64
+    p = w.prepare(CPU)
+    assert isinstance(p, WNA16Weight) and p._int4pack is None and p._int8 is None
+    assert p.nbytes == w.nbytes
+    import kvpilot.kernels.cpu_quant_gemm as gemm_mod
+
+    calls = []
+    real = gemm_mod.wna16_gemm
+    monkeypatch.setattr(gemm_mod, "wna16_gemm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(2))
+    bias = torch.randn(80)
+    want = x.double() @ dense.T
+    full = p.linear(x)
+    assert _rel(full, want) < 1e-5 and calls == [9]
+    assert torch.equal(p.linear(x[4:5]), full[4:5])
+    assert _rel(p.linear(x, bias), want + bias.double()) < 1e-5
+    got = p.linear(x.to(torch.bfloat16))
+    assert got.dtype == torch.bfloat16 and _rel(got, x.to(torch.bfloat16).double() @ dense.T) < 1e-2
+    rows = torch.tensor([0, 79, 40])
+    assert torch.allclose(p.dequantize(rows).double(), dense[rows], atol=1e-6)
+    monkeypatch.setattr(weights_mod, "SMALL_M", 8)
+    calls.clear()
+    assert _rel(p.linear(x), want) < 1e-5 and calls == []  # 9 rows > 8: the fp32 tiles
+
+
+def test_wna16_without_the_cpu_kernels_uses_torchs_kernels(monkeypatch):
+    """No compiler and nothing prebuilt: ``prepare`` repacks for torch's int4/int8
+    kernels as before (bf16 activations and scales)."""
+    monkeypatch.setattr(weights_mod, "_cpu_kernels", lambda: False)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4))
+    for bits, group, packed in ((4, 32, "_int4pack"), (8, 256, "_int8")):
+        w, dense = _wna16(64, 256, bits, group)
+        p = w.prepare(CPU)
+        assert getattr(p, packed) is not None and p.qweight.numel() == 0
+        assert _rel(p.linear(x), x.double() @ dense.T) < 1e-2
 
 
 def test_wna16_act_order_permutes_the_input():

@@ -105,7 +105,7 @@ def test_nothing_prebuilt_fits_and_no_compiler_falls_back_to_torch(tmp_path, mon
 def test_a_prebuilt_level_loads_in_a_fresh_process_without_compiling(tmp_path):
     """Build x86-64-v3 only (the image builds every level; one keeps this under a minute),
     then a new process with no compiler on PATH loads it and runs a decode that matches
-    the torch reference."""
+    the torch reference, and WNA16 products (this level's AVX2 tiles) that match float64."""
     ok, why = cpu_attention.available()
     if not ok:
         pytest.skip(f"no C++ toolchain to build the kernels here: {why}")
@@ -131,6 +131,19 @@ sl = torch.tensor([40, 7], dtype=torch.int32)
 got = cpu_attention.paged_decode_attention(q, kc, vc, bt, sl, 0.125)
 want = reference.paged_decode_attention(q, kc, vc, bt, sl, 0.125)
 print("max-diff", float((got - want).abs().max()))
+from kvpilot.kernels.cpu_quant_gemm import wna16_gemm  # the AVX2 tiles of this level
+rels = []
+for bits in (4, 8):
+    codes = torch.randint(0, 1 << bits, (40, 256), dtype=torch.uint8)
+    s, o = (torch.rand(40, 8) * 0.05 + 0.01).half(), -torch.rand(40, 8).half()
+    w = (codes.double().view(40, 8, 32) * s.double()[..., None] + o.double()[..., None]).view(40, 256)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous() if bits == 4 else codes
+    for m in (1, 2, 5, 11):
+        x = torch.randn(m, 256)
+        ref = x.double() @ w.T
+        got = wna16_gemm(x, packed, s, o, bits, 32)
+        rels.append(float((got.double() - ref).abs().max() / ref.abs().max()))
+print("wna16-rel", float(torch.tensor(rels).max()))  # NaN stays NaN
 """
     env = {**os.environ, cpu_attention.PREBUILT_ENV: str(out), "CXX": "/nonexistent/c++",
            "KVPILOT_CACHE_DIR": str(tmp_path / "empty-cache")}
@@ -138,5 +151,6 @@ print("max-diff", float((got - want).abs().max()))
                             text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "CPU kernels: prebuilt x86-64-v3 from" in result.stdout
-    assert float(result.stdout.split("max-diff")[1]) < 1e-4
+    assert float(result.stdout.split("max-diff")[1].split()[0]) < 1e-4
+    assert float(result.stdout.split("wna16-rel")[1]) < 1e-5
     assert not (tmp_path / "empty-cache").exists()  # nothing was compiled

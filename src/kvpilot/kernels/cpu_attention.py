@@ -16,7 +16,7 @@ Two ways to get the compiled library, tried in this order by :func:`load`:
    With ``$KVPILOT_CPU_KERNELS_DIR=DIR`` the best level this CPU's flags allow is loaded
    as it is: no compiler, no build, no writable cache. A manifest built from another
    source or torch version, or a CPU that runs none of the levels, is logged and skipped.
-2. **Built here**: :func:`torch.utils.cpp_extension.load` (g++, ``-O3 -march=native``) into
+2. **Built here**: :func:`torch.utils.cpp_extension.load` (g++, ``-O3 -march=native -fopenmp``) into
    ``$KVPILOT_CACHE_DIR/cpu_kernels`` (default ``~/.cache/kvpilot``), once per machine;
    the build directory is keyed by a hash of the source, the torch version, the compiler
    and the CPU's flags, so a cache copied to another CPU is never loaded there.
@@ -46,13 +46,20 @@ from .kv4 import kv4_format
 log = logging.getLogger("kvpilot.engine")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-# One extension: the paged decode attention and the fused layer ops
-# (:mod:`kvpilot.kernels.cpu_layer_ops`) of ``csrc/layer_ops_cpu.cpp``.
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp")
+# One extension: the paged decode attention, the fused layer ops
+# (:mod:`kvpilot.kernels.cpu_layer_ops`) of ``csrc/layer_ops_cpu.cpp`` and the WNA16 GEMM
+# (:mod:`kvpilot.kernels.cpu_quant_gemm`) of ``csrc/quant_gemm_cpu.cpp``.
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "quant_gemm_cpu.cpp")
 HEADERS = (CSRC / "cpu_math.h",)
 # -fno-trapping-math / -fno-math-errno: no FP exception or errno is ever read, and without
 # them GCC keeps a branch per clamp or sqrt and leaves the exp loops scalar.
-CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno"]
+# -fopenmp: at::parallel_for is inlined from ATen's headers as an `omp parallel` region
+# (torch's CPU builds use OpenMP), which a translation unit compiled without it ignores:
+# every work loop then ran on one thread whatever torch.set_num_threads said. Compile
+# only: the GOMP_* calls resolve, when the library is loaded, to the libgomp libtorch_cpu
+# already loaded (linking -fopenmp would bring the system's second OpenMP runtime, whose
+# threads then compete with torch's: 2-thread calls were 20 times slower, measured).
+CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp"]
 EXTENSION = "kvpilot_cpu_attention"
 # Where prebuilt kernels live (``kvpilot build-kernels --out DIR``); unset: build here.
 PREBUILT_ENV = "KVPILOT_CPU_KERNELS_DIR"

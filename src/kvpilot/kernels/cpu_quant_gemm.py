@@ -1,0 +1,51 @@
+"""Grouped-integer (WNA16) weight GEMM for few activation rows on CPU (C++,
+``csrc/quant_gemm_cpu.cpp``).
+
+``x @ W.T`` for ``W`` in :class:`kvpilot.engine.quantization.weights.WNA16Weight`'s
+canonical layout (4- or 8-bit unsigned codes, a scale and an offset per group of
+columns), with every weight dequantized exactly in fp32 in registers and fp32
+accumulation: the result is ``x @ dequantize(W).T`` up to summation order, and a row's
+result does not depend on the other rows of ``x`` (batch invariant). Made for decode
+steps (1 to a few dozen rows), which are bound by reading the weights: each row of codes
+is read once per call. Built and cached with the other CPU kernels by
+:func:`kvpilot.kernels.cpu_attention.load`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cpu_attention import load
+
+X_DTYPES = (torch.float32, torch.bfloat16)
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
+               group_size: int) -> torch.Tensor:
+    """``x @ W.T`` with ``W[n, k] = q[n, k] * scales[n, k // g] + offsets[n, k // g]``.
+
+    Args:
+        x: ``[M, K]`` float32 or bfloat16 (other float dtypes are converted to float32).
+        qweight: uint8 ``[N, K // 2]`` (4 bits: column ``2j`` in byte ``j``'s low nibble,
+            ``2j + 1`` in its high one) or ``[N, K]`` (8 bits).
+        scales, offsets: ``[N, K // group_size]``, one of float32/bfloat16/float16.
+        bits: 4 or 8; group_size: divides ``K`` (multiples of 32 take the vectorized
+            path, any other size a slower one).
+    Returns:
+        a new ``[M, N]`` float32 tensor.
+    Raises:
+        RuntimeError: the kernels are unavailable, or shapes, dtypes or layouts as above
+            not met (the message names the tensor).
+    """
+    load()
+    if x.dtype not in X_DTYPES:
+        x = x.float()
+    if x.dim() != 2 or x.stride(-1) != 1:
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    if offsets.dtype != scales.dtype:
+        offsets = offsets.to(scales.dtype)
+    out = torch.empty(x.shape[0], qweight.shape[0], dtype=torch.float32)
+    torch.ops.kvpilot_cpu.wna16_gemm_cpu(out, x, qweight.contiguous(), scales.contiguous(), offsets.contiguous(),
+                                         int(bits), int(group_size))
+    return out
