@@ -14,7 +14,7 @@ whose decode steps read more weight bytes than the caches hold. Each is quantize
 llm-compressor's ``oneshot`` writes it, with compressed-tensors' own code
 (``tests/engine/quant_fixtures.py``, round-to-nearest from min/max, ``lm_head`` left
 unquantized): ``int8_w8a8`` (INT8 W8A8: per-channel int8 weights, dynamic per-token int8
-activations), ``w4a16`` (4-bit, group 128, symmetric), ``w8a16`` (8-bit per channel,
+activations), ``w4a16`` (4-bit, group 64: SmolLM2's hidden 576 is no multiple of 128; symmetric), ``w8a16`` (8-bit per channel,
 symmetric), ``fp8`` (FP8 W8A8 dynamic). And ``smollm2/gguf``: the embedded SmolLM2 GGUF
 (Q4_1 layers, Q8_0 embedding and tied head) kept quantized, against the SmolLM2 fp32 folder,
 which is that file dequantized.
@@ -58,7 +58,7 @@ import vllm_cpu as vc  # noqa: E402
 QUANT_DIR = vc.BENCH_DIR / "quant"
 SCHEMES = ("int8_w8a8", "w4a16", "w8a16", "fp8")
 # The fixtures' scheme names (tests/engine/quant_fixtures.py CT_SCHEMES).
-FIXTURE_SCHEME = {"int8_w8a8": "int8_w8a8", "w4a16": "w4a16_g128_sym", "w8a16": "w8a16_channel",
+FIXTURE_SCHEME = {"int8_w8a8": "int8_w8a8", "w4a16": "w4a16_g64_sym", "w8a16": "w8a16_channel",
                   "fp8": "fp8_dynamic"}
 WIDE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=6,
             num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
