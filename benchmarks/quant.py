@@ -93,7 +93,6 @@ def quantized_folder(model: str, scheme: str) -> Path:
         return path
     import torch
     import transformers
-
     from tests.engine import quant_fixtures as qf
 
     src = dense_folder(model)
@@ -225,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         summary[key] = entry
     payload["summary"] = summary
     path = write_result(out, payload)
-    print(f"\n| checkpoint | weights MiB | vs file | " + " | ".join(f"step ms b{b} (x fp32)" for b in batches) + " |")
+    print("\n| checkpoint | weights MiB | vs file | " + " | ".join(f"step ms b{b} (x fp32)" for b in batches) + " |")
     print("|---|---|---|" + "---|" * len(batches))
     for key, e in summary.items():
         cells = " | ".join(f"{e[f'step_ms_b{b}']} ({e[f'speedup_b{b}']}x)" for b in batches)
