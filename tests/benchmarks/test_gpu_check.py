@@ -20,7 +20,7 @@ def test_smoke_run_passes_every_section_and_writes_results(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["smoke"] and set(summary["sections"]) == {"env", "kernel_tests", "decode_bench", "decode_tune", "engine", "moe",
-                                                            "lora"}
+                                                            "lora", "quant_gemm"}
     assert all(r["ok"] for r in summary["sections"].values())
     tests = summary["sections"]["kernel_tests"]
     assert tests["failed"] == 0 and tests["passed"] >= 7

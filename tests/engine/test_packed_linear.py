@@ -8,7 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpilot.engine.model.layers import PackedLinear, can_pack_linears, probe_batch_invariance
+from kvpilot.engine.model.layers import (
+    PackedLinear,
+    QuantizedLinear,
+    can_pack_linears,
+    probe_batch_invariance,
+)
 
 needs_onednn = pytest.mark.skipif(not can_pack_linears(torch.device("cpu"), torch.float32),
                                   reason="this torch build has no oneDNN weight packing")
@@ -53,12 +58,17 @@ def test_the_probe_passes_a_row_local_product_and_catches_a_batch_dependent_one(
 
 @needs_onednn
 def test_the_loaded_model_is_packed_and_says_whether_it_is_batch_invariant(smollm2):
-    """On fp32 CPU every projection and the tied LM head are packed; the flag set at load
-    agrees with a wider check of the packed products (more row counts than the probe)."""
+    """On fp32 CPU no plain ``nn.Linear`` is left: the embedded GGUF's projections and its
+    tied LM head stay quantized (the head is the quantized embedding's table), anything
+    dense would be packed; ``packed_bytes`` counts both. The flag set at load agrees with a
+    wider check of the head's products (more row counts than the probe)."""
     model = smollm2.model
     assert not [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    assert isinstance(model.packed_head, PackedLinear)
-    assert model.packed_bytes == sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))
+    assert isinstance(model.packed_head, (PackedLinear, QuantizedLinear))
+    quantized = [m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+    assert quantized, "the embedded GGUF serves its weights quantized"
+    assert model.packed_bytes == sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear)) \
+        + sum(m.nbytes for m in quantized)
     g = torch.Generator().manual_seed(7)
     head = model.packed_head
     x = torch.randn(200, head.in_features, generator=g)

@@ -135,7 +135,7 @@ def build_model(
                     p.normal_(0.0, 0.02, generator=gen)
     else:
         assert source is not None
-        weights = iter_weights(source, config, gguf_file)
+        weights = iter_weights(source, config, gguf_file, keep_quantized=quant is not None)
         if quant is not None and source.kind != "gguf":  # GGUF yields its quantized weights itself
             weights = group_quantized(weights, quant, quantized_names)
         model.load_weights(weights if tp is None else shard_weights(weights, config, tp.rank, size))
@@ -292,8 +292,14 @@ def plan_load(args: EngineArgs) -> LoadPlan:
     check_tensor_parallel(config, args.tensor_parallel_size)
     quant = load_quantization(source, gguf_file, args.quantization, args.load_format)
     if quant is not None and args.tensor_parallel_size > 1:
-        raise UnsupportedModelError(f"--tensor-parallel-size {args.tensor_parallel_size} with quantized weights "
-                                    f"({quant.summary()}) is not supported yet; use 1")
+        if source.kind != "gguf":
+            raise UnsupportedModelError(f"--tensor-parallel-size {args.tensor_parallel_size} with quantized weights "
+                                        f"({quant.summary()}) is not supported yet; use 1")
+        # A GGUF file can be read dequantized: its ranks hold their slices in the model dtype.
+        logger.warning("--tensor-parallel-size %d: tensor parallelism over quantized weights is not supported "
+                       "yet, so the GGUF file is dequantized at load (%s)", args.tensor_parallel_size,
+                       quant.summary())
+        quant = None
     if args.skip_tokenizer_init or (source.kind == "preset" and args.tokenizer is None):
         tokenizer = None  # token ids in and out
     else:

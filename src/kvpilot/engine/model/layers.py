@@ -403,6 +403,9 @@ def probe_batch_invariance(model: nn.Module, rows: int = 40, seed: int = 0) -> t
             products.setdefault((m.in_features, m.out_features), (local, m.weight))
         elif isinstance(m, PackedLinear):
             products.setdefault((m.in_features, m.out_features), (m.matmul, m.packed))
+        elif isinstance(m, QuantizedLinear) and m.qweight is not None:
+            ref = next(model.parameters())  # the model's device and dtype: x's
+            products.setdefault((m.in_features, m.out_features), (m.local, ref))
     embed = getattr(model, "embed_tokens", None)
     if isinstance(embed, (nn.Embedding, VocabParallelEmbedding)) and getattr(model, "lm_head", None) is None and getattr(model, "packed_head", None) is None:
         head: torch.Tensor = embed.weight  # a tied head left unpacked: F.linear over the embedding table
