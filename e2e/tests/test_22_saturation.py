@@ -111,12 +111,17 @@ def test_a_busy_fleet_with_an_empty_cache_keeps_its_replicas(cluster, namespace)
         print(f"e2e saturation: latency view {latency}, signals {status['signals']}")
         assert latency["histograms"] is True and latency["itlObserved"] > 0, latency
         assert latency["prefillRate"] > 0 and latency["prefillComputed"] is not None, latency
-        # Each read window is 3 s: the ITL p90 is there in every one, the hit rate in those
+        # Each read window is 3 s: the ITL p90 is there in (nearly) every one, the hit rate in those
         # where a request started (none is "no lookups", absent, never 0), and never the
         # TTFT p90 (a request lasts ~30 s on this node, so a window holds one or two first
         # tokens, under the 10 its quantile needs).
         print(f"e2e saturation: (ITL p90, hit rate) under load: {latency_signals}")
-        assert all(itl is not None and itl > 0 for itl, _ in latency_signals), latency_signals
+        # A decode step longer than the 3 s read window (seen on a loaded two-core node:
+        # p90s near 2 s) leaves that one window without an ITL; the signal must be there in
+        # nine windows of ten, and every value read must be a real latency.
+        itls = [itl for itl, _ in latency_signals]
+        assert sum(itl is not None for itl in itls) >= 0.9 * len(itls), latency_signals
+        assert all(itl > 0 for itl in itls if itl is not None), latency_signals
         rates = [rate for _, rate in latency_signals if rate is not None]
         assert rates and all(0 <= rate <= 1 for rate in rates), latency_signals
         finished = _finished(cluster, namespace)
