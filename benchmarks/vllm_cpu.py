@@ -191,15 +191,45 @@ def ensure_hf_model() -> float:
     return took
 
 
+def dense_state_dict(model: Any) -> dict[str, Any]:
+    """A model's weights as dense fp32 tensors by parameter name: GGUF layers kept
+    quantized (``QuantizedLinear``, ``QuantizedEmbedding``) dequantized to ``<name>.weight``."""
+    from kvpilot.engine.model.layers import QuantizedEmbedding, QuantizedLinear
+
+    out = {}
+    inner = {f"{n}.inner" for n, m in model.named_modules() if isinstance(m, QuantizedEmbedding)}
+    for name, module in model.named_modules():
+        if name in inner:  # read as its embedding's weight
+            continue
+        prefix = f"{name}." if name else ""
+        if isinstance(module, QuantizedEmbedding):
+            module = module.inner
+        if isinstance(module, QuantizedLinear):
+            assert module.qweight is not None, name
+            out[f"{prefix}weight"] = module.qweight.dequantize()
+            if module.bias is not None:
+                out[f"{prefix}bias"] = module.bias.detach()
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            out[f"{prefix}{pname}"] = p.detach()
+    return out
+
+
 def check_same_weights(gguf: Path, folder: Path) -> None:
-    """kvpilot loaded from the GGUF and from the converted folder: identical tensors."""
+    """kvpilot loaded from the GGUF (kept quantized, dequantized here) and from the
+    converted fp32 folder: identical tensors."""
+    from unittest import mock
+
     import torch
 
+    from kvpilot.engine import model_runner
     from kvpilot.engine.config import EngineArgs
-    from kvpilot.engine.model_runner import load_model
 
-    a = load_model(EngineArgs(model=str(gguf), device="cpu", dtype="float32")).model.state_dict()
-    b = load_model(EngineArgs(model=str(folder), device="cpu", dtype="float32")).model.state_dict()
+    # without oneDNN's packed copies, whose blocked layout cannot be read back
+    with mock.patch.object(model_runner, "can_pack_linears", lambda *_: False):
+        a = dense_state_dict(model_runner.load_model(EngineArgs(model=str(gguf), device="cpu", dtype="float32")).model)
+        b = dense_state_dict(model_runner.load_model(EngineArgs(model=str(folder), device="cpu",
+                                                                dtype="float32")).model)
     if a.keys() != b.keys():
         raise RuntimeError(f"different parameter names: {sorted(a.keys() ^ b.keys())[:10]}")
     bad = [k for k in a if not torch.equal(a[k], b[k])]

@@ -66,6 +66,7 @@ def test_an_image_step_past_its_bound_fails_naming_it(monkeypatch):
     assert prepare._step("router", lambda: "ref", timings) == "ref"
 
 
+@pytest.mark.tools  # images.Builder checks for buildah, debootstrap and gcc
 def test_a_failed_build_step_fails_with_its_log_tail(tmp_path):
     with images.Builder(tmp_path) as builder:
         with pytest.raises(images.ImageBuildError, match=r"(?s)slow failed \(still running after 0 s.*started"):
@@ -102,6 +103,7 @@ def _fake_ctr(tmp_path: Path, monkeypatch, names: str) -> list[str]:
     return [str(ctr), "--address", "sock", "--namespace", "k8s.io"]
 
 
+@pytest.mark.tools  # images.Builder checks for buildah, debootstrap and gcc
 def test_an_import_makes_one_image_record_by_its_repository(tmp_path, monkeypatch):
     ref = "docker.io/kvpilot/engine:e2e-0123456789abcdef"
     ctr = _fake_ctr(tmp_path, monkeypatch, ref)
@@ -114,6 +116,7 @@ def test_an_import_makes_one_image_record_by_its_repository(tmp_path, monkeypatc
     assert "--index-name" not in imports[0]
 
 
+@pytest.mark.tools  # images.Builder checks for buildah, debootstrap and gcc
 def test_an_import_that_names_nothing_is_an_error(tmp_path, monkeypatch):
     ref = "docker.io/kvpilot/router:e2e-0123456789abcdef"
     ctr = _fake_ctr(tmp_path, monkeypatch, "")
