@@ -5,6 +5,7 @@ offline throughput against vLLM's CPU build on the same checkpoint.
     .venv/bin/python benchmarks/quant.py                      # memory + step time, 3 rounds
     .venv/bin/python benchmarks/quant.py --vllm               # + offline vs vLLM (INT8 W8A8)
     .venv/bin/python benchmarks/quant.py --quick              # smoke test
+    .venv/bin/python benchmarks/quant.py --memory-only        # resident bytes only (quant_memory.json)
 
 Checkpoints (written once under ``.bench/quant/``): the SmolLM2-135M HF folder of
 ``benchmarks/vllm_cpu.py`` (fp32; its embedding is tied, so its LM head stays fp32 in every
@@ -159,6 +160,19 @@ def decode_step_ms(engine, batch: int, steps: int, seed: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def head_copy_bytes(model: Any) -> int:
+    """Bytes of the oneDNN-packed copy of a tied, unquantized embedding that serves as the
+    LM head on CPU (the embedding keeps its table for the lookup: two copies, as vLLM's CPU
+    backend keeps them, ``dispatch_cpu_unquantized_gemm(remove_weight=False)``); 0 when the
+    head is untied, quantized or not packed."""
+    from kvpilot.engine.model.layers import PackedLinear
+
+    head = getattr(model, "packed_head", None)
+    if getattr(model, "lm_head", "untied") is None and isinstance(head, PackedLinear):
+        return int(head.nbytes)
+    return 0
+
+
 def measure(label: str, folder: Path, batches: list[int], steps: int, seed: int) -> dict[str, Any]:
     import torch
 
@@ -167,8 +181,18 @@ def measure(label: str, folder: Path, batches: list[int], steps: int, seed: int)
     engine = make_engine(folder, max(batches))
     load_s = time.monotonic() - t0
     res: dict[str, Any] = {"load_s": round(load_s, 1), "weight_bytes": engine.loaded.weight_bytes,
-                           "file_tensor_bytes": file_tensor_bytes(folder)}
+                           "file_tensor_bytes": file_tensor_bytes(folder),
+                           "head_copy_bytes": head_copy_bytes(engine.loaded.model)}
     res["bytes_ratio"] = round(res["weight_bytes"] / res["file_tensor_bytes"], 3)
+    res["bytes_ratio_without_head_copy"] = round(
+        (res["weight_bytes"] - res["head_copy_bytes"]) / res["file_tensor_bytes"], 3)
+    if not batches:
+        log(f"{label}: weights {res['weight_bytes'] / 2**20:.1f} MiB ({res['bytes_ratio']}x the file's "
+            f"{res['file_tensor_bytes'] / 2**20:.1f} MiB; {res['bytes_ratio_without_head_copy']}x without the "
+            f"tied head's packed copy)")
+        del engine
+        gc.collect()
+        return res
     decode_step_ms(engine, 1, 3, seed + 99)  # warm-up
     res["step_ms"] = {str(b): round(decode_step_ms(engine, b, steps, seed + b), 2) for b in batches}
     log(f"{label}: weights {res['weight_bytes'] / 2**20:.1f} MiB ({res['bytes_ratio']}x the file's "
@@ -187,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-rounds", type=int, default=3)
     ap.add_argument("--vllm-dtype", default="bfloat16")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="resident bytes only, one load per checkpoint (quant_memory.json)")
     args = ap.parse_args(argv)
 
     from common import machine_info, write_result
@@ -203,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
                                "rounds": [], "summary": {}}
     folders = {m: {"fp32": dense_folder(m), **{s: quantized_folder(m, s) for s in schemes}} for m in models}
     gguf = embedded_model_path()
+    if args.memory_only:
+        memory = {f"{m}/{label}": measure(f"{m}/{label}", folder, [], 0, 0)
+                  for m in models for label, folder in folders[m].items()}
+        memory["smollm2/gguf"] = measure("smollm2/gguf", gguf, [], 0, 0)
+        print(f"results: {write_result('quant_memory', {'machine': machine_info(), 'memory': memory})}")
+        return 0
     for r in range(rounds):
         row: dict[str, Any] = {}
         for m in models:

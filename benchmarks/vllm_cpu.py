@@ -959,7 +959,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="auto: LD_PRELOAD tcmalloc (if the system has it) and the venv's libiomp5, as vLLM's "
                          "CPU guide asks; none: vLLM's own fallback (torch's libgomp)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model-dir", type=Path, default=HF_DIR,
+    ap.add_argument("--model-dir", type=lambda p: Path(p).resolve(), default=HF_DIR,
                     help="the HF folder both engines load (default: the converted SmolLM2; "
                          "benchmarks/quant.py passes its quantized copies)")
     ap.add_argument("--dtype", default="float32", help="both engines' --dtype")

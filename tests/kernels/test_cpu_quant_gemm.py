@@ -3,7 +3,11 @@ here in float64 from the codes: 4 and 8 bits, groups 32/64/128 (the vectorized p
 and sizes it does not take (the per-row path), fp32/bf16/fp16 scales, fp32 and bf16
 activations, 1 to 32 rows, ``N`` not a multiple of any tile. fp32 dequantization and
 accumulation: 1e-5 relative (the bound is summation order, about 1e-7 here). A row's
-result is the same bits alone or in any batch; bad input is refused by the kernel."""
+result is the same bits alone or in any batch; bad input is refused by the kernel.
+
+And the INT8 W8A8 passes around ``torch._int_mm`` (per-token activation quantization and
+the scale epilogue): the same bits as their torch formulation in
+``engine/quantization/weights.py``, on the 16-lane and the scalar tails."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ ok, why = cpu_attention.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"no C++ toolchain for the CPU kernels here: {why}")
 
 if ok:
+    from kvpilot.kernels import cpu_quant_gemm as cq
     from kvpilot.kernels.cpu_quant_gemm import wna16_gemm
 
 TOL = 1e-5
@@ -134,3 +139,38 @@ def test_bad_input_is_refused_by_the_kernel():
         wna16_gemm(x, q.to(torch.int8), s, o, 4, 32)
     with pytest.raises(RuntimeError, match="scales must be float32, bfloat16 or float16"):
         wna16_gemm(x, q, s.double(), o.double(), 4, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 576, 1536), (7, 70, 33), (40, 64, 48)])
+@pytest.mark.parametrize("static", [None, 0.037])
+def test_int8_passes_give_the_bits_of_the_torch_formulation(dtype, shape, static):
+    from kvpilot.engine.quantization.weights import quantize_int8_rows
+
+    t, k, n = shape
+    gen = torch.Generator().manual_seed(t * k + n)
+    x = (torch.randn(t, k, generator=gen) * torch.rand(t, 1, generator=gen) * 5).to(dtype)
+    x[0, :3] = 0.0
+    if t > 2:
+        x[1] = 0.0  # an all-zero row: the scale's 1e-10 floor
+        x[2, 5] = 1e-3 * float(x[2].abs().max())  # and a value that rounds to zero
+    want_q, want_s = quantize_int8_rows(x, static)
+    got_q, got_s = cq.int8_quantize_rows(x, static)
+    assert torch.equal(got_q, want_q) and torch.equal(got_s, want_s)
+    if static is None:
+        assert int(got_q.abs().amax(-1).min()) == 127 or t > 2  # the largest |x| maps to 127
+    w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    sw = torch.rand(n, generator=gen) * 0.01
+    acc = want_q.int() @ w.t().int()
+    want = (acc.float() * want_s * sw[None, :]).to(dtype)
+    got = cq.int8_scale(acc, got_s, sw, dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_int8_passes_refuse_bad_input():
+    with pytest.raises(RuntimeError, match="x must be float32, bfloat16 or float16"):
+        cq.int8_quantize_rows(torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="acc must be a contiguous int32"):
+        cq.int8_scale(torch.zeros(2, 4), torch.ones(2, 1), torch.ones(4), torch.float32)
+    with pytest.raises(RuntimeError, match="sw must be a contiguous float32 \\[N\\]"):
+        cq.int8_scale(torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, 1), torch.ones(3), torch.float32)

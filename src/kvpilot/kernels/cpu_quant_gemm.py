@@ -49,3 +49,44 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, off
     torch.ops.kvpilot_cpu.wna16_gemm_cpu(out, x, qweight.contiguous(), scales.contiguous(), offsets.contiguous(),
                                          int(bits), int(group_size))
     return out
+
+
+def int8_quantize_rows(x: torch.Tensor, input_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of activation rows in one pass per row: the bits of
+    :func:`kvpilot.engine.quantization.weights.quantize_int8_rows`.
+
+    Args:
+        x: ``[T, K]`` float32, bfloat16 or float16 (CPU).
+        input_scale: a static scale (> 0), or None for one per row, ``max |x[t]| / 127``
+            (at least ``1e-10 / 127``).
+    Returns:
+        ``(x_q [T, K] int8, scales [T, 1] float32)`` with ``x ~= x_q * scales``; ``x_q`` is
+        ``round_half_even(x / s)`` clamped to ``[-128, 127]``.
+    Raises:
+        RuntimeError: the kernels are unavailable, or a dtype/layout as above not met.
+    """
+    load()
+    if x.dim() != 2 or x.stride(-1) != 1:
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    xq = torch.empty(x.shape, dtype=torch.int8)
+    scales = torch.empty(x.shape[0], 1, dtype=torch.float32)
+    torch.ops.kvpilot_cpu.int8_quantize_rows_cpu(xq, scales, x, float(input_scale or 0.0))
+    return xq, scales
+
+
+def int8_scale(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The INT8 W8A8 epilogue: ``(acc.float() * sx) * sw`` rounded to ``dtype``, one pass.
+
+    Args:
+        acc: ``[T, N]`` int32 from ``torch._int_mm``; sx: ``[T, 1]`` (or ``[T]``) float32
+            activation scales; sw: ``[N]`` float32 weight scales.
+        dtype: float32, bfloat16 or float16.
+    Returns:
+        a new ``[T, N]`` tensor of ``dtype``.
+    Raises:
+        RuntimeError: the kernels are unavailable, or shapes/dtypes as above not met.
+    """
+    load()
+    out = torch.empty(acc.shape, dtype=dtype)
+    torch.ops.kvpilot_cpu.int8_scale_cpu(out, acc.contiguous(), sx.reshape(-1).contiguous(), sw.contiguous())
+    return out

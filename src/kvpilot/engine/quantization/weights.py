@@ -719,9 +719,16 @@ class Int8Weight(QuantizedWeight):
             out: torch.Tensor = int8_gemm(x.contiguous(), self.weight, self.weight_scale, input_scale=scale,
                                           bias=bias, out_dtype=x.dtype)
             return out
-        xq, sx = quantize_int8_rows(x, self.input_scale)
-        acc = torch._int_mm(xq, self.weight.t())  # [T, N] int32, exact
-        y = (acc.float() * sx * self.weight_scale[None, :]).to(x.dtype)
+        if x.device.type == "cpu" and x.dim() == 2 and _cpu_kernels():
+            # the same bits as below, one pass (and one allocation) each side of the product
+            from kvpilot.kernels import cpu_quant_gemm as cq
+
+            xq, sx = cq.int8_quantize_rows(x, self.input_scale)
+            y = cq.int8_scale(torch._int_mm(xq, self.weight.t()), sx, self.weight_scale, x.dtype)
+        else:
+            xq, sx = quantize_int8_rows(x, self.input_scale)
+            acc = torch._int_mm(xq, self.weight.t())  # [T, N] int32, exact
+            y = (acc.float() * sx * self.weight_scale[None, :]).to(x.dtype)
         if bias is not None:
             y += bias.to(y.dtype)
         return y

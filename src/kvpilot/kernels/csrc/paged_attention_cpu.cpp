@@ -270,6 +270,24 @@ struct Scratch {
   std::vector<float> q, acc, row, logits;
 };
 
+// Software prefetch of KV head h's rows in the page `table[b]` (if the context reaches
+// it): a page's rows for one head are Hkv rows apart and the pages follow the block
+// table, not the address order, so the hardware prefetchers lose the stream at every
+// page; the kernel's time went to waiting on these loads (a bf16 decode over 64 x 350
+// tokens: 5.8 ms with shuffled pages, 3.0 ms with consecutive ones, before).
+inline void prefetch_block(const Problem& P, const uint8_t* base, const uint8_t* groups, const int32_t* table,
+                           int64_t b, int64_t end, int64_t h) {
+  const int64_t bs = P.block_size;
+  if (b * bs >= end) return;
+  const int64_t first = static_cast<int64_t>(table[b]) * bs * P.Hkv + h;
+  const int64_t rows = std::min(bs, end - b * bs);
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint8_t* row = base + (first + i * P.Hkv) * P.row_bytes;
+    for (int64_t c = 0; c < P.row_bytes; c += 64) __builtin_prefetch(row + c, 0, 3);
+    if (groups != nullptr) __builtin_prefetch(groups + (first + i * P.Hkv) * (P.D / 16), 0, 3);
+  }
+}
+
 // One (sequence s, KV head h): the G query heads' outputs into `w.acc` [G, D],
 // normalised and scaled. `q` holds the G query rows in fp32 [G, D]. The query sits at
 // position len - 1; with a sliding window W it sees keys start = max(0, len - W) ..
@@ -289,6 +307,7 @@ void attend(const Problem& P, int64_t s, int64_t h, Scratch& w) {
   for (int64_t t = start; t < end;) {
     const int64_t b = t / bs, off = t % bs, n = std::min(bs - off, end - t);
     int64_t r = (static_cast<int64_t>(table[b]) * bs + off) * Hkv + h;
+    prefetch_block(P, P.key, P.key_groups, table, b + 1, end, h);
     for (int64_t i = 0; i < n; ++i, ++t, r += Hkv) {
       const float* k = read_row<K, DC>(P.key, r, P.row_bytes, P.key_groups, D, row);
       dots<DC>(q, k, G, D, logits + (t - start), len);
@@ -320,6 +339,7 @@ void attend(const Problem& P, int64_t s, int64_t h, Scratch& w) {
   for (int64_t t = start; t < end;) {
     const int64_t b = t / bs, off = t % bs, n = std::min(bs - off, end - t);
     int64_t r = (static_cast<int64_t>(table[b]) * bs + off) * Hkv + h;
+    prefetch_block(P, P.value, P.value_groups, table, b + 1, end, h);
     for (int64_t i = 0; i < n; ++i, ++t, r += Hkv) {
       const float* v = read_row<K, DC>(P.value, r, P.row_bytes, P.value_groups, D, row);
       for (int64_t g = 0; g < G; ++g) axpy<DC>(acc + g * D, logits[g * len + (t - start)], v, D);

@@ -53,6 +53,8 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
+#include <type_traits>
 #include <bit>
 #include <cstdint>
 #include <vector>
@@ -457,12 +459,159 @@ void wna16_gemm_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& qwei
   }
 }
 
+// ---------------------------------------------------------------------------- INT8 W8A8
+// The two elementwise passes around torch._int_mm for INT8 W8A8 weights, each one pass
+// over a row instead of one pass (and one allocation) per torch operator. Both give the
+// bits of the torch formulation in weights.py (quantize_int8_rows; the scale epilogue of
+// Int8Weight.linear): the same fp32 operations in the same order (no contraction is
+// possible: no operation is an add), round-half-to-even as torch.round, and c10's
+// round-to-nearest-even conversion to the output dtype.
+
+template <typename T>
+inline float in_f(T v) { return static_cast<float>(v); }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// float32 and bfloat16 rows take 16-lane paths (the same operations as the scalar loop).
+template <typename T>
+constexpr bool kVecRows = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is exact: the bits shifted up
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// fp32 -> bf16 rounded to nearest even, c10::BFloat16's rule (NaN -> 0x7FC0).
+inline void store16(c10::BFloat16* p, __m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+#else
+template <typename T>
+constexpr bool kVecRows = false;
+#endif
+
+// xq[t, k] = clamp(nearbyint(x[t, k] / s[t]), -128, 127) with
+// s[t] = max(max_k |x[t, k]|, 1e-10) / 127 (dynamic per token) or static_scale (> 0).
+void int8_quantize_rows_cpu(at::Tensor& xq, at::Tensor& scales, const at::Tensor& x, double static_scale) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "int8_quantize_rows_cpu: x must be [T, K] with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
+  TORCH_CHECK(xq.scalar_type() == at::kChar && xq.is_contiguous() && xq.size(0) == M && xq.size(1) == K,
+              "int8_quantize_rows_cpu: xq must be a contiguous int8 [T, K]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == M,
+              "int8_quantize_rows_cpu: scales must be a contiguous float32 [T]");
+  const float fixed = static_cast<float>(static_scale);
+  auto go = [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    int8_t* qp = xq.data_ptr<int8_t>();
+    float* sp = scales.data_ptr<float>();
+    at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const T* __restrict xr = xp + t * xs;
+        int8_t* __restrict qr = qp + t * K;
+        float sc = fixed;
+        if (!(fixed > 0.0f) && !kVecRows<T>) {
+          float amax = 0.0f;
+          for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(in_f(xr[k])));
+          sc = std::max(amax, 1e-10f) / 127.0f;
+        }
+        sp[t] = sc;
+        int64_t k0 = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+          if (!(fixed > 0.0f)) {  // the row's |x| max, 16 lanes at a time (max is exact in any order)
+            __m512 vmax = _mm512_setzero_ps();
+            for (; k0 + 16 <= K; k0 += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(xr + k0)));
+            float amax = _mm512_reduce_max_ps(vmax);
+            for (; k0 < K; ++k0) amax = std::max(amax, std::fabs(in_f(xr[k0])));
+            sp[t] = sc = std::max(amax, 1e-10f) / 127.0f;
+            k0 = 0;
+          }
+          const __m512 vs = _mm512_set1_ps(sc), lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
+          for (; k0 + 16 <= K; k0 += 16) {
+            __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16(xr + k0), vs),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + k0), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+          }
+        }
+#endif
+        for (int64_t k = k0; k < K; ++k) {
+          const float v = std::nearbyint(in_f(xr[k]) / sc);
+          qr[k] = static_cast<int8_t>(std::min(std::max(v, -128.0f), 127.0f));
+        }
+      }
+    });
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: go(float{}); break;
+    case at::kBFloat16: go(c10::BFloat16{}); break;
+    case at::kHalf: go(c10::Half{}); break;
+    default: TORCH_CHECK(false, "int8_quantize_rows_cpu: x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  }
+}
+
+// out[t, n] = (float(acc[t, n]) * sx[t]) * sw[n], rounded to out's dtype.
+void int8_scale_cpu(at::Tensor& out, const at::Tensor& acc, const at::Tensor& sx, const at::Tensor& sw) {
+  TORCH_CHECK(acc.scalar_type() == at::kInt && acc.dim() == 2 && acc.is_contiguous(),
+              "int8_scale_cpu: acc must be a contiguous int32 [T, N]");
+  const int64_t M = acc.size(0), N = acc.size(1);
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == M && out.size(1) == N,
+              "int8_scale_cpu: out must be a contiguous [T, N] like acc");
+  TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.numel() == M,
+              "int8_scale_cpu: sx must be a contiguous float32 [T]");
+  TORCH_CHECK(sw.scalar_type() == at::kFloat && sw.is_contiguous() && sw.numel() == N,
+              "int8_scale_cpu: sw must be a contiguous float32 [N]");
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* xp = sx.data_ptr<float>();
+  const float* wp = sw.data_ptr<float>();
+  auto go = [&](auto tag) {
+    using T = decltype(tag);
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const int32_t* __restrict ar = ap + t * N;
+        T* __restrict orow = op + t * N;
+        const float st = xp[t];
+        int64_t n0 = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+          const __m512 vst = _mm512_set1_ps(st);
+          for (; n0 + 16 <= N; n0 += 16) {
+            const __m512 acc16 = _mm512_cvtepi32_ps(_mm512_loadu_si512(ar + n0));
+            store16(orow + n0, _mm512_mul_ps(_mm512_mul_ps(acc16, vst), _mm512_loadu_ps(wp + n0)));
+          }
+        }
+#endif
+        for (int64_t n = n0; n < N; ++n) orow[n] = static_cast<T>((static_cast<float>(ar[n]) * st) * wp[n]);
+      }
+    });
+  };
+  switch (out.scalar_type()) {
+    case at::kFloat: go(float{}); break;
+    case at::kBFloat16: go(c10::BFloat16{}); break;
+    case at::kHalf: go(c10::Half{}); break;
+    default: TORCH_CHECK(false, "int8_scale_cpu: out must be float32, bfloat16 or float16, got ", out.scalar_type());
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvpilot_cpu, m) {
   m.def(
       "wna16_gemm_cpu(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor offsets, int bits, "
       "int group_size) -> ()");
+  m.def("int8_quantize_rows_cpu(Tensor(a!) xq, Tensor(b!) scales, Tensor x, float static_scale) -> ()");
+  m.def("int8_scale_cpu(Tensor(a!) out, Tensor acc, Tensor sx, Tensor sw) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvpilot_cpu, CPU, m) { m.impl("wna16_gemm_cpu", &wna16_gemm_cpu); }
+TORCH_LIBRARY_IMPL(kvpilot_cpu, CPU, m) {
+  m.impl("wna16_gemm_cpu", &wna16_gemm_cpu);
+  m.impl("int8_quantize_rows_cpu", &int8_quantize_rows_cpu);
+  m.impl("int8_scale_cpu", &int8_scale_cpu);
+}
