@@ -288,6 +288,86 @@ inline void prefetch_block(const Problem& P, const uint8_t* base, const uint8_t*
   }
 }
 
+#if defined(__AVX512F__)
+// 16 values of an fp32 or bf16 cache row as fp32 (bf16 -> fp32 is exact: the bits shifted up).
+template <Kind K>
+inline __m512 load16(const uint8_t* p) {
+  if constexpr (K == kFloat32) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// Pass 1 for GC query heads g0 .. g0 + GC - 1: logits[g][t] = q_g . k_t with the GC
+// query rows in registers and each K row converted once, in registers (not through the
+// row buffer). Lane i of the 16-lane sum holds what dots()' two 8-lane FMA chains hold
+// (lanes 0-7 the first chain, 8-15 the second) and the two halves are added and summed
+// as there: the same bits as dots().
+template <Kind K, int DC, int GC>
+void logits_k(const Problem& P, const int32_t* table, int64_t start, int64_t end, int64_t h, const float* q,
+              float* logits, int64_t len, int64_t g0) {
+  constexpr int NV = DC / 16;
+  constexpr int64_t kBytes16 = K == kFloat32 ? 64 : 32;
+  __m512 qv[GC][NV];
+  for (int gi = 0; gi < GC; ++gi)
+    for (int j = 0; j < NV; ++j) qv[gi][j] = _mm512_loadu_ps(q + (g0 + gi) * DC + j * 16);
+  const int64_t bs = P.block_size, Hkv = P.Hkv;
+  float* lg = logits + g0 * len - start;
+  for (int64_t t = start; t < end;) {
+    const int64_t b = t / bs, off = t % bs, n = std::min(bs - off, end - t);
+    int64_t r = (static_cast<int64_t>(table[b]) * bs + off) * Hkv + h;
+    prefetch_block(P, P.key, nullptr, table, b + 1, end, h);
+    for (int64_t i = 0; i < n; ++i, ++t, r += Hkv) {
+      const uint8_t* row = P.key + r * P.row_bytes;
+      __m512 k[NV];
+      for (int j = 0; j < NV; ++j) k[j] = load16<K>(row + j * kBytes16);
+      for (int gi = 0; gi < GC; ++gi) {
+        __m512 a = _mm512_mul_ps(qv[gi][0], k[0]);
+        for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(qv[gi][j], k[j], a);
+        const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+        lg[gi * len + t] = hsum256(halves);
+      }
+    }
+  }
+}
+
+// Pass 2 for GC query heads g0 .. g0 + GC - 1 of a group: acc_g = sum_t p[g][t] v_t with
+// the GC x DC accumulators in registers and each V row converted once for the GC heads
+// (the generic loop kept them in memory: a load and a store per head and token, and a
+// store-to-load chain through every token). The same FMA per value in the same token
+// order as that loop (which the compiler contracts to FMAs): the same bits.
+template <Kind K, int DC, int GC>
+void accumulate_v(const Problem& P, const int32_t* table, int64_t start, int64_t end, int64_t h,
+                  const float* logits, int64_t len, float* acc, int64_t g0) {
+  constexpr int NV = DC / 16;
+  constexpr int64_t kBytes16 = K == kFloat32 ? 64 : 32;
+  __m512 a[GC][NV];
+  for (int gi = 0; gi < GC; ++gi)
+    for (int j = 0; j < NV; ++j) a[gi][j] = _mm512_setzero_ps();
+  const int64_t bs = P.block_size, Hkv = P.Hkv;
+  const float* lg = logits + g0 * len - start;
+  for (int64_t t = start; t < end;) {
+    const int64_t b = t / bs, off = t % bs, n = std::min(bs - off, end - t);
+    int64_t r = (static_cast<int64_t>(table[b]) * bs + off) * Hkv + h;
+    prefetch_block(P, P.value, nullptr, table, b + 1, end, h);
+    for (int64_t i = 0; i < n; ++i, ++t, r += Hkv) {
+      const uint8_t* row = P.value + r * P.row_bytes;
+      __m512 v[NV];
+      for (int j = 0; j < NV; ++j) v[j] = load16<K>(row + j * kBytes16);
+      for (int gi = 0; gi < GC; ++gi) {
+        const __m512 p = _mm512_set1_ps(lg[gi * len + t]);
+        for (int j = 0; j < NV; ++j) a[gi][j] = _mm512_fmadd_ps(p, v[j], a[gi][j]);
+      }
+    }
+  }
+  for (int gi = 0; gi < GC; ++gi)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + (g0 + gi) * DC + j * 16, a[gi][j]);
+}
+#endif
+
 // One (sequence s, KV head h): the G query heads' outputs into `w.acc` [G, D],
 // normalised and scaled. `q` holds the G query rows in fp32 [G, D]. The query sits at
 // position len - 1; with a sliding window W it sees keys start = max(0, len - W) ..
@@ -304,6 +384,19 @@ void attend(const Problem& P, int64_t s, int64_t h, Scratch& w) {
   float* row = w.row.data();
   const float* q = w.q.data();
   // Pass 1: logits[g][t] = q_g . k_t, K read from its page.
+#if defined(__AVX512F__)
+  if constexpr ((K == kFloat32 || K == kBFloat16) && DC > 0 && DC % 16 == 0) {
+    constexpr int64_t kChunk = DC == 64 ? 4 : (DC == 128 ? 2 : 1);
+    for (int64_t g0 = 0; g0 < G; g0 += kChunk) {
+      switch (std::min(kChunk, G - g0)) {
+        case 4: logits_k<K, DC, 4>(P, table, start, end, h, q, logits, len, g0); break;
+        case 3: logits_k<K, DC, 3>(P, table, start, end, h, q, logits, len, g0); break;
+        case 2: logits_k<K, DC, 2>(P, table, start, end, h, q, logits, len, g0); break;
+        default: logits_k<K, DC, 1>(P, table, start, end, h, q, logits, len, g0); break;
+      }
+    }
+  } else
+#endif
   for (int64_t t = start; t < end;) {
     const int64_t b = t / bs, off = t % bs, n = std::min(bs - off, end - t);
     int64_t r = (static_cast<int64_t>(table[b]) * bs + off) * Hkv + h;
@@ -335,6 +428,20 @@ void attend(const Problem& P, int64_t s, int64_t h, Scratch& w) {
   }
   // Pass 2: acc_g = sum_t p[g][t] v_t, V read from its page.
   float* acc = w.acc.data();
+#if defined(__AVX512F__)
+  if constexpr ((K == kFloat32 || K == kBFloat16) && DC > 0 && DC % 16 == 0) {
+    constexpr int64_t kChunk = DC == 64 ? 4 : (DC == 128 ? 2 : 1);
+    for (int64_t g0 = 0; g0 < G; g0 += kChunk) {
+      switch (std::min(kChunk, G - g0)) {
+        case 4: accumulate_v<K, DC, 4>(P, table, start, end, h, logits, len, acc, g0); break;
+        case 3: accumulate_v<K, DC, 3>(P, table, start, end, h, logits, len, acc, g0); break;
+        case 2: accumulate_v<K, DC, 2>(P, table, start, end, h, logits, len, acc, g0); break;
+        default: accumulate_v<K, DC, 1>(P, table, start, end, h, logits, len, acc, g0); break;
+      }
+    }
+  } else
+#endif
+  {
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = start; t < end;) {
     const int64_t b = t / bs, off = t % bs, n = std::min(bs - off, end - t);
@@ -344,6 +451,7 @@ void attend(const Problem& P, int64_t s, int64_t h, Scratch& w) {
       const float* v = read_row<K, DC>(P.value, r, P.row_bytes, P.value_groups, D, row);
       for (int64_t g = 0; g < G; ++g) axpy<DC>(acc + g * D, logits[g * len + (t - start)], v, D);
     }
+  }
   }
   for (int64_t g = 0; g < G; ++g) {
     const float norm = P.v_mult / den[g];
