@@ -178,7 +178,7 @@ def measure(label: str, folder: Path, batches: list[int], steps: int, seed: int)
 
     torch.set_num_threads(2)
     t0 = time.monotonic()
-    engine = make_engine(folder, max(batches))
+    engine = make_engine(folder, max(batches, default=1))
     load_s = time.monotonic() - t0
     res: dict[str, Any] = {"load_s": round(load_s, 1), "weight_bytes": engine.loaded.weight_bytes,
                            "file_tensor_bytes": file_tensor_bytes(folder),
