@@ -186,17 +186,12 @@ def measure(label: str, folder: Path, batches: list[int], steps: int, seed: int)
     res["bytes_ratio"] = round(res["weight_bytes"] / res["file_tensor_bytes"], 3)
     res["bytes_ratio_without_head_copy"] = round(
         (res["weight_bytes"] - res["head_copy_bytes"]) / res["file_tensor_bytes"], 3)
-    if not batches:
-        log(f"{label}: weights {res['weight_bytes'] / 2**20:.1f} MiB ({res['bytes_ratio']}x the file's "
-            f"{res['file_tensor_bytes'] / 2**20:.1f} MiB; {res['bytes_ratio_without_head_copy']}x without the "
-            f"tied head's packed copy)")
-        del engine
-        gc.collect()
-        return res
-    decode_step_ms(engine, 1, 3, seed + 99)  # warm-up
-    res["step_ms"] = {str(b): round(decode_step_ms(engine, b, steps, seed + b), 2) for b in batches}
+    if batches:
+        decode_step_ms(engine, 1, 3, seed + 99)  # warm-up
+        res["step_ms"] = {str(b): round(decode_step_ms(engine, b, steps, seed + b), 2) for b in batches}
     log(f"{label}: weights {res['weight_bytes'] / 2**20:.1f} MiB ({res['bytes_ratio']}x the file's "
-        f"{res['file_tensor_bytes'] / 2**20:.1f} MiB), step ms {res['step_ms']}")
+        f"{res['file_tensor_bytes'] / 2**20:.1f} MiB; {res['bytes_ratio_without_head_copy']}x without the tied "
+        f"head's packed copy)" + (f", step ms {res['step_ms']}" if batches else ""))
     del engine
     gc.collect()
     return res

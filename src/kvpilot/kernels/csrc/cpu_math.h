@@ -1,8 +1,13 @@
-// Scalar math shared by the CPU kernels, written so that a loop calling it vectorizes.
+// Math shared by the CPU kernels: scalar functions written so that a loop calling them
+// vectorizes, and the bf16 vector load.
 #pragma once
 
 #include <bit>
 #include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace kvpilot_cpu {
 
@@ -28,5 +33,13 @@ inline float exp_poly(float v) {
   y = y * v * v + v + 1.0f;
   return y * std::bit_cast<float>((n + 127) << 23);
 }
+
+#if defined(__AVX512F__)
+// 16 bf16 values at p as fp32 (exact: a bf16 is the high half of an fp32's bits).
+inline __m512 load_bf16x16(const void* p) {
+  const __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
 
 }  // namespace kvpilot_cpu

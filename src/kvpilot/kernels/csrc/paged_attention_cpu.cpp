@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -288,6 +289,21 @@ inline void prefetch_block(const Problem& P, const uint8_t* base, const uint8_t*
   }
 }
 
+// f(r, t) for the context's tokens t = start .. end - 1 in order, r the row of token t
+// and KV head h in the cache viewed as [num_blocks * block_size * Hkv, row_bytes];
+// prefetches each next page's rows of `base` (and `groups`, if any) on entering a page.
+template <typename F>
+inline void for_each_row(const Problem& P, const uint8_t* base, const uint8_t* groups, const int32_t* table,
+                         int64_t start, int64_t end, int64_t h, F&& f) {
+  const int64_t bs = P.block_size, Hkv = P.Hkv;
+  for (int64_t t = start; t < end;) {
+    const int64_t b = t / bs, off = t % bs, n = std::min(bs - off, end - t);
+    int64_t r = (static_cast<int64_t>(table[b]) * bs + off) * Hkv + h;
+    prefetch_block(P, base, groups, table, b + 1, end, h);
+    for (int64_t i = 0; i < n; ++i, ++t, r += Hkv) f(r, t);
+  }
+}
+
 #if defined(__AVX512F__)
 // 16 values of an fp32 or bf16 cache row as fp32 (bf16 -> fp32 is exact: the bits shifted up).
 template <Kind K>
@@ -295,8 +311,22 @@ inline __m512 load16(const uint8_t* p) {
   if constexpr (K == kFloat32) {
     return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
   } else {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return kvpilot_cpu::load_bf16x16(p);
+  }
+}
+
+// f(std::integral_constant<int, GC>{}, g0) for the G heads of a group in chunks of GC <=
+// 4 (head_dim 64) or 2 (128): as many heads as the 32 vector registers hold at once.
+template <int DC, typename F>
+inline void for_head_chunks(int64_t G, F&& f) {
+  constexpr int64_t kChunk = DC == 64 ? 4 : (DC == 128 ? 2 : 1);
+  for (int64_t g0 = 0; g0 < G; g0 += kChunk) {
+    switch (std::min(kChunk, G - g0)) {
+      case 4: f(std::integral_constant<int, 4>{}, g0); break;
+      case 3: f(std::integral_constant<int, 3>{}, g0); break;
+      case 2: f(std::integral_constant<int, 2>{}, g0); break;
+      default: f(std::integral_constant<int, 1>{}, g0); break;
+    }
   }
 }
 
@@ -313,25 +343,19 @@ void logits_k(const Problem& P, const int32_t* table, int64_t start, int64_t end
   __m512 qv[GC][NV];
   for (int gi = 0; gi < GC; ++gi)
     for (int j = 0; j < NV; ++j) qv[gi][j] = _mm512_loadu_ps(q + (g0 + gi) * DC + j * 16);
-  const int64_t bs = P.block_size, Hkv = P.Hkv;
   float* lg = logits + g0 * len - start;
-  for (int64_t t = start; t < end;) {
-    const int64_t b = t / bs, off = t % bs, n = std::min(bs - off, end - t);
-    int64_t r = (static_cast<int64_t>(table[b]) * bs + off) * Hkv + h;
-    prefetch_block(P, P.key, nullptr, table, b + 1, end, h);
-    for (int64_t i = 0; i < n; ++i, ++t, r += Hkv) {
-      const uint8_t* row = P.key + r * P.row_bytes;
-      __m512 k[NV];
-      for (int j = 0; j < NV; ++j) k[j] = load16<K>(row + j * kBytes16);
-      for (int gi = 0; gi < GC; ++gi) {
-        __m512 a = _mm512_mul_ps(qv[gi][0], k[0]);
-        for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(qv[gi][j], k[j], a);
-        const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(a),
-                                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-        lg[gi * len + t] = hsum256(halves);
-      }
+  for_each_row(P, P.key, nullptr, table, start, end, h, [&](int64_t r, int64_t t) {
+    const uint8_t* row = P.key + r * P.row_bytes;
+    __m512 k[NV];
+    for (int j = 0; j < NV; ++j) k[j] = load16<K>(row + j * kBytes16);
+    for (int gi = 0; gi < GC; ++gi) {
+      __m512 a = _mm512_mul_ps(qv[gi][0], k[0]);
+      for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(qv[gi][j], k[j], a);
+      const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+      lg[gi * len + t] = hsum256(halves);
     }
-  }
+  });
 }
 
 // Pass 2 for GC query heads g0 .. g0 + GC - 1 of a group: acc_g = sum_t p[g][t] v_t with
@@ -347,22 +371,16 @@ void accumulate_v(const Problem& P, const int32_t* table, int64_t start, int64_t
   __m512 a[GC][NV];
   for (int gi = 0; gi < GC; ++gi)
     for (int j = 0; j < NV; ++j) a[gi][j] = _mm512_setzero_ps();
-  const int64_t bs = P.block_size, Hkv = P.Hkv;
   const float* lg = logits + g0 * len - start;
-  for (int64_t t = start; t < end;) {
-    const int64_t b = t / bs, off = t % bs, n = std::min(bs - off, end - t);
-    int64_t r = (static_cast<int64_t>(table[b]) * bs + off) * Hkv + h;
-    prefetch_block(P, P.value, nullptr, table, b + 1, end, h);
-    for (int64_t i = 0; i < n; ++i, ++t, r += Hkv) {
-      const uint8_t* row = P.value + r * P.row_bytes;
-      __m512 v[NV];
-      for (int j = 0; j < NV; ++j) v[j] = load16<K>(row + j * kBytes16);
-      for (int gi = 0; gi < GC; ++gi) {
-        const __m512 p = _mm512_set1_ps(lg[gi * len + t]);
-        for (int j = 0; j < NV; ++j) a[gi][j] = _mm512_fmadd_ps(p, v[j], a[gi][j]);
-      }
+  for_each_row(P, P.value, nullptr, table, start, end, h, [&](int64_t r, int64_t t) {
+    const uint8_t* row = P.value + r * P.row_bytes;
+    __m512 v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = load16<K>(row + j * kBytes16);
+    for (int gi = 0; gi < GC; ++gi) {
+      const __m512 p = _mm512_set1_ps(lg[gi * len + t]);
+      for (int j = 0; j < NV; ++j) a[gi][j] = _mm512_fmadd_ps(p, v[j], a[gi][j]);
     }
-  }
+  });
   for (int gi = 0; gi < GC; ++gi)
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + (g0 + gi) * DC + j * 16, a[gi][j]);
 }
@@ -375,7 +393,7 @@ void accumulate_v(const Problem& P, const int32_t* table, int64_t start, int64_t
 // read (the KV cache manager may have freed them).
 template <Kind K, int DC>
 void attend(const Problem& P, int64_t s, int64_t h, Scratch& w) {
-  const int64_t D = DC ? DC : P.D, G = P.G, bs = P.block_size, Hkv = P.Hkv;
+  const int64_t D = DC ? DC : P.D, G = P.G;
   const int64_t end = P.seq_lens[s];
   const int64_t start = P.window > 0 ? std::max<int64_t>(0, end - P.window) : 0;
   const int64_t len = end - start;  // keys seen; logits are indexed t - start
@@ -386,26 +404,15 @@ void attend(const Problem& P, int64_t s, int64_t h, Scratch& w) {
   // Pass 1: logits[g][t] = q_g . k_t, K read from its page.
 #if defined(__AVX512F__)
   if constexpr ((K == kFloat32 || K == kBFloat16) && DC > 0 && DC % 16 == 0) {
-    constexpr int64_t kChunk = DC == 64 ? 4 : (DC == 128 ? 2 : 1);
-    for (int64_t g0 = 0; g0 < G; g0 += kChunk) {
-      switch (std::min(kChunk, G - g0)) {
-        case 4: logits_k<K, DC, 4>(P, table, start, end, h, q, logits, len, g0); break;
-        case 3: logits_k<K, DC, 3>(P, table, start, end, h, q, logits, len, g0); break;
-        case 2: logits_k<K, DC, 2>(P, table, start, end, h, q, logits, len, g0); break;
-        default: logits_k<K, DC, 1>(P, table, start, end, h, q, logits, len, g0); break;
-      }
-    }
+    for_head_chunks<DC>(G, [&](auto gc, int64_t g0) {
+      logits_k<K, DC, decltype(gc)::value>(P, table, start, end, h, q, logits, len, g0);
+    });
   } else
 #endif
-  for (int64_t t = start; t < end;) {
-    const int64_t b = t / bs, off = t % bs, n = std::min(bs - off, end - t);
-    int64_t r = (static_cast<int64_t>(table[b]) * bs + off) * Hkv + h;
-    prefetch_block(P, P.key, P.key_groups, table, b + 1, end, h);
-    for (int64_t i = 0; i < n; ++i, ++t, r += Hkv) {
-      const float* k = read_row<K, DC>(P.key, r, P.row_bytes, P.key_groups, D, row);
-      dots<DC>(q, k, G, D, logits + (t - start), len);
-    }
-  }
+  for_each_row(P, P.key, P.key_groups, table, start, end, h, [&](int64_t r, int64_t t) {
+    const float* k = read_row<K, DC>(P.key, r, P.row_bytes, P.key_groups, D, row);
+    dots<DC>(q, k, G, D, logits + (t - start), len);
+  });
   if (P.softcap > 0.f) {  // Gemma 2: soft-cap the scaled scores before the softmax
     const float c = P.softcap, inv = 1.f / P.softcap;
     for (int64_t i = 0; i < G * len; ++i) logits[i] = c * std::tanh(logits[i] * inv);
@@ -430,28 +437,17 @@ void attend(const Problem& P, int64_t s, int64_t h, Scratch& w) {
   float* acc = w.acc.data();
 #if defined(__AVX512F__)
   if constexpr ((K == kFloat32 || K == kBFloat16) && DC > 0 && DC % 16 == 0) {
-    constexpr int64_t kChunk = DC == 64 ? 4 : (DC == 128 ? 2 : 1);
-    for (int64_t g0 = 0; g0 < G; g0 += kChunk) {
-      switch (std::min(kChunk, G - g0)) {
-        case 4: accumulate_v<K, DC, 4>(P, table, start, end, h, logits, len, acc, g0); break;
-        case 3: accumulate_v<K, DC, 3>(P, table, start, end, h, logits, len, acc, g0); break;
-        case 2: accumulate_v<K, DC, 2>(P, table, start, end, h, logits, len, acc, g0); break;
-        default: accumulate_v<K, DC, 1>(P, table, start, end, h, logits, len, acc, g0); break;
-      }
-    }
+    for_head_chunks<DC>(G, [&](auto gc, int64_t g0) {
+      accumulate_v<K, DC, decltype(gc)::value>(P, table, start, end, h, logits, len, acc, g0);
+    });
   } else
 #endif
   {
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t t = start; t < end;) {
-    const int64_t b = t / bs, off = t % bs, n = std::min(bs - off, end - t);
-    int64_t r = (static_cast<int64_t>(table[b]) * bs + off) * Hkv + h;
-    prefetch_block(P, P.value, P.value_groups, table, b + 1, end, h);
-    for (int64_t i = 0; i < n; ++i, ++t, r += Hkv) {
+    std::fill(acc, acc + G * D, 0.f);
+    for_each_row(P, P.value, P.value_groups, table, start, end, h, [&](int64_t r, int64_t t) {
       const float* v = read_row<K, DC>(P.value, r, P.row_bytes, P.value_groups, D, row);
       for (int64_t g = 0; g < G; ++g) axpy<DC>(acc + g * D, logits[g * len + (t - start)], v, D);
-    }
-  }
+    });
   }
   for (int64_t g = 0; g < G; ++g) {
     const float norm = P.v_mult / den[g];

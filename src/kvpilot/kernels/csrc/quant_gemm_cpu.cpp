@@ -48,6 +48,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -467,19 +469,13 @@ void wna16_gemm_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& qwei
 // possible: no operation is an add), round-half-to-even as torch.round, and c10's
 // round-to-nearest-even conversion to the output dtype.
 
-template <typename T>
-inline float in_f(T v) { return static_cast<float>(v); }
-
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// float32 and bfloat16 rows take 16-lane paths (the same operations as the scalar loop).
+// float32 and bfloat16 rows take 16-lane paths (the same operations as the scalar loops).
 template <typename T>
 constexpr bool kVecRows = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is exact: the bits shifted up
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+inline __m512 load16(const c10::BFloat16* p) { return kvpilot_cpu::load_bf16x16(p); }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 // fp32 -> bf16 rounded to nearest even, c10::BFloat16's rule (NaN -> 0x7FC0).
 inline void store16(c10::BFloat16* p, __m512 v) {
@@ -494,6 +490,22 @@ inline void store16(c10::BFloat16* p, __m512 v) {
 template <typename T>
 constexpr bool kVecRows = false;
 #endif
+
+// max_k |x[k]| of a row (max is exact in any order, so 16 lanes give the scalar result).
+template <typename T>
+inline float row_absmax(const T* __restrict x, int64_t K) {
+  float amax = 0.0f;
+  int64_t k = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if constexpr (kVecRows<T>) {
+    __m512 vmax = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x + k)));
+    amax = _mm512_reduce_max_ps(vmax);
+  }
+#endif
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(to_f(x[k])));
+  return amax;
+}
 
 // xq[t, k] = clamp(nearbyint(x[t, k] / s[t]), -128, 127) with
 // s[t] = max(max_k |x[t, k]|, 1e-10) / 127 (dynamic per token) or static_scale (> 0).
@@ -514,24 +526,11 @@ void int8_quantize_rows_cpu(at::Tensor& xq, at::Tensor& scales, const at::Tensor
       for (int64_t t = b; t < e; ++t) {
         const T* __restrict xr = xp + t * xs;
         int8_t* __restrict qr = qp + t * K;
-        float sc = fixed;
-        if (!(fixed > 0.0f) && !kVecRows<T>) {
-          float amax = 0.0f;
-          for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(in_f(xr[k])));
-          sc = std::max(amax, 1e-10f) / 127.0f;
-        }
+        const float sc = fixed > 0.0f ? fixed : std::max(row_absmax(xr, K), 1e-10f) / 127.0f;
         sp[t] = sc;
         int64_t k0 = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-        if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-          if (!(fixed > 0.0f)) {  // the row's |x| max, 16 lanes at a time (max is exact in any order)
-            __m512 vmax = _mm512_setzero_ps();
-            for (; k0 + 16 <= K; k0 += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(xr + k0)));
-            float amax = _mm512_reduce_max_ps(vmax);
-            for (; k0 < K; ++k0) amax = std::max(amax, std::fabs(in_f(xr[k0])));
-            sp[t] = sc = std::max(amax, 1e-10f) / 127.0f;
-            k0 = 0;
-          }
+        if constexpr (kVecRows<T>) {
           const __m512 vs = _mm512_set1_ps(sc), lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
           for (; k0 + 16 <= K; k0 += 16) {
             __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16(xr + k0), vs),
@@ -542,7 +541,7 @@ void int8_quantize_rows_cpu(at::Tensor& xq, at::Tensor& scales, const at::Tensor
         }
 #endif
         for (int64_t k = k0; k < K; ++k) {
-          const float v = std::nearbyint(in_f(xr[k]) / sc);
+          const float v = std::nearbyint(to_f(xr[k]) / sc);
           qr[k] = static_cast<int8_t>(std::min(std::max(v, -128.0f), 127.0f));
         }
       }
@@ -580,7 +579,7 @@ void int8_scale_cpu(at::Tensor& out, const at::Tensor& acc, const at::Tensor& sx
         const float st = xp[t];
         int64_t n0 = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-        if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+        if constexpr (kVecRows<T>) {
           const __m512 vst = _mm512_set1_ps(st);
           for (; n0 + 16 <= N; n0 += 16) {
             const __m512 acc16 = _mm512_cvtepi32_ps(_mm512_loadu_si512(ar + n0));
