@@ -5,6 +5,9 @@ activations, 1 to 32 rows, ``N`` not a multiple of any tile. fp32 dequantization
 accumulation: 1e-5 relative (the bound is summation order, about 1e-7 here). A row's
 result is the same bits alone or in any batch; bad input is refused by the kernel.
 
+The float-weight GEMM (an LM head read in place: fp32, bf16 or fp16 rows) the same way,
+against ``x @ W.double().T``.
+
 And the INT8 W8A8 passes around ``torch._int_mm`` (per-token activation quantization and
 the scale epilogue): the same bits as their torch formulation in
 ``engine/quantization/weights.py``, on the 16-lane and the scalar tails."""
@@ -174,3 +177,35 @@ def test_int8_passes_refuse_bad_input():
         cq.int8_scale(torch.zeros(2, 4), torch.ones(2, 1), torch.ones(4), torch.float32)
     with pytest.raises(RuntimeError, match="sw must be a contiguous float32 \\[N\\]"):
         cq.int8_scale(torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, 1), torch.ones(3), torch.float32)
+
+
+# ------------------------------------------------------------------ float weights
+@pytest.mark.parametrize("m", [1, 3, 5, 32])
+@pytest.mark.parametrize("k,n", [(576, 1003), (64, 7), (40, 9)])  # 40: off the 16-column vector path
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16, torch.float16])
+def test_float_weights_multiply_exactly_in_fp32(wdt, k, n, m):
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    w = torch.randn(n, k, generator=gen).to(wdt)
+    x = torch.randn(m, k, generator=gen)
+    got = cq.float_gemm(x, w)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert rel(got, x.double() @ w.double().T) <= TOL
+    assert torch.equal(cq.float_gemm(x.bfloat16(), w), cq.float_gemm(x.bfloat16().float(), w))
+
+
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16, torch.float16])
+def test_float_weights_a_row_gives_the_same_bits_alone_and_in_any_batch(wdt):
+    w = torch.randn(200, 576, generator=torch.Generator().manual_seed(1)).to(wdt)
+    x = torch.randn(32, 576, generator=torch.Generator().manual_seed(2))
+    full = cq.float_gemm(x, w)
+    for rows in (slice(0, 1), slice(31, 32), slice(3, 5), slice(8, 17), slice(10, 32)):
+        assert torch.equal(cq.float_gemm(x[rows], w), full[rows]), rows
+
+
+def test_float_weights_bad_input_is_refused_by_the_kernel():
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="weight must be float32, bfloat16 or float16, got Double"):
+        cq.float_gemm(x, torch.zeros(4, 64, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="weight must be contiguous \\[N, 64\\]"):
+        cq.float_gemm(x, torch.zeros(4, 32, dtype=torch.bfloat16))
+    assert cq.float_gemm(torch.zeros(0, 64), torch.zeros(4, 64)).shape == (0, 4)

@@ -1,5 +1,5 @@
-"""Grouped-integer (WNA16) weight GEMM for few activation rows on CPU (C++,
-``csrc/quant_gemm_cpu.cpp``).
+"""Grouped-integer (WNA16) and float-weight GEMMs for few activation rows on CPU
+(C++, ``csrc/quant_gemm_cpu.cpp``), and the INT8 W8A8 passes.
 
 ``x @ W.T`` for ``W`` in :class:`kvpilot.engine.quantization.weights.WNA16Weight`'s
 canonical layout (4- or 8-bit unsigned codes, a scale and an offset per group of
@@ -48,6 +48,34 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, off
     out = torch.empty(x.shape[0], qweight.shape[0], dtype=torch.float32)
     torch.ops.kvpilot_cpu.wna16_gemm_cpu(out, x, qweight.contiguous(), scales.contiguous(), offsets.contiguous(),
                                          int(bits), int(group_size))
+    return out
+
+
+FLOAT_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def float_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.float().T`` reading the weight where it lies: each weight is widened
+    exactly to fp32 in registers and accumulated in fp32 (the tiles of
+    :func:`wna16_gemm`: batch invariant, one read of the weight per call, no packed copy).
+
+    Args:
+        x: ``[M, K]`` float32 or bfloat16 (other float dtypes are converted to float32).
+        weight: ``[N, K]`` float32, bfloat16 or float16 (a quantized model's LM head in
+            the checkpoint's dtype, or its tied embedding table).
+    Returns:
+        a new ``[M, N]`` float32 tensor.
+    Raises:
+        RuntimeError: the kernels are unavailable, or a shape, dtype or layout as above
+            not met (the message names the tensor).
+    """
+    load()
+    if x.dtype not in X_DTYPES:
+        x = x.float()
+    if x.dim() != 2 or x.stride(-1) != 1:
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    torch.ops.kvpilot_cpu.float_gemm_cpu(out, x, weight.contiguous())
     return out
 
 

@@ -4,6 +4,8 @@
 //   qweight uint8: 4 bits [N, K/2], column 2j in byte j's low nibble, 2j+1 in its high
 //   nibble; 8 bits [N, K]. scales, offsets [N, K/g] (fp32/bf16/fp16):
 //   w[n, k] = q[n, k] * scale[n, k/g] + offset[n, k/g].
+// The same tiles also read float rows, fp32, bf16 or fp16 [N, K], with no scales
+// (float_gemm_cpu: a quantized model's LM head read in place, in the checkpoint's dtype).
 //
 // Why: a decode step multiplies a few rows of activations by every weight matrix, so it
 // is bound by reading the weights. Dequantizing a tile of fp32 rows and calling sgemm
@@ -62,6 +64,19 @@
 #include <vector>
 
 namespace {
+
+// Weight formats, as the BITS template argument: 4- and 8-bit codes, or float rows
+// (fp32/bf16/fp16, no scales: see float_gemm_cpu).
+constexpr int kBF16 = 16;
+constexpr int kF16 = 17;
+constexpr int kF32 = 32;
+constexpr bool is_float(int bits) { return bits == kBF16 || bits == kF16 || bits == kF32; }
+// fp16 rows need F16C's conversion on the 8-lane path (AVX-512F has its own).
+#if defined(__AVX512F__) || defined(__F16C__)
+constexpr bool kF16C = true;
+#else
+constexpr bool kF16C = false;
+#endif
 
 constexpr int kMaxTokens = 4;       // tokens per register tile
 constexpr int64_t kChunkRows = 24;  // output rows per work item (a multiple of every R)
@@ -138,7 +153,30 @@ void tile(const Tile& t, int64_t r0) {
   __m512 acc[R][MB];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-  if constexpr (BITS == 4) {
+  if constexpr (is_float(BITS)) {
+    // 16 columns per step: 64 bytes of an fp32 row (one cache line), 32 of a 16-bit one.
+    constexpr int64_t step = BITS == kF32 ? 64 : 32;
+    for (int64_t b = 0; b < K / 16; ++b) {
+      if (BITS == kF32 || (b & 1) == 0) prefetch_rows<R>(q + b * step, t.qs);
+      __m512 w[R];
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* p = q + r * t.qs + b * step;
+        if constexpr (BITS == kF32) {
+          w[r] = _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+        } else if constexpr (BITS == kBF16) {
+          w[r] = kvpilot_cpu::load_bf16x16(p);
+        } else {
+          w[r] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        }
+      }
+      const float* xb = t.x + b * 16;
+      for (int m = 0; m < MB; ++m) {
+        __m512 xv = _mm512_loadu_ps(xb + m * K);
+        in_register(xv);
+        for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(w[r], xv, acc[r][m]);
+      }
+    }
+  } else if constexpr (BITS == 4) {
     const __m512 iota = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f,
                                        14.f, 15.f);
     const int64_t per_group = g / 32;
@@ -225,6 +263,39 @@ void tile(const Tile& t, int64_t r0) {
     for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
   // Both widths step 16 columns: 4 bits as 8 bytes (8 even and 8 odd columns of the
   // permuted 32-column block), 8 bits as two halves of 8 columns.
+  if constexpr (is_float(BITS)) {
+    constexpr int64_t step = BITS == kF32 ? 64 : 32;  // bytes of 16 columns
+    for (int64_t b = 0; b < K / 16; ++b) {
+      if (BITS == kF32 || (b & 1) == 0) prefetch_rows<R>(q + b * step, t.qs);
+      __m256 w0[R], w1[R];
+      for (int r = 0; r < R; ++r) {
+        const __m128i* p = reinterpret_cast<const __m128i*>(q + r * t.qs + b * step);
+        if constexpr (BITS == kF32) {
+          w0[r] = _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+          w1[r] = _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8);
+        } else if constexpr (BITS == kBF16) {
+          w0[r] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16));
+          w1[r] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p + 1)), 16));
+        } else {
+          w0[r] = _mm256_cvtph_ps(_mm_loadu_si128(p));
+          w1[r] = _mm256_cvtph_ps(_mm_loadu_si128(p + 1));
+        }
+      }
+      for (int m = 0; m < MB; ++m) {
+        __m256 x0 = _mm256_loadu_ps(t.x + b * 16 + m * K);
+        __m256 x1 = _mm256_loadu_ps(t.x + b * 16 + 8 + m * K);
+        in_register(x0, x1);
+        for (int r = 0; r < R; ++r) {
+          acc[r][m] = _mm256_fmadd_ps(w0[r], x0, acc[r][m]);
+          acc[r][m] = _mm256_fmadd_ps(w1[r], x1, acc[r][m]);
+        }
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      for (int r = 0; r < R; ++r) t.out[m * t.ldo + r0 + r] = hsum(acc[r][m]);
+    }
+    return;
+  }
   const int64_t per_group = g / 16;
   for (int64_t grp = 0; grp < G; ++grp) {
     __m256 s[R], o[R];
@@ -275,7 +346,9 @@ void tile(const Tile&, int64_t) {}
 #endif
 
 // Whether the register tiles take this group size (and the 4-bit x permutation applies).
-bool vector_path(int64_t bits, int64_t g) { return kVector && g % (bits == 4 ? 32 : 16) == 0; }
+bool vector_path(int64_t bits, int64_t g) {
+  return kVector && g % (bits == 4 ? 32 : 16) == 0 && (bits != kF16 || kF16C);
+}
 
 // Rows [r0, r1) of the chunk for the MB tokens of t.
 template <int BITS, int MB>
@@ -319,10 +392,18 @@ void rows_generic(const Tile& t, int64_t rows, int64_t M, float* __restrict w) {
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* __restrict q = t.q + r * t.qs;
     for (int64_t grp = 0; grp < G; ++grp) {
-      const float s = t.sc[r * G + grp], o = t.of[r * G + grp];
+      const float s = is_float(BITS) ? 1.f : t.sc[r * G + grp], o = is_float(BITS) ? 0.f : t.of[r * G + grp];
       for (int64_t k = grp * g; k < (grp + 1) * g; ++k) {
-        const int code = BITS == 4 ? (q[k / 2] >> (4 * (k % 2))) & 0xF : q[k];
-        w[k] = static_cast<float>(code) * s + o;
+        if constexpr (BITS == kF32) {
+          w[k] = reinterpret_cast<const float*>(q)[k];
+        } else if constexpr (BITS == kBF16) {
+          w[k] = to_f(reinterpret_cast<const c10::BFloat16*>(q)[k]);
+        } else if constexpr (BITS == kF16) {
+          w[k] = to_f(reinterpret_cast<const c10::Half*>(q)[k]);
+        } else {
+          const int code = BITS == 4 ? (q[k / 2] >> (4 * (k % 2))) & 0xF : q[k];
+          w[k] = static_cast<float>(code) * s + o;
+        }
       }
     }
     for (int64_t m = 0; m < M; ++m) t.out[m * t.ldo + r] = dot(w, t.x + m * K, K);
@@ -379,8 +460,10 @@ void run(const uint8_t* q, int64_t qs, const S* sc, const S* of, int64_t G, int6
     float* off = sf + kChunkRows * G;
     for (int64_t c = begin; c < end; ++c) {
       const int64_t n0 = c * kChunkRows, rows = std::min(N - n0, kChunkRows);
-      to_float(sf, sc + n0 * G, rows * G);
-      to_float(off, of + n0 * G, rows * G);
+      if constexpr (!is_float(BITS)) {
+        to_float(sf, sc + n0 * G, rows * G);
+        to_float(off, of + n0 * G, rows * G);
+      }
       Tile t{q + n0 * qs, qs, sf, off, G, g, K, x, out + n0, N};
       if (!vec) {
         rows_generic<BITS>(t, rows, M, off + kChunkRows * G);
@@ -458,6 +541,46 @@ void wna16_gemm_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& qwei
     case at::kBFloat16: go(c10::BFloat16{}); break;
     case at::kHalf: go(c10::Half{}); break;
     default: TORCH_CHECK(false, "wna16_gemm_cpu: scales must be float32, bfloat16 or float16, got ", scales.scalar_type());
+  }
+}
+
+// out [M, N] fp32 = x [M, K] (fp32 or bf16) @ W^T for W [N, K] fp32, bf16 or fp16: a
+// quantized float32 model's LM head, read where it lies (the checkpoint's 16-bit table,
+// or a tied fp32 embedding table, with no packed second copy). Each weight is widened
+// exactly to fp32 in registers and multiplied into fp32 accumulators, with the tiles,
+// chunks and batch invariance of the integer path above: the result is
+// x @ W.float()^T up to summation order.
+void float_gemm_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
+  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&out), &x, &weight}) {
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 2, "float_gemm_cpu: every tensor must be a 2-D CPU tensor");
+  }
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "float_gemm_cpu: x must be float32 or bfloat16, got ", x.scalar_type());
+  const auto wt = weight.scalar_type();
+  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf,
+              "float_gemm_cpu: weight must be float32, bfloat16 or float16, got ", wt);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.is_contiguous() && weight.size(1) == K, "float_gemm_cpu: weight must be contiguous [N, ", K,
+              "], got ", weight.sizes());
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == M && out.size(1) == N,
+              "float_gemm_cpu: out must be contiguous float32 [", M, ", ", N, "]");
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    out.zero_();
+    return;
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const auto* q = static_cast<const uint8_t*>(weight.data_ptr());
+  const int64_t qs = K * static_cast<int64_t>(weight.element_size());
+  const float* none = nullptr;  // no scales or offsets: one group of K columns
+  float* o = out.data_ptr<float>();
+  const float* xp = xf.data_ptr<float>();
+  if (wt == at::kFloat) {
+    run<kF32, float>(q, qs, none, none, 1, K, xp, M, K, N, o, vector_path(kF32, K));
+  } else if (wt == at::kBFloat16) {
+    run<kBF16, float>(q, qs, none, none, 1, K, xp, M, K, N, o, vector_path(kBF16, K));
+  } else {
+    run<kF16, float>(q, qs, none, none, 1, K, xp, M, K, N, o, vector_path(kF16, K));
   }
 }
 
@@ -605,12 +728,14 @@ TORCH_LIBRARY_FRAGMENT(kvpilot_cpu, m) {
   m.def(
       "wna16_gemm_cpu(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor offsets, int bits, "
       "int group_size) -> ()");
+  m.def("float_gemm_cpu(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
   m.def("int8_quantize_rows_cpu(Tensor(a!) xq, Tensor(b!) scales, Tensor x, float static_scale) -> ()");
   m.def("int8_scale_cpu(Tensor(a!) out, Tensor acc, Tensor sx, Tensor sw) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvpilot_cpu, CPU, m) {
   m.impl("wna16_gemm_cpu", &wna16_gemm_cpu);
+  m.impl("float_gemm_cpu", &float_gemm_cpu);
   m.impl("int8_quantize_rows_cpu", &int8_quantize_rows_cpu);
   m.impl("int8_scale_cpu", &int8_scale_cpu);
 }
