@@ -8,15 +8,18 @@ offline throughput against vLLM's CPU build on the same checkpoint.
     .venv/bin/python benchmarks/quant.py --memory-only        # resident bytes only (quant_memory.json)
 
 Checkpoints (written once under ``.bench/quant/``): the SmolLM2-135M HF folder of
-``benchmarks/vllm_cpu.py`` (fp32; its embedding is tied, so its LM head stays fp32 in every
-HF format), and ``wide``: a random Llama of TinyLlama-1.1B's layer shapes (hidden 2,048,
+``benchmarks/vllm_cpu.py`` (fp32; its embedding is tied, and its LM head reads the fp32
+table in place in the quantized formats), and ``wide``: a random Llama of TinyLlama-1.1B's layer shapes (hidden 2,048,
 intermediate 5,632, 32 query / 4 KV heads) with 6 layers and an untied 32,000-token head,
 whose decode steps read more weight bytes than the caches hold. Each is quantized the way
 llm-compressor's ``oneshot`` writes it, with compressed-tensors' own code
 (``tests/engine/quant_fixtures.py``, round-to-nearest from min/max, ``lm_head`` left
 unquantized): ``int8_w8a8`` (INT8 W8A8: per-channel int8 weights, dynamic per-token int8
-activations), ``w4a16`` (4-bit, group 64: SmolLM2's hidden 576 is no multiple of 128; symmetric), ``w8a16`` (8-bit per channel,
-symmetric), ``fp8`` (FP8 W8A8 dynamic). And ``smollm2/gguf``: the embedded SmolLM2 GGUF
+activations), ``w4a16`` (4-bit, group 64: SmolLM2's hidden 576 is no multiple of 128;
+symmetric), ``w4a16_bf16`` (the same, quantized from the model loaded in bf16, the dtype
+both models are published in: bf16 scales, embedding and LM head, as llm-compressor writes
+them from the published checkpoint), ``w8a16`` (8-bit per channel, symmetric), ``fp8``
+(FP8 W8A8 dynamic). And ``smollm2/gguf``: the embedded SmolLM2 GGUF
 (Q4_1 layers, Q8_0 embedding and tied head) kept quantized, against the SmolLM2 fp32 folder,
 which is that file dequantized.
 
@@ -57,10 +60,11 @@ sys.path.insert(0, str(ROOT))
 import vllm_cpu as vc  # noqa: E402
 
 QUANT_DIR = vc.BENCH_DIR / "quant"
-SCHEMES = ("int8_w8a8", "w4a16", "w8a16", "fp8")
-# The fixtures' scheme names (tests/engine/quant_fixtures.py CT_SCHEMES).
-FIXTURE_SCHEME = {"int8_w8a8": "int8_w8a8", "w4a16": "w4a16_g64_sym", "w8a16": "w8a16_channel",
-                  "fp8": "fp8_dynamic"}
+SCHEMES = ("int8_w8a8", "w4a16", "w4a16_bf16", "w8a16", "fp8")
+# The fixtures' scheme names (tests/engine/quant_fixtures.py CT_SCHEMES); a ``_bf16`` scheme
+# quantizes the model loaded in bfloat16, the dtype SmolLM2 and TinyLlama are published in.
+FIXTURE_SCHEME = {"int8_w8a8": "int8_w8a8", "w4a16": "w4a16_g64_sym", "w4a16_bf16": "w4a16_g64_sym",
+                  "w8a16": "w8a16_channel", "fp8": "fp8_dynamic"}
 WIDE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=6,
             num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
             tie_word_embeddings=False, rope_theta=10000.0)
@@ -88,7 +92,9 @@ def dense_folder(model: str) -> Path:
 
 
 def quantized_folder(model: str, scheme: str) -> Path:
-    """``model`` quantized with ``scheme`` by compressed-tensors (once)."""
+    """``model`` quantized with ``scheme`` by compressed-tensors (once); ``*_bf16``: from
+    the model loaded in bfloat16, so its scales and unquantized tensors (embedding, LM
+    head, norms) are saved in bf16, as llm-compressor writes a model published in bf16."""
     path = QUANT_DIR / f"{model}-{scheme}"
     if (path / "config.json").is_file():
         return path
@@ -98,7 +104,8 @@ def quantized_folder(model: str, scheme: str) -> Path:
 
     src = dense_folder(model)
     t0 = time.monotonic()
-    m = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    dtype = torch.bfloat16 if scheme.endswith("_bf16") else torch.float32
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype).eval()
     qf.quantize_in_place(m, qf.CT_SCHEMES[FIXTURE_SCHEME[scheme]], ["lm_head"], {})
     tmp = path.with_name(path.name + ".tmp")
     qf.save_compressed(m, tmp)

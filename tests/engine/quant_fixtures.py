@@ -157,13 +157,14 @@ def _mixtral(t):
 ARCHS: dict[str, Callable] = {"llama": _llama, "qwen3": _qwen3, "mixtral": _mixtral}
 
 
-def dense_model(arch: str, seed: int = 0):
+def dense_model(arch: str, seed: int = 0, tied: bool = False):
     """The fp32 transformers model (eval) every fixture of ``arch`` quantizes: random
     weights scaled by 3 (biases none), as tests/engine/test_model_families.py's
-    ``tiny_checkpoint``."""
+    ``tiny_checkpoint``; ``tied``: the LM head is the embedding table."""
     import transformers
 
     cfg, cls = ARCHS[arch](transformers)
+    cfg.tie_word_embeddings = tied
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     with torch.no_grad():
@@ -324,41 +325,43 @@ def _weight_minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     return w.min().reshape(1), w.max().reshape(1)
 
 
-def pretrained_dense(arch: str, seed: int, workdir: Path):
+def pretrained_dense(arch: str, seed: int, workdir: Path, tied: bool = False):
     """:func:`dense_model` saved to ``workdir`` and loaded back with ``from_pretrained``,
     as llm-compressor starts (the loaded model carries transformers' checkpoint-name
     conversions, which compressed-tensors uses to write ``ignore`` in checkpoint names)."""
     import transformers
 
-    dense_model(arch, seed).save_pretrained(str(workdir))
+    dense_model(arch, seed, tied).save_pretrained(str(workdir))
     return transformers.AutoModelForCausalLM.from_pretrained(str(workdir), dtype=torch.float32).eval()
 
 
-def write_ct_checkpoint(arch: str, scheme_name: str, path: Path, seed: int = 0, experts: bool = True) -> Fixture:
+def write_ct_checkpoint(arch: str, scheme_name: str, path: Path, seed: int = 0, experts: bool = True,
+                        tied: bool = False) -> Fixture:
     """Quantize :func:`dense_model` ``(arch, seed)`` with ``CT_SCHEMES[scheme_name]`` and
     save it to ``path`` as llm-compressor would (module docstring).
 
     Args:
         experts: Mixtral: quantize the experts too (False: ``ignore`` them, regex
             ``re:.*mlp[.]experts[.].*``, so only attention is quantized).
+        tied: the dense model's LM head is its embedding table.
     """
     import tempfile
 
     spec = CT_SCHEMES[scheme_name]
     path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
-        model = pretrained_dense(arch, seed, Path(work))
+        model = pretrained_dense(arch, seed, Path(work), tied)
     if arch == "mixtral":
         linearize_experts(model)
     stats = calibrate(model, calibration_ids()) if spec.preset == "FP8" or spec.actorder else {}
     ignore = ["lm_head"] + ([] if experts else ["re:.*mlp[.]experts[.].*"])
     g_idx = quantize_in_place(model, spec, ignore, stats)
     if spec.actorder:
-        if arch == "mixtral":
+        if arch == "mixtral" or tied:
             raise ValueError("the act-order fixture is written for dense models")
         return Fixture(path, dense_model(arch, seed), _write_actorder(model, arch, seed, g_idx, path))
     save_compressed(model, path)
-    return Fixture(path, dense_model(arch, seed))
+    return Fixture(path, dense_model(arch, seed, tied))
 
 
 def quantize_in_place(model, spec: CTScheme, ignore: list[str],
@@ -495,9 +498,9 @@ def _as_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def _fp16_model(arch: str, seed: int):
+def _fp16_model(arch: str, seed: int, tied: bool = False):
     """:func:`dense_model` rounded through fp16 (the dtype GPTQ/AWQ tools save)."""
-    model = dense_model(arch, seed)
+    model = dense_model(arch, seed, tied)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.half().float())
@@ -509,7 +512,7 @@ def _quantized_linears(model) -> list[tuple[str, nn.Linear]]:
 
 
 def write_gptq_checkpoint(arch: str, path: Path, bits: int, group_size: int, desc_act: bool,
-                          seed: int = 0) -> Fixture:
+                          seed: int = 0, tied: bool = False) -> Fixture:
     """A GPTQ v1 checkpoint (module docstring) of :func:`dense_model`, symmetric, RTN from
     each group's absolute max (GPTQ's quantizer without its Hessian updates: ``scale =
     2 amax / (2**bits - 1)``, ``zero = 2**(bits-1)``, ``q = clamp(round(w / scale) + zero,
@@ -518,11 +521,12 @@ def write_gptq_checkpoint(arch: str, path: Path, bits: int, group_size: int, des
 
     The fixture's reference is the fp16-rounded model holding the dequantized weights;
     ``quantization_config`` is ``{quant_method: gptq, bits, group_size, desc_act, sym:
-    true, checkpoint_format: gptq, ...}``.
+    true, checkpoint_format: gptq, ...}``. ``tied``: the LM head is the embedding table
+    (the file holds no ``lm_head.weight``, as ``save_pretrained`` writes a tied model).
     """
     if arch == "mixtral":
         raise ValueError("GPTQ fixtures are written for dense models")
-    model = _fp16_model(arch, seed)
+    model = _fp16_model(arch, seed, tied)
     stats = calibrate(model, calibration_ids()) if desc_act else {}
     maxq = 2**bits - 1
     tensors: dict[str, torch.Tensor] = {}
@@ -544,13 +548,13 @@ def write_gptq_checkpoint(arch: str, path: Path, bits: int, group_size: int, des
         tensors[f"{name}.g_idx"] = g_idx.to(torch.int32)
     quantized = {n for n, _ in linears}
     for name, t in model.state_dict().items():
-        if name.rsplit(".", 1)[0] not in quantized:
+        if name.rsplit(".", 1)[0] not in quantized and not (tied and name == "lm_head.weight"):
             tensors[name] = t.half()
     qc = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": True,
           "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
           "lm_head": False}
     _save(model, tensors, qc, path, "float16")
-    return Fixture(path, _fp16_model(arch, seed), model)
+    return Fixture(path, _fp16_model(arch, seed, tied), model)
 
 
 def write_awq_checkpoint(arch: str, path: Path, group_size: int, seed: int = 0) -> Fixture:

@@ -24,6 +24,7 @@ from kvpilot.engine.quantization import weights as weights_mod
 from kvpilot.engine.quantization.checkpoint import convert, group_quantized
 from kvpilot.engine.quantization.config import LinearScheme, read_quantization
 from kvpilot.engine.quantization.weights import (
+    FloatWeight,
     FP8Weight,
     Int8Weight,
     QuantizedWeightError,
@@ -116,6 +117,37 @@ def test_wna16_without_the_cpu_kernels_uses_torchs_kernels(monkeypatch):
         p = w.prepare(CPU)
         assert getattr(p, packed) is not None and p.qweight.numel() == 0
         assert _rel(p.linear(x), x.double() @ dense.T) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernels", [True, False])
+def test_float_weight_is_read_as_stored(dtype, kernels, monkeypatch):
+    """An unquantized head kept as the checkpoint stores it: the lookup widens the rows
+    exactly, the product is fp32 (the C++ GEMM, or fp32 tiles without it, and beyond
+    SMALL_M rows), its bytes are the stored ones, and rows join by ``cat``."""
+    if kernels and not weights_mod._cpu_kernels():
+        pytest.skip("no C++ toolchain for the CPU kernels here")
+    monkeypatch.setattr(weights_mod, "_cpu_kernels", lambda: kernels)
+    gen = torch.Generator().manual_seed(3)
+    stored = torch.randn(96, 64, generator=gen).to(dtype)
+    w = FloatWeight(stored, "lm_head.weight").prepare(CPU)
+    assert w.nbytes == stored.numel() * stored.element_size() and w.format in ("fp32", "bf16", "fp16")
+    rows = torch.tensor([0, 95, 7])
+    assert torch.equal(w.dequantize(rows), stored[rows].float())
+    x = torch.randn(5, 64, generator=gen)
+    assert _rel(w.linear(x), x.double() @ stored.double().T) < 1e-5
+    bias = torch.randn(96, generator=gen)
+    assert _rel(w.linear(x, bias), x.double() @ stored.double().T + bias.double()) < 1e-5
+    monkeypatch.setattr(weights_mod, "SMALL_M", 2)
+    assert _rel(w.linear(x), x.double() @ stored.double().T) < 1e-5
+    joined = cat_rows([w, FloatWeight(stored[:8].clone())], "joined")
+    assert isinstance(joined, FloatWeight) and joined.out_features == 104
+
+
+def test_float_weight_refuses_other_dtypes_by_name():
+    message = "embed.weight: weight torch.float64 \\(4, 8\\); expected float32"
+    with pytest.raises(QuantizedWeightError, match=message):
+        FloatWeight(torch.zeros(4, 8, dtype=torch.float64), "embed.weight")
 
 
 def test_wna16_act_order_permutes_the_input():

@@ -101,13 +101,15 @@ class Case:
     desc_act: bool = False
     experts: bool = True
     greedy: bool = False
+    tied: bool = False
 
     @property
     def id(self) -> str:
+        tied = "-tied" if self.tied else ""
         if self.kind == "ct":
-            return f"{self.arch}-{self.scheme}" + ("" if self.experts else "-attn")
+            return f"{self.arch}-{self.scheme}" + ("" if self.experts else "-attn") + tied
         if self.kind == "gptq":
-            return f"{self.arch}-gptq-w{self.bits}-g{self.group}" + ("-desc_act" if self.desc_act else "")
+            return f"{self.arch}-gptq-w{self.bits}-g{self.group}" + ("-desc_act" if self.desc_act else "") + tied
         return f"{self.arch}-awq-g{self.group}"
 
     @property
@@ -139,8 +141,8 @@ class Case:
         return bits == 4 or (bits == 8 and (self.group_size is None or self.group_size >= 128))
 
 
-def _ct(arch: str, scheme: str, greedy: bool = False, experts: bool = True) -> Case:
-    return Case("ct", arch, scheme, greedy=greedy, experts=experts)
+def _ct(arch: str, scheme: str, greedy: bool = False, experts: bool = True, tied: bool = False) -> Case:
+    return Case("ct", arch, scheme, greedy=greedy, experts=experts, tied=tied)
 
 
 GREEDY_CT = {"fp8_dynamic", "fp8_static", "int8_w8a8", "w4a16_g32_sym", "w8a16_g64_asym", "w4a16_g32_actorder"}
@@ -155,6 +157,8 @@ CASES = [
     Case("gptq", "llama", bits=8, group=64), Case("gptq", "llama", bits=8, group=32, desc_act=True),
     Case("gptq", "qwen3", bits=4, group=64, desc_act=True),
     Case("awq", "llama", group=64, greedy=True), Case("awq", "qwen3", group=32),
+    # tied heads: an fp32 table (read in place) and an fp16 one (kept fp16)
+    _ct("llama", "w4a16_g64_sym", greedy=True, tied=True), Case("gptq", "qwen3", bits=4, group=64, tied=True),
 ]
 
 
@@ -190,9 +194,9 @@ def prepare(case: Case, tmp_path_factory) -> Prepared:
         return _PREPARED[case.id]
     path = tmp_path_factory.mktemp(case.id)
     if case.kind == "ct":
-        fixture = qf.write_ct_checkpoint(case.arch, case.scheme, path, experts=case.experts)
+        fixture = qf.write_ct_checkpoint(case.arch, case.scheme, path, experts=case.experts, tied=case.tied)
     elif case.kind == "gptq":
-        fixture = qf.write_gptq_checkpoint(case.arch, path, case.bits, case.group, case.desc_act)
+        fixture = qf.write_gptq_checkpoint(case.arch, path, case.bits, case.group, case.desc_act, tied=case.tied)
     else:
         fixture = qf.write_awq_checkpoint(case.arch, path, case.group)
     ref = _reference(case, fixture, torch.float32)
@@ -299,7 +303,8 @@ def test_checkpoints_hold_the_libraries_tensors(prepared):
     assert all(name.endswith((".weight", ".bias")) for name in rest), sorted(rest)[:5]
     dense_dtype = torch.float32 if case.kind == "ct" else torch.float16
     assert {tensors[name].dtype for name in rest} == {dense_dtype}
-    assert {"lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"} <= rest
+    assert {"model.embed_tokens.weight", "model.norm.weight"} <= rest
+    assert ("lm_head.weight" in rest) != case.tied  # a tied head is the embedding table's (not saved)
     q = json.loads((path / "config.json").read_text())["quantization_config"]
     if case.kind == "ct":
         spec = qf.CT_SCHEMES[case.scheme]
@@ -422,11 +427,14 @@ def _engine_weights(engine) -> dict[str, tuple[list[str], torch.Tensor, torch.Te
     (gate rows, then up) and ``.w2``."""
     from kvpilot.engine.model.layers import QuantizedLinear
     from kvpilot.engine.model.moe import SparseMoeBlock, expert_checkpoint_names
+    from kvpilot.engine.quantization.weights import FloatWeight
 
     model = engine.loaded.model
     found: dict[str, tuple[list[str], object]] = {}
     for name, m in model.named_modules():
         if isinstance(m, QuantizedLinear) and m.qweight is not None:
+            if isinstance(m.qweight, FloatWeight):  # kept as stored, not quantized (test_float_...)
+                continue
             found[name] = (model.checkpoint_names(name), m.qweight)
         elif isinstance(m, SparseMoeBlock) and m.quantized_experts is not None:
             layer = int(name.split(".")[1])
@@ -554,8 +562,8 @@ def test_resident_weight_bytes(prepared):
     ``weight_bytes`` (parameters plus the packed and quantized modules' bytes) is bounded by
     ``1.15 x`` the file bytes of the quantized modules' tensors plus every other tensor
     (embedding, ``lm_head``, norms, routers, dense experts) at the engine's dtype (fp32:
-    the same bytes as the compressed-tensors files, twice the fp16 of GPTQ/AWQ), which both
-    sides hold alike. The 15% is the canonical layout's overhead: zero-point offsets beside
+    the same bytes as the compressed-tensors files), except the embedding and head the
+    engine keeps as stored (GPTQ's and AWQ's fp16), at their file bytes. The 15% is the canonical layout's overhead: zero-point offsets beside
     the scales, per-tensor scales expanded per row, the act-order permutation as int64.
     The check also catches a weight held twice (canonical and kernel forms) or dequantized.
     """
@@ -563,7 +571,10 @@ def test_resident_weight_bytes(prepared):
     quantized = {m for m, _, _ in _linears(prepared.case)}
     tensors = _tensors(prepared.fixture.path)
     quant_file = sum(t.numel() * t.element_size() for n, t in tensors.items() if _module_of(n) in quantized)
-    other = sum(t.numel() * 4 for n, t in tensors.items() if _module_of(n) not in quantized)
+    kept = _kept_as_stored(tensors)
+    assert _kept_modules(engine) == kept  # the embedding and head held as stored (test_float_...)
+    other = sum(t.numel() * (t.element_size() if _module_of(n) in kept else 4)
+                for n, t in tensors.items() if _module_of(n) not in quantized)
     assert quant_file == qf.safetensors_bytes(prepared.fixture.path) - sum(
         t.numel() * t.element_size() for n, t in tensors.items() if _module_of(n) not in quantized)
     resident = engine.loaded.weight_bytes
@@ -573,10 +584,70 @@ def test_resident_weight_bytes(prepared):
     # the C++ kernels, holds a bf16 scale and zero instead.
     canonical_g32 = _CPU_KERNELS and prepared.case.weight_bits == 4 and prepared.case.group_size == 32
     bound = (1.25 if canonical_g32 else 1.15) * quant_file + other
-    print(f"{prepared.case.id}: resident {resident} B, quantized tensors in the file {quant_file} B, other (fp32) "
+    print(f"{prepared.case.id}: resident {resident} B, quantized tensors in the file {quant_file} B, other "
           f"{other} B: {(resident - other) / quant_file:.3f}x")
     assert resident <= bound, (prepared.case.id, resident, bound)
     assert resident - other > 0.5 * quant_file  # the quantized modules are counted at all
+
+
+_HEAD_MODULES = ("model.embed_tokens", "lm_head")
+
+
+def _kept_as_stored(tensors: dict[str, torch.Tensor]) -> set[str]:
+    """The embedding and head modules a float32 engine on CPU keeps as the file stores
+    them (``model_runner.stored_float_modules``): a bf16/fp16 embedding or head, and an
+    fp32 embedding the head is tied to (no ``lm_head.weight`` in the file)."""
+    tied = "lm_head.weight" not in tensors
+    kept = set()
+    for m in _HEAD_MODULES:
+        t = tensors.get(f"{m}.weight")
+        if t is not None and (t.dtype in (torch.bfloat16, torch.float16) or (tied and t.dtype == torch.float32)):
+            kept.add(m)
+    return kept
+
+
+def _kept_modules(engine) -> set[str]:
+    from kvpilot.engine.model.layers import QuantizedEmbedding, QuantizedLinear
+    from kvpilot.engine.quantization.weights import FloatWeight
+
+    model = engine.loaded.model
+    kept = set()
+    for name, module in (("model.embed_tokens", model.embed_tokens), ("lm_head", model.lm_head)):
+        inner = module.inner if isinstance(module, QuantizedEmbedding) else module
+        if isinstance(inner, QuantizedLinear) and isinstance(inner.qweight, FloatWeight):
+            kept.add(name)
+    return kept
+
+
+def test_float_embedding_and_head_kept_as_stored(prepared):
+    """A float32 engine keeps a quantized checkpoint's 16-bit embedding and LM head (and a
+    tied fp32 table) as stored, one copy each, with the stored values exactly, and its
+    logits are the float32 product of those weights: ``hidden @ W.float().T`` to fp32
+    rounding. An untied fp32 embedding stays a float32 parameter."""
+    engine = engine_of(prepared)
+    tensors = _tensors(prepared.fixture.path)
+    kept = _kept_as_stored(tensors)
+    assert _kept_modules(engine) == kept
+    model = engine.loaded.model
+    assert ("lm_head.weight" not in tensors) == prepared.case.tied and (model.lm_head is None) == prepared.case.tied
+    stored = tensors["model.embed_tokens.weight"]
+    if prepared.case.kind != "ct":
+        assert {"model.embed_tokens", "lm_head"} & kept  # GPTQ/AWQ tools save fp16
+    if "model.embed_tokens" not in kept:
+        assert model.embed_tokens.weight.dtype == torch.float32
+    ids = torch.tensor([0, 5, stored.shape[0] - 1])
+    with torch.no_grad():
+        assert torch.equal(model.embed_tokens(ids), stored[ids].float())
+    head = tensors.get("lm_head.weight", stored)
+    hidden = torch.randn(5, head.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model.compute_logits(hidden)
+    expect = hidden.double() @ head.double().T
+    assert logits.dtype == torch.float32
+    assert torch.allclose(logits.double(), expect, rtol=1e-5, atol=1e-5 * float(expect.abs().max()))
+    for i in range(hidden.shape[0] if _CPU_KERNELS else 0):  # the C++ GEMM is batch invariant
+        with torch.no_grad():
+            assert torch.equal(model.compute_logits(hidden[i:i + 1]), logits[i:i + 1])
 
 
 # ------------------------------------------------------------ the reference itself

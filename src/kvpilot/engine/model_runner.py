@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,7 @@ from kvpilot.engine.model.loader import (
 from kvpilot.engine.model.moe import finish_quantized_experts, quantize_experts
 from kvpilot.engine.quantization.checkpoint import group_quantized
 from kvpilot.engine.quantization.config import CheckpointQuantization, load_quantization
+from kvpilot.engine.quantization.weights import FloatWeight, QuantizedWeight
 from kvpilot.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,7 @@ def build_model(
             model.enable_tensor_parallel(tp, config.vocab_size)
             seed += tp.rank
         quantized_names: set[str] = set()
+        kept_float: dict[str, torch.dtype] = {}
         if quant is not None:
             parts = checkpoint_modules(source)
             has = None if parts is None else parts.__contains__
@@ -115,8 +118,13 @@ def build_model(
 
             if parts is not None:
                 quantized = quantized_here
-            quantized_names = quantize_linears(model, model.checkpoint_names, quantized, dtype, has,
-                                               embeddings=quant.method == "gguf")
+            kept_float = stored_float_modules(source, model, dtype, device, size)
+            if kept_float:
+                logger.info("weights: %s kept as stored (%s)", ", ".join(sorted(kept_float)),
+                            ", ".join(sorted({str(d).removeprefix("torch.") for d in kept_float.values()})))
+            quantized_names = quantize_linears(model, model.checkpoint_names,
+                                               lambda n: n in kept_float or quantized(n), dtype, has,
+                                               embeddings=quant.method == "gguf" or "model.embed_tokens" in kept_float)
             quantized_names |= quantize_experts(model, quantized, has)
             logger.info("weights: %s (%d checkpoint modules quantized)", quant.summary(), len(quantized_names))
     model = model.to_empty(device=device).to(dtype)
@@ -137,7 +145,7 @@ def build_model(
         assert source is not None
         weights = iter_weights(source, config, gguf_file, keep_quantized=quant is not None)
         if quant is not None and source.kind != "gguf":  # GGUF yields its quantized weights itself
-            weights = group_quantized(weights, quant, quantized_names)
+            weights = keep_stored_dtype(group_quantized(weights, quant, quantized_names - kept_float.keys()), kept_float)
         model.load_weights(weights if tp is None else shard_weights(weights, config, tp.rank, size))
     if quant is not None:
         model.packed_bytes += finish_quantized(model, device) + finish_quantized_experts(model, device)
@@ -158,6 +166,48 @@ def build_model(
                     "KV cache sometimes its tokens, can depend on what it was batched with (docs/engine.md, "
                     "Determinism)", detail)
     return model
+
+
+_FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def stored_float_modules(source: ModelSource | None, model: torch.nn.Module, dtype: torch.dtype,
+                         device: torch.device, tp_size: int) -> dict[str, torch.dtype]:
+    """The token embedding and LM head of a quantized HF checkpoint that a float32 model on
+    CPU keeps as stored (:class:`~kvpilot.engine.quantization.weights.FloatWeight`):
+    checkpoint module -> stored dtype. Those are a bfloat16/float16 embedding or LM head
+    (widened they would take twice their file bytes), and a tied float32 embedding (its
+    head then reads the table in place instead of holding a packed copy of it). Empty for
+    other dtypes, devices and sources, and with tensor parallelism (the
+    vocabulary-parallel embedding keeps the model dtype)."""
+    if source is None or source.kind != "hf" or dtype != torch.float32 or device.type != "cpu" or tp_size > 1:
+        return {}
+    from safetensors import safe_open
+
+    tied = getattr(model, "lm_head", None) is None
+    wanted = {"model.embed_tokens.weight": "model.embed_tokens"}
+    if not tied:
+        wanted["lm_head.weight"] = "lm_head"
+    kept: dict[str, torch.dtype] = {}
+    for file in sorted(source.path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in wanted.keys() & set(f.keys()):
+                stored = _FLOAT_DTYPES.get(f.get_slice(key).get_dtype())
+                if stored in (torch.bfloat16, torch.float16) or (stored == torch.float32 and tied):
+                    kept[wanted[key]] = stored
+    return kept
+
+
+def keep_stored_dtype(weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]],
+                      modules: dict[str, torch.dtype]) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Pass tensors through, ``<module>.weight`` of ``modules``
+    (:func:`stored_float_modules`) as a
+    :class:`~kvpilot.engine.quantization.weights.FloatWeight` of the stored tensor."""
+    for name, tensor in weights:
+        if isinstance(tensor, torch.Tensor) and name.endswith(".weight") and name.removesuffix(".weight") in modules:
+            yield name, FloatWeight(tensor, name)
+        else:
+            yield name, tensor
 
 
 def checkpoint_modules(source: ModelSource | None) -> dict[str, set[str]] | None:

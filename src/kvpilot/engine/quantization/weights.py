@@ -22,6 +22,8 @@ W4A16/W8A16, GGUF Q4_0/Q4_1/Q8_0/Q4_K):
     ``block=(bn, bk)``: ``w = weight * scale``. Activations: ``act="dynamic"`` (per token,
     or per token and ``bk`` columns for block weights), ``"static"`` (``input_scale``, one
     float) or ``"none"`` (W8A16).
+``FloatWeight`` (a float32 model's unquantized LM head and token embedding, kept as the
+    checkpoint stores them): ``weight`` ``[N, K]`` float32, bfloat16 or float16.
 ``Int8Weight`` (compressed-tensors INT8 W8A8):
     ``weight`` int8 ``[N, K]``, ``weight_scale`` float32 ``[N]``; activations quantized
     symmetrically to int8 per token (``act="dynamic"``) or with one ``input_scale``.
@@ -478,6 +480,79 @@ class WNA16Weight(QuantizedWeight):
             return out
         else:
             return self._tiled(x, bias, torch.float32 if x.dtype == torch.float32 else x.dtype)
+        if bias is not None:
+            y += bias.to(y.dtype)
+        return y
+
+
+# ------------------------------------------------------------------ float weights
+class FloatWeight(QuantizedWeight):
+    """An unquantized matrix kept as the checkpoint stores it (float32, bfloat16 or
+    float16) by a float32 model: the LM head and token embedding of a quantized
+    checkpoint, which its quantizer leaves unquantized (llm-compressor's
+    ``ignore: [lm_head]``, GPTQ, AWQ). Widening a 16-bit table to float32 would double its
+    bytes, and a tied table would be held twice (the lookup rows and the head's packed
+    copy): for SmolLM2-135M W4A16 1.5-1.7 times the checkpoint's bytes. Kept as stored,
+    the lookup widens the looked-up rows only and the head widens each weight in
+    registers (:func:`kvpilot.kernels.cpu_quant_gemm.float_gemm`), exactly: every weight
+    is a float32 value, so the products are the float32 model's up to summation order.
+
+    Args:
+        weight: ``[N, K]`` float32, bfloat16 or float16.
+        name: the checkpoint tensor, for errors.
+    Raises:
+        QuantizedWeightError: another dtype or rank.
+    """
+
+    format = "float"
+
+    def __init__(self, weight: torch.Tensor, name: str = "weight") -> None:
+        self.name = name
+        _check(weight.dtype in (torch.float32, torch.bfloat16, torch.float16) and weight.dim() == 2, name,
+               f"weight {weight.dtype} {tuple(weight.shape)}; expected float32, bfloat16 or float16 [N, K]")
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        self.format = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[weight.dtype]
+
+    def params(self) -> tuple[object, ...]:
+        return (self.weight.dtype, self.in_features)
+
+    def describe(self) -> str:
+        return f"{self.format} weights kept as stored (float32 products)"
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        return {"weight": self.weight}
+
+    def _replace(self, **t: torch.Tensor | None) -> FloatWeight:
+        w = t.get("weight", self.weight)
+        assert w is not None
+        return FloatWeight(w, self.name)
+
+    def cat(self, parts: Sequence[QuantizedWeight], name: str) -> FloatWeight:
+        return FloatWeight(torch.cat([p.weight for p in parts if isinstance(p, FloatWeight)]), name)
+
+    def prepare(self, device: torch.device) -> QuantizedWeight:
+        moved = self.to(device)
+        assert isinstance(moved, FloatWeight)
+        return moved if moved.weight.is_contiguous() else FloatWeight(moved.weight.contiguous(), self.name)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def dequantize(self, rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        w = self.weight if rows is None else self.weight.index_select(0, rows)
+        return w.to(dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= SMALL_M and _cpu_kernels():
+            from kvpilot.kernels.cpu_quant_gemm import float_gemm
+
+            y = float_gemm(x, self.weight).to(x.dtype)
+        elif x.dtype == self.weight.dtype:
+            return F.linear(x, self.weight, None if bias is None else bias.to(x.dtype))
+        else:
+            return self._tiled(x, bias, x.dtype)
         if bias is not None:
             y += bias.to(y.dtype)
         return y
