@@ -120,6 +120,12 @@ def test_unknown_names_are_refused_with_the_allowed_ones():
         # 4 bits + (2 B + 4 bits) per 128: 34,225,520,640 + 534,773,760 x 2.5 + 4,202,692,608
         # + 2,637,824
         ("llama-3.1-70b-instruct-awq-int4", "awq", 39_767_785_472),
+        # Qwen3-8B: 6,945,767,424 linear weights in FP8 and 423,936 fp32 block scales
+        # (per layer, ceil(out / 128) x ceil(in / 128): q 1,024, k and v 256 each, o 1,024,
+        # gate and up 3,072 each, down 3,072), 2 x 622,329,856 embedding and LM head and
+        # 36 x (2 x 4,096 + 2 x 128) + 4,096 = 308,224 norm weights in bf16:
+        # 6,945,767,424 + 1,695,744 + 2,489,319,424 + 616,448
+        ("qwen3-8b-fp8", "fp8-block128", 9_437_399_040),
     ],
 )
 def test_quantized_presets_weight_bytes(name, fmt, total):
@@ -127,6 +133,14 @@ def test_quantized_presets_weight_bytes(name, fmt, total):
     assert m.quantization == fmt
     assert m.weight_bytes(2).total == total
     assert m.weight_bytes(2, None).total == 2 * m.num_params  # the same shape in bf16
+
+
+def test_qwen3_fp8_presets_have_the_published_shapes():
+    """Qwen3-8B has 8.19B parameters (its model card), q/k norms included."""
+    m = presets.model_preset("qwen3-8b-fp8")
+    assert m.num_params == 8_190_735_360 and m.qk_norm
+    big = presets.model_preset("qwen3-32b-fp8")
+    assert big.quantization == "fp8-block128" and round(big.num_params / 1e9, 1) == 32.8
 
 
 def test_the_fp8_preset_matches_its_published_checkpoint_size():

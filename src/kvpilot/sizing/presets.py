@@ -227,6 +227,12 @@ MODEL_PRESETS: dict[str, ModelShape] = {
                    quantization="w8a8-fp8"),
         ModelShape("llama-3.1-70b-instruct-awq-int4", 8192, 28672, 80, 64, 8, 128256,
                    quantization="awq"),
+        # Qwen's own FP8 releases (transformers' fp8: E4M3 weights, one fp32 scale per
+        # 128 x 128 block, lm_head and embeddings in bf16), with the base config's q/k norms.
+        ModelShape("qwen3-8b-fp8", 4096, 12288, 36, 32, 8, 151936, head_dim=128, qk_norm=True,
+                   quantization="fp8-block128"),
+        ModelShape("qwen3-32b-fp8", 5120, 25600, 64, 64, 8, 151936, head_dim=128, qk_norm=True,
+                   quantization="fp8-block128"),
     )
 }
 
