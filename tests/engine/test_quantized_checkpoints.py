@@ -650,6 +650,24 @@ def test_float_embedding_and_head_kept_as_stored(prepared):
             assert torch.equal(model.compute_logits(hidden[i:i + 1]), logits[i:i + 1])
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("llama-gptq-w4-g128", "qwen3-gptq-w4-g64-tied")],
+                         ids=lambda c: c.id)
+def test_kept_head_serves_without_onednn_packing(case, tmp_path_factory, monkeypatch):
+    """Where oneDNN cannot pack (no ``PackedLinear``), the kept head is called as a module:
+    the same logits as the packed engine's."""
+    from kvpilot.engine import model_runner
+
+    p = prepare(case, tmp_path_factory)
+    hidden = torch.randn(3, 128, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = engine_of(p).loaded.model.compute_logits(hidden)
+    monkeypatch.setattr(model_runner, "can_pack_linears", lambda device, dtype: False)
+    engine = make_engine(p.fixture.path, attention_backend="torch")
+    assert engine.loaded.model.packed_head is None and _kept_modules(engine)
+    with torch.no_grad():
+        assert torch.allclose(engine.loaded.model.compute_logits(hidden), want, rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------ the reference itself
 def test_int8_reference_rule(tmp_path_factory):
     """Why INT8 W8A8's reference uses vLLM's activation rule (module docstring):

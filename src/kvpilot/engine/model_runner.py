@@ -126,7 +126,8 @@ def build_model(
                                                lambda n: n in kept_float or quantized(n), dtype, has,
                                                embeddings=quant.method == "gguf" or "model.embed_tokens" in kept_float)
             quantized_names |= quantize_experts(model, quantized, has)
-            logger.info("weights: %s (%d checkpoint modules quantized)", quant.summary(), len(quantized_names))
+            logger.info("weights: %s (%d checkpoint modules quantized)", quant.summary(),
+                        len(quantized_names - kept_float.keys()))
     model = model.to_empty(device=device).to(dtype)
     if load_format == "dummy":
         # Drawn where the weights live: an 8B model's 8e9 normals take about a minute on
@@ -205,7 +206,9 @@ def keep_stored_dtype(weights: Iterator[tuple[str, torch.Tensor | QuantizedWeigh
     :class:`~kvpilot.engine.quantization.weights.FloatWeight` of the stored tensor."""
     for name, tensor in weights:
         if isinstance(tensor, torch.Tensor) and name.endswith(".weight") and name.removesuffix(".weight") in modules:
-            yield name, FloatWeight(tensor, name)
+            # A copy: the loader's tensors may view the file's memory map, which would then
+            # stay mapped (and fault if the file changed) for as long as the engine runs.
+            yield name, FloatWeight(tensor.clone(), name)
         else:
             yield name, tensor
 

@@ -163,6 +163,8 @@ class LlamaForCausalLM(nn.Module):
             head = self.packed_head
         elif self.lm_head is None and isinstance(self.embed_tokens, QuantizedEmbedding):
             head = self.embed_tokens.head
+        elif isinstance(self.lm_head, QuantizedLinear):  # unpacked (no oneDNN): the module
+            head = self.lm_head
         else:
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return lm_head_logits(hidden, head, self.tp, self.config.vocab_size)

@@ -277,8 +277,12 @@ void tile(const Tile& t, int64_t r0) {
           w0[r] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16));
           w1[r] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p + 1)), 16));
         } else {
+#if defined(__F16C__)
           w0[r] = _mm256_cvtph_ps(_mm_loadu_si128(p));
           w1[r] = _mm256_cvtph_ps(_mm_loadu_si128(p + 1));
+#else  // never runs: vector_path sends fp16 rows to rows_generic without F16C
+          w0[r] = w1[r] = _mm256_setzero_ps();
+#endif
         }
       }
       for (int m = 0; m < MB; ++m) {
