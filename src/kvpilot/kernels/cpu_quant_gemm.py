@@ -21,6 +21,17 @@ X_DTYPES = (torch.float32, torch.bfloat16)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _activation_rows(x: torch.Tensor) -> torch.Tensor:
+    """Load the kernels; ``x`` as the GEMMs read it: 2-D with contiguous rows, float32
+    or bfloat16 (other float dtypes converted to float32)."""
+    load()
+    if x.dtype not in X_DTYPES:
+        x = x.float()
+    if x.dim() != 2 or x.stride(-1) != 1:
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    return x
+
+
 def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
                group_size: int) -> torch.Tensor:
     """``x @ W.T`` with ``W[n, k] = q[n, k] * scales[n, k // g] + offsets[n, k // g]``.
@@ -38,20 +49,13 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, off
         RuntimeError: the kernels are unavailable, or shapes, dtypes or layouts as above
             not met (the message names the tensor).
     """
-    load()
-    if x.dtype not in X_DTYPES:
-        x = x.float()
-    if x.dim() != 2 or x.stride(-1) != 1:
-        x = x.reshape(-1, x.shape[-1]).contiguous()
+    x = _activation_rows(x)
     if offsets.dtype != scales.dtype:
         offsets = offsets.to(scales.dtype)
     out = torch.empty(x.shape[0], qweight.shape[0], dtype=torch.float32)
     torch.ops.kvpilot_cpu.wna16_gemm_cpu(out, x, qweight.contiguous(), scales.contiguous(), offsets.contiguous(),
                                          int(bits), int(group_size))
     return out
-
-
-FLOAT_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def float_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -69,11 +73,7 @@ def float_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         RuntimeError: the kernels are unavailable, or a shape, dtype or layout as above
             not met (the message names the tensor).
     """
-    load()
-    if x.dtype not in X_DTYPES:
-        x = x.float()
-    if x.dim() != 2 or x.stride(-1) != 1:
-        x = x.reshape(-1, x.shape[-1]).contiguous()
+    x = _activation_rows(x)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     torch.ops.kvpilot_cpu.float_gemm_cpu(out, x, weight.contiguous())
     return out
