@@ -106,7 +106,8 @@ def build_model(
         quantized_names: set[str] = set()
         kept_float: dict[str, torch.dtype] = {}
         if quant is not None:
-            parts = checkpoint_modules(source)
+            stored = checkpoint_dtypes(source)
+            parts = None if stored is None else checkpoint_modules(stored)
             has = None if parts is None else parts.__contains__
             quantized = quant.is_quantized
 
@@ -118,7 +119,7 @@ def build_model(
 
             if parts is not None:
                 quantized = quantized_here
-            kept_float = stored_float_modules(source, model, dtype, device, size)
+            kept_float = stored_float_modules(stored, model, dtype, device, size)
             if kept_float:
                 logger.info("weights: %s kept as stored (%s)", ", ".join(sorted(kept_float)),
                             ", ".join(sorted({str(d).removeprefix("torch.") for d in kept_float.values()})))
@@ -172,7 +173,7 @@ def build_model(
 _FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
-def stored_float_modules(source: ModelSource | None, model: torch.nn.Module, dtype: torch.dtype,
+def stored_float_modules(stored: dict[str, str] | None, model: torch.nn.Module, dtype: torch.dtype,
                          device: torch.device, tp_size: int) -> dict[str, torch.dtype]:
     """The token embedding and LM head of a quantized HF checkpoint that a float32 model on
     CPU keeps as stored (:class:`~kvpilot.engine.quantization.weights.FloatWeight`):
@@ -180,22 +181,20 @@ def stored_float_modules(source: ModelSource | None, model: torch.nn.Module, dty
     (widened they would take twice their file bytes), and a tied float32 embedding (its
     head then reads the table in place instead of holding a packed copy of it). Empty for
     other dtypes, devices and sources, and with tensor parallelism (the
-    vocabulary-parallel embedding keeps the model dtype)."""
-    if source is None or source.kind != "hf" or dtype != torch.float32 or device.type != "cpu" or tp_size > 1:
-        return {}
-    from safetensors import safe_open
+    vocabulary-parallel embedding keeps the model dtype).
 
+    Args:
+        stored: the checkpoint's tensors and dtypes (:func:`checkpoint_dtypes`); None for
+            a source that is not an HF folder.
+    """
+    if stored is None or dtype != torch.float32 or device.type != "cpu" or tp_size > 1:
+        return {}
     tied = getattr(model, "lm_head", None) is None
-    wanted = {"model.embed_tokens.weight": "model.embed_tokens"}
-    if not tied:
-        wanted["lm_head.weight"] = "lm_head"
     kept: dict[str, torch.dtype] = {}
-    for file in sorted(source.path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for key in wanted.keys() & set(f.keys()):
-                stored = _FLOAT_DTYPES.get(f.get_slice(key).get_dtype())
-                if stored in (torch.bfloat16, torch.float16) or (stored == torch.float32 and tied):
-                    kept[wanted[key]] = stored
+    for module in ("model.embed_tokens",) if tied else ("model.embed_tokens", "lm_head"):
+        kind = _FLOAT_DTYPES.get(stored.get(f"{module}.weight", ""))
+        if kind in (torch.bfloat16, torch.float16) or (kind == torch.float32 and tied):
+            kept[module] = kind
     return kept
 
 
@@ -213,21 +212,30 @@ def keep_stored_dtype(weights: Iterator[tuple[str, torch.Tensor | QuantizedWeigh
             yield name, tensor
 
 
-def checkpoint_modules(source: ModelSource | None) -> dict[str, set[str]] | None:
-    """An HF checkpoint's module names and their tensors' suffixes
-    (``model.layers.0.self_attn.q_proj`` -> ``{weight_packed, weight_scale, ...}``), read
-    from the safetensors headers only; None for other sources (a GGUF file's quantization
-    names its modules itself)."""
+def checkpoint_dtypes(source: ModelSource | None) -> dict[str, str] | None:
+    """An HF checkpoint's tensor names and stored dtypes (safetensors' names: ``F32``,
+    ``BF16``, ``I32`` ...), read from the safetensors headers only, once per load; None
+    for other sources (a GGUF file's quantization names its modules itself)."""
     if source is None or source.kind != "hf":
         return None
     from safetensors import safe_open
 
-    modules: dict[str, set[str]] = {}
+    dtypes: dict[str, str] = {}
     for file in sorted(source.path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                module, _, part = key.rpartition(".")
-                modules.setdefault(module, set()).add(part)
+                dtypes[key] = f.get_slice(key).get_dtype()
+    return dtypes
+
+
+def checkpoint_modules(stored: dict[str, str]) -> dict[str, set[str]]:
+    """The checkpoint's module names and their tensors' suffixes
+    (``model.layers.0.self_attn.q_proj`` -> ``{weight_packed, weight_scale, ...}``), from
+    :func:`checkpoint_dtypes`."""
+    modules: dict[str, set[str]] = {}
+    for key in stored:
+        module, _, part = key.rpartition(".")
+        modules.setdefault(module, set()).add(part)
     return modules
 
 

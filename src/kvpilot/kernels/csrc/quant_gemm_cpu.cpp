@@ -144,6 +144,17 @@ constexpr bool kVector = true;
 // to 1.35 times faster from 4 tokens up.)
 constexpr int rows_for(int) { return 4; }
 
+// acc[r][m] += w[r] * x[m], x[m] the 16 columns at xb + m * K (one load per token,
+// used by every row).
+template <int MB, int R>
+inline void fma_tokens(__m512 (&acc)[R][MB], const __m512 (&w)[R], const float* xb, int64_t K) {
+  for (int m = 0; m < MB; ++m) {
+    __m512 xv = _mm512_loadu_ps(xb + m * K);
+    in_register(xv);
+    for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(w[r], xv, acc[r][m]);
+  }
+}
+
 template <int BITS, int MB, int R>
 void tile(const Tile& t, int64_t r0) {
   const int64_t K = t.K, G = t.G, g = t.g;
@@ -170,11 +181,7 @@ void tile(const Tile& t, int64_t r0) {
         }
       }
       const float* xb = t.x + b * 16;
-      for (int m = 0; m < MB; ++m) {
-        __m512 xv = _mm512_loadu_ps(xb + m * K);
-        in_register(xv);
-        for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(w[r], xv, acc[r][m]);
-      }
+      fma_tokens<MB, R>(acc, w, xb, K);
     }
   } else if constexpr (BITS == 4) {
     const __m512 iota = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f,
@@ -221,11 +228,7 @@ void tile(const Tile& t, int64_t r0) {
           w[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s[r], o[r]);
         }
         const float* xb = t.x + b * 16;
-        for (int m = 0; m < MB; ++m) {
-          __m512 xv = _mm512_loadu_ps(xb + m * K);
-          in_register(xv);
-          for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(w[r], xv, acc[r][m]);
-        }
+        fma_tokens<MB, R>(acc, w, xb, K);
       }
     }
   }
@@ -248,6 +251,22 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
+// acc[r][m] += w0[r] * x0[m] + w1[r] * x1[m], x0[m] and x1[m] the 8 columns at
+// x0p + m * K and x1p + m * K (two loads per token, used by every row).
+template <int MB, int R>
+inline void fma_tokens(__m256 (&acc)[R][MB], const __m256 (&w0)[R], const __m256 (&w1)[R], const float* x0p,
+                       const float* x1p, int64_t K) {
+  for (int m = 0; m < MB; ++m) {
+    __m256 x0 = _mm256_loadu_ps(x0p + m * K);
+    __m256 x1 = _mm256_loadu_ps(x1p + m * K);
+    in_register(x0, x1);
+    for (int r = 0; r < R; ++r) {
+      acc[r][m] = _mm256_fmadd_ps(w0[r], x0, acc[r][m]);
+      acc[r][m] = _mm256_fmadd_ps(w1[r], x1, acc[r][m]);
+    }
+  }
+}
+
 inline __m256i load8_u8(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
@@ -261,8 +280,6 @@ void tile(const Tile& t, int64_t r0) {
   __m256 acc[R][MB];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
-  // Both widths step 16 columns: 4 bits as 8 bytes (8 even and 8 odd columns of the
-  // permuted 32-column block), 8 bits as two halves of 8 columns.
   if constexpr (is_float(BITS)) {
     constexpr int64_t step = BITS == kF32 ? 64 : 32;  // bytes of 16 columns
     for (int64_t b = 0; b < K / 16; ++b) {
@@ -285,55 +302,38 @@ void tile(const Tile& t, int64_t r0) {
 #endif
         }
       }
-      for (int m = 0; m < MB; ++m) {
-        __m256 x0 = _mm256_loadu_ps(t.x + b * 16 + m * K);
-        __m256 x1 = _mm256_loadu_ps(t.x + b * 16 + 8 + m * K);
-        in_register(x0, x1);
-        for (int r = 0; r < R; ++r) {
-          acc[r][m] = _mm256_fmadd_ps(w0[r], x0, acc[r][m]);
-          acc[r][m] = _mm256_fmadd_ps(w1[r], x1, acc[r][m]);
-        }
-      }
+      fma_tokens<MB, R>(acc, w0, w1, t.x + b * 16, t.x + b * 16 + 8, K);
     }
-    for (int m = 0; m < MB; ++m) {
-      for (int r = 0; r < R; ++r) t.out[m * t.ldo + r0 + r] = hsum(acc[r][m]);
-    }
-    return;
-  }
-  const int64_t per_group = g / 16;
-  for (int64_t grp = 0; grp < G; ++grp) {
-    __m256 s[R], o[R];
-    for (int r = 0; r < R; ++r) {
-      s[r] = _mm256_set1_ps(sc[r * G + grp]);
-      o[r] = _mm256_set1_ps(of[r * G + grp]);
-    }
-    for (int64_t b = grp * per_group; b < (grp + 1) * per_group; ++b) {
-      if ((b & 3) == 0 || BITS == 8) prefetch_rows<R>(q + b * (BITS == 4 ? 8 : 16), t.qs);
-      __m256 w0[R], w1[R];
+  } else {
+    // Both widths step 16 columns: 4 bits as 8 bytes (8 even and 8 odd columns of the
+    // permuted 32-column block), 8 bits as two halves of 8 columns.
+    const int64_t per_group = g / 16;
+    for (int64_t grp = 0; grp < G; ++grp) {
+      __m256 s[R], o[R];
       for (int r = 0; r < R; ++r) {
-        if constexpr (BITS == 4) {
-          const __m256i v = load8_u8(q + r * t.qs + b * 8);
-          const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
-          const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-          w0[r] = _mm256_fmadd_ps(lo, s[r], o[r]);
-          w1[r] = _mm256_fmadd_ps(hi, s[r], o[r]);
-        } else {
-          w0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(load8_u8(q + r * t.qs + b * 16)), s[r], o[r]);
-          w1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(load8_u8(q + r * t.qs + b * 16 + 8)), s[r], o[r]);
-        }
+        s[r] = _mm256_set1_ps(sc[r * G + grp]);
+        o[r] = _mm256_set1_ps(of[r * G + grp]);
       }
-      // 4 bits: block b is half b % 2 of the 32-column block b / 2, its low nibbles
-      // permuted columns 8 * (b % 2) .. + 8 and its high ones 16 more.
-      const float* x0p = BITS == 4 ? t.x + (b >> 1) * 32 + (b & 1) * 8 : t.x + b * 16;
-      const float* x1p = BITS == 4 ? x0p + 16 : x0p + 8;
-      for (int m = 0; m < MB; ++m) {
-        __m256 x0 = _mm256_loadu_ps(x0p + m * K);
-        __m256 x1 = _mm256_loadu_ps(x1p + m * K);
-        in_register(x0, x1);
+      for (int64_t b = grp * per_group; b < (grp + 1) * per_group; ++b) {
+        if ((b & 3) == 0 || BITS == 8) prefetch_rows<R>(q + b * (BITS == 4 ? 8 : 16), t.qs);
+        __m256 w0[R], w1[R];
         for (int r = 0; r < R; ++r) {
-          acc[r][m] = _mm256_fmadd_ps(w0[r], x0, acc[r][m]);
-          acc[r][m] = _mm256_fmadd_ps(w1[r], x1, acc[r][m]);
+          if constexpr (BITS == 4) {
+            const __m256i v = load8_u8(q + r * t.qs + b * 8);
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+            w0[r] = _mm256_fmadd_ps(lo, s[r], o[r]);
+            w1[r] = _mm256_fmadd_ps(hi, s[r], o[r]);
+          } else {
+            w0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(load8_u8(q + r * t.qs + b * 16)), s[r], o[r]);
+            w1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(load8_u8(q + r * t.qs + b * 16 + 8)), s[r], o[r]);
+          }
         }
+        // 4 bits: block b is half b % 2 of the 32-column block b / 2, its low nibbles
+        // permuted columns 8 * (b % 2) .. + 8 and its high ones 16 more.
+        const float* x0p = BITS == 4 ? t.x + (b >> 1) * 32 + (b & 1) * 8 : t.x + b * 16;
+        const float* x1p = BITS == 4 ? x0p + 16 : x0p + 8;
+        fma_tokens<MB, R>(acc, w0, w1, x0p, x1p, K);
       }
     }
   }
