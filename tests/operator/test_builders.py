@@ -7,6 +7,7 @@ are errors, so a typo in a field name fails here rather than in a cluster)."""
 from __future__ import annotations
 
 import copy
+import re
 
 import kubernetes_validate
 import pytest
@@ -287,6 +288,29 @@ def test_user_env_overrides_by_name_without_duplicates():
     assert len(names) == len(set(names))
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["HOME"] == "/cache/home" and env["LOG_LEVEL"] == "debug"
+
+
+def test_one_block_hash_seed_per_fleet():
+    """Every engine pod of an InferenceDeployment gets the same PYTHONHASHSEED (vLLM's
+    KV block hashes derive from it), stable across builds; another deployment gets
+    another; the user's own value wins; a value Python would refuse is refused."""
+    from kvpilot.operator.builders.pod import fleet_hash_seed
+
+    def seed(children) -> str:
+        return {e["name"]: e.get("value") for e in engine(children)["env"]}["PYTHONHASHSEED"]
+
+    mine = seed(build({"model": EMBEDDED}, replicas=3))
+    assert mine == seed(build({"model": EMBEDDED, "engine": {"maxNumSeqs": 8}})) == fleet_hash_seed(OWNER.name)
+    assert mine.isdigit() and int(mine) < 2**32
+    assert fleet_hash_seed("other") != mine
+    # The headroom placeholders copy the engine pod template; only the engine gets it.
+    children = build({"model": EMBEDDED})
+    init = children.deployment["spec"]["template"]["spec"].get("initContainers", [])
+    assert all("PYTHONHASHSEED" not in {e["name"] for e in c["env"]} for c in init)
+    assert seed(build({"model": EMBEDDED, "env": [{"name": "PYTHONHASHSEED", "value": "42"}]})) == "42"
+    for bad in ("-1", "4294967296", "abc", ""):
+        with pytest.raises(SpecError, match=re.escape('PYTHONHASHSEED must be "random" or an integer in 0..4294967295')):
+            parse_spec({"model": EMBEDDED, "env": [{"name": "PYTHONHASHSEED", "value": bad}]})
 
 
 def test_image_default_and_override():

@@ -30,6 +30,7 @@ before the kubelet's SIGKILL.
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 from typing import Any
 
@@ -75,10 +76,20 @@ def _container_security() -> dict[str, Any]:
     }
 
 
-def _env(spec: InferenceSpec, lora: bool = False) -> list[dict[str, Any]]:
+def fleet_hash_seed(name: str) -> str:
+    """``PYTHONHASHSEED`` of every engine pod of the InferenceDeployment ``name``: the
+    seed of vLLM's KV block hashes (``NONE_HASH``), the same across the fleet and across
+    restarts and rollouts, so every pod reports a prefix's blocks with the same hashes
+    and a prefix indexer (llm-d's, with this value as its ``hashSeed``) can recompute
+    them. A decimal integer below 2**32 (what Python accepts), from the name's SHA-256."""
+    return str(int.from_bytes(hashlib.sha256(f"kvpilot-fleet/{name}".encode()).digest()[:4], "big"))
+
+
+def _env(spec: InferenceSpec, lora: bool = False, hash_seed: str | None = None) -> list[dict[str, Any]]:
     """Cache locations on writable volumes (and, for the engine with ``lora``, the switch
-    of the runtime LoRA routes), then the user's env (a user entry replaces ours of the
-    same name: server-side apply refuses duplicate names)."""
+    of the runtime LoRA routes; with ``hash_seed``, ``PYTHONHASHSEED``), then the user's env
+    (a user entry replaces ours of the same name: server-side apply refuses duplicate
+    names)."""
     env: dict[str, dict[str, Any]] = {
         name: {"name": name, "value": value}
         for name, value in (
@@ -95,6 +106,8 @@ def _env(spec: InferenceSpec, lora: bool = False) -> list[dict[str, Any]]:
         # Mounts vLLM's runtime routes POST /v1/load_lora_adapter and
         # /v1/unload_lora_adapter, through which the operator keeps the pod in step.
         env[c.RUNTIME_LORA_ENV] = {"name": c.RUNTIME_LORA_ENV, "value": "true"}
+    if hash_seed is not None:
+        env["PYTHONHASHSEED"] = {"name": "PYTHONHASHSEED", "value": hash_seed}
     for item in spec.pod.env:
         env[item["name"]] = copy.deepcopy(dict(item))
     return list(env.values())
@@ -158,7 +171,7 @@ def _engine_ports(spec: InferenceSpec) -> list[dict[str, Any]]:
     return ports
 
 
-def _engine_container(spec: InferenceSpec, image: str,
+def _engine_container(name: str, spec: InferenceSpec, image: str,
                       mounts: list[dict[str, Any]]) -> dict[str, Any]:
     startup_failures = math.ceil(startup_budget_seconds(spec) / STARTUP_PERIOD_SECONDS)
     return {
@@ -168,7 +181,7 @@ def _engine_container(spec: InferenceSpec, image: str,
         "command": list(ENGINE_COMMAND),
         "args": engine_args(spec),
         "ports": _engine_ports(spec),
-        "env": _env(spec, lora=spec.lora_enabled),
+        "env": _env(spec, lora=spec.lora_enabled, hash_seed=fleet_hash_seed(name)),
         "resources": copy.deepcopy(dict(spec.pod.resources)),
         "startupProbe": _probe(c.HEALTH_PATH, STARTUP_PERIOD_SECONDS, 5, startup_failures),
         "livenessProbe": _probe(c.HEALTH_PATH, 15, 10, 4),
@@ -273,7 +286,7 @@ def build_pod_template(name: str, spec: InferenceSpec, default_image: str) -> di
             "fsGroup": ENGINE_UID,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [_engine_container(spec, image, mounts)],
+        "containers": [_engine_container(name, spec, image, mounts)],
         "volumes": volumes + [copy.deepcopy(dict(v)) for v in spec.pod.volumes],
     }
     if spec.model.scheme == "hf" or (spec.model.fetched and not spec.model.image_volume):

@@ -53,6 +53,11 @@ _LABEL_KEY_RE = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9
 _LABEL_VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 
 
+def _python_hash_seed(value: object) -> bool:
+    """A PYTHONHASHSEED Python starts with: "random" or a decimal integer below 2**32."""
+    return isinstance(value, str) and (value == "random" or (value.isdigit() and int(value) <= 4294967295))
+
+
 def parse_pod(r: FieldReader) -> PodSettings:
     """The pod-level fields of the top-level spec ``r`` as :class:`PodSettings` (copies of
     the objects; ``r`` is not mutated). Raises SpecError on the first invalid field."""
@@ -60,6 +65,10 @@ def parse_pod(r: FieldReader) -> PodSettings:
     for item in env:
         if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
             raise SpecError("env", item, "each entry needs a string name (a core/v1 EnvVar)")
+        if item["name"] == "PYTHONHASHSEED" and "value" in item and not _python_hash_seed(item["value"]):
+            raise SpecError("env", dict(item), "PYTHONHASHSEED must be \"random\" or an integer in "
+                            "0..4294967295 (Python refuses to start otherwise); it seeds the engines' KV "
+                            "block hashes (docs/operator.md)")
     tolerations = r.items("tolerations")
     if not all(isinstance(t, Mapping) for t in tolerations):
         raise SpecError("tolerations", list(tolerations), "a list of core/v1 Toleration objects")
