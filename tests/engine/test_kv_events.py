@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -24,21 +25,31 @@ from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.kv_events import (
     AllBlocksCleared,
+    BlockHasher,
     BlockRemoved,
     BlockStored,
     KVEventCollector,
-    block_hash,
+    external_hash,
 )
 from kvpilot.engine.kv_events import (
     END_SEQ,
+    ExtraPublisher,
     KVEventsConfig,
     KVEventsConfigError,
     ZmqEventPublisher,
+    binds,
+    encode_batch,
     split_salted,
 )
 from tests.engine.core.helpers import adapter, make_request
 
 BS = 4
+HASHER = BlockHasher("sha256", "kvpilot-tests")  # vLLM's default algorithm, a fixed seed
+
+
+def block_hash(parent: bytes | None, tokens: list[int], salt: str | None = None, lora=None) -> bytes:
+    """A block's full hash under HASHER, with vLLM's keys (the salt in a first block)."""
+    return HASHER.hash_block(parent, tokens, HASHER.hash_keys(lora, salt, parent is None))
 
 
 # --------------------------------------------------------------------- config
@@ -99,34 +110,82 @@ def test_cli_flag_error_names_the_field(capsys):
 
 
 # ------------------------------------------------------------------- hashing
-def test_block_hash_is_an_unsigned_64_bit_int_stable_across_processes():
-    h = block_hash(None, [1, 2, 3, 4], None)
-    assert 0 <= h < 2**64
-    code = "from kvpilot.engine.core.kv_events import block_hash; print(block_hash(None, [1, 2, 3, 4], None))"
-    env = dict(os.environ, PYTHONHASHSEED="12345")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, check=True)
-    assert int(out.stdout) == h
+def test_block_hash_is_stable_across_processes_for_one_seed():
+    """The wire hash is the full hash's last 8 bytes, the same in another process with
+    the same PYTHONHASHSEED (a new seed changes every hash)."""
+    code = ("from kvpilot.engine.core.kv_events import BlockHasher, external_hash; h = BlockHasher('sha256'); "
+            "print(h.seed_source, external_hash(h.hash_block(None, [1, 2, 3, 4])))")
+
+    def other_process(seed: str | None) -> tuple[str, int]:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+        if seed is not None:
+            env["PYTHONHASHSEED"] = seed
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60,
+                             check=True)
+        source, value = out.stdout.split()
+        return source, int(value)
+
+    mine = BlockHasher("sha256", "12345").hash_block(None, [1, 2, 3, 4])
+    assert len(mine) == 32 and 0 <= external_hash(mine) < 2**64
+    assert external_hash(mine) == int.from_bytes(mine[-8:], "big")
+    assert other_process("12345") == ("PYTHONHASHSEED", external_hash(mine))
+    assert other_process("54321")[1] != external_hash(mine)
+    default = BlockHasher("sha256", "vllm-none-hash").hash_block(None, [1, 2, 3, 4])
+    assert other_process(None) == ("default", external_hash(default))
 
 
-def test_block_hash_chains_parents_and_isolates_salts():
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor", "sha256_cbor_64bit"])
+def test_block_hash_chains_parents_and_isolates_salts_and_adapters(algo):
+    h = BlockHasher(algo, "7")
     tokens = [5, 6, 7, 8]
-    root = block_hash(None, tokens, None)
-    # The same tokens under another parent, or at the root with parent 0, differ.
-    assert block_hash(root, tokens, None) != root
-    assert block_hash(0, tokens, None) != root
-    assert block_hash(1, tokens, None) != block_hash(2, tokens, None)
-    # Salts: salted != unsalted, and two salts differ, at the root and further down.
-    salted = {block_hash(None, tokens, s) for s in (None, "a", "b", "")}
-    assert len(salted) == 4
-    assert block_hash(root, tokens, "a") != block_hash(root, tokens, None)
-    # Token order and content matter.
-    assert block_hash(None, [8, 7, 6, 5], None) != root
-    assert block_hash(None, [5, 6, 7, 9], None) != root
+
+    def block(parent, salt=None, lora=None, toks=tokens):
+        return h.hash_block(parent, toks, h.hash_keys(lora, salt, parent is None))
+
+    root = block(None)
+    assert block(root) != root and block(block(None, "a")) != block(root)
+    # Salts: salted != unsalted and two salts differ at a first block; further down the
+    # salt is not mixed in again (vLLM), the chain carries it.
+    assert len({block(None, s) for s in (None, "a", "b")}) == 3
+    assert block(root, "a") == block(root)
+    # An adapter changes every block of its chain; its name differs from a salt of that name.
+    alpha = adapter("alpha", 1)
+    assert block(root, lora=alpha) != block(root)
+    if h.tagged_keys:
+        assert block(None, lora=alpha) != block(None, salt="alpha")
+    else:  # vLLM 0.10's keys were untagged: an adapter and a salt of one name alias (on the wire only)
+        assert block(None, lora=alpha) == block(None, salt="alpha")
+    # Token order and content matter; the seed too.
+    assert block(None, toks=[8, 7, 6, 5]) != root and block(None, toks=[5, 6, 7, 9]) != root
+    assert BlockHasher(algo, "8").hash_block(None, tokens) != root
+    with pytest.raises(ValueError, match=r"--prefix-caching-hash-algo must be one of sha256, .*; got 'md5'"):
+        BlockHasher("md5")
+
+
+def test_sha256_cbor_64bit_is_vllm_010s_chain_of_64_bit_ints():
+    """vLLM 0.10's sha256_cbor_64bit (what llm-d's indexer v0.3.0 recomputes): the low
+    64 bits of SHA-256 over canonical CBOR of ``[parent int, tokens, extra keys]``, the
+    root parent being the seed's hash (CBOR of the seed string)."""
+    import hashlib
+
+    import cbor2
+
+    h = BlockHasher("sha256_cbor_64bit", "")
+    low64 = lambda data: int.from_bytes(hashlib.sha256(data).digest()[-8:], "big")  # noqa: E731
+    none_hash = low64(cbor2.dumps("", canonical=True))
+    assert h.none_hash == none_hash == low64(bytes.fromhex("60"))  # CBOR "" is the one byte 0x60
+    first = h.hash_block(None, [1, 2, 3, 4])
+    assert first == low64(cbor2.dumps([none_hash, [1, 2, 3, 4], None], canonical=True))
+    assert h.hash_block(first, [5, 6, 7, 8]) == low64(cbor2.dumps([first, [5, 6, 7, 8], None], canonical=True))
+    assert external_hash(first) == first
+    # Untagged keys, as vLLM 0.10 mixed them: the adapter's name, the salt in a first block.
+    assert h.hash_keys(adapter("alpha", 1), "s", True) == ("alpha", "s")
+    assert h.hash_keys(adapter("alpha", 1), "s", False) == ("alpha",)
 
 
 # ------------------------------------------------------- events from the cache
 def manager(num_blocks: int = 10) -> tuple[KVCacheManager, KVEventCollector]:
-    events = KVEventCollector(BS)
+    events = KVEventCollector(BS, HASHER)
     return KVCacheManager(num_blocks, BS, kv_events=events), events
 
 
@@ -139,11 +198,12 @@ def run(kv: KVCacheManager, req) -> None:
     kv.publish(req)
 
 
-def chain(tokens: list[int], salt: str | None = None, parent: int | None = None) -> list[int]:
+def chain(tokens: list[int], salt: str | None = None, parent: bytes | None = None, lora=None) -> list[int]:
+    """The wire hashes of ``tokens``' full blocks as one chain."""
     hashes = []
     for i in range(0, len(tokens) - BS + 1, BS):
-        parent = block_hash(parent, tokens[i:i + BS], salt)
-        hashes.append(parent)
+        parent = block_hash(parent, tokens[i:i + BS], salt, lora)
+        hashes.append(external_hash(parent))
     return hashes
 
 
@@ -152,16 +212,18 @@ def test_publish_emits_one_block_stored_per_contiguous_chain():
     a = make_request("a", list(range(1, 11)))  # 10 tokens: 2 full blocks
     run(kv, a)
     [ev] = events.drain()
-    assert ev == BlockStored(chain(list(range(1, 9))), None, list(range(1, 9)), BS)
-    assert ev.medium == "GPU" and ev.extra_keys is None and ev.lora_id is None
-    assert [kv.radix.node_of(b).block_hash for b in a.block_ids[:2]] == ev.block_hashes
+    assert ev == BlockStored(chain(list(range(1, 9))), None, list(range(1, 9)), BS, extra_keys=[None, None])
+    assert ev.medium == "GPU" and ev.lora_id is None and ev.group_idx == 0
+    assert ev.kv_cache_spec_kind == "full_attention" and not ev.isolated
+    assert [external_hash(kv.radix.node_of(b).block_hash) for b in a.block_ids[:2]] == ev.block_hashes
     # A request sharing the first block stores only its own next blocks, parented on it.
     b = make_request("b", [1, 2, 3, 4, 50, 51, 52, 53, 54])
     run(kv, b)
     [ev_b] = events.drain()
     assert ev_b.parent_block_hash == ev.block_hashes[0]
     assert ev_b.token_ids == [50, 51, 52, 53]
-    assert ev_b.block_hashes == [block_hash(ev.block_hashes[0], [50, 51, 52, 53], None)]
+    full0 = kv.radix.node_of(a.block_ids[0]).block_hash
+    assert ev_b.block_hashes == [external_hash(block_hash(full0, [50, 51, 52, 53]))]
     # The same prompt again hits the cache: nothing new is stored.
     kv.free(a)
     c = make_request("c", list(range(1, 11)))
@@ -190,8 +252,9 @@ def test_salted_blocks_carry_the_salt_and_differ_from_unsalted_ones():
     run(kv, make_request("plain", [*tokens, 0]))
     run(kv, make_request("salted", [*tokens, 0], salt="tenant-a"))
     plain, salted = events.drain()
-    assert plain.extra_keys is None
-    assert salted.extra_keys == [("tenant-a",), ("tenant-a",)]
+    assert plain.extra_keys == [None, None] and not plain.isolated
+    assert salted.extra_keys == [("tenant-a",), None]  # vLLM: the salt is a first block's key
+    assert salted.isolated
     assert salted.parent_block_hash is None
     assert salted.block_hashes == chain(tokens, "tenant-a")
     assert set(salted.block_hashes).isdisjoint(plain.block_hashes)
@@ -199,7 +262,7 @@ def test_salted_blocks_carry_the_salt_and_differ_from_unsalted_ones():
 
 def test_adapter_blocks_name_the_adapter_and_differ_from_base_blocks():
     """vLLM's BlockStored for a LoRA request: lora_id = lora_int_id, lora_name, and per
-    block extra_keys holding the LoRA name first, then the salt (when salted)."""
+    block extra_keys holding the LoRA name first, then the salt (in the first block)."""
     kv, events = manager(20)
     tokens = list(range(1, 9))
     alpha, beta = adapter("alpha", 3), adapter("beta", 4)
@@ -208,35 +271,24 @@ def test_adapter_blocks_name_the_adapter_and_differ_from_base_blocks():
     run(kv, make_request("b", [*tokens, 0], lora=beta))
     run(kv, make_request("as", [*tokens, 0], lora=alpha, salt="tenant-a"))
     base, a, b, a_salted = events.drain()
-    assert (base.lora_id, base.lora_name, base.extra_keys) == (None, None, None)
+    assert (base.lora_id, base.lora_name, base.extra_keys) == (None, None, [None, None])
     assert (a.lora_id, a.lora_name, a.extra_keys) == (3, "alpha", [("alpha",), ("alpha",)])
     assert (b.lora_id, b.lora_name, b.extra_keys) == (4, "beta", [("beta",), ("beta",)])
-    assert a_salted.extra_keys == [("alpha", "tenant-a"), ("alpha", "tenant-a")]
-    assert a.block_hashes == [block_hash(None, tokens[:4], None, "alpha"),
-                              block_hash(a.block_hashes[0], tokens[4:], None, "alpha")]
-    assert a_salted.block_hashes[0] == block_hash(None, tokens[:4], "tenant-a", "alpha")
+    assert a_salted.extra_keys == [("alpha", "tenant-a"), ("alpha",)]
+    assert a.block_hashes == chain(tokens, lora=alpha)
+    assert a_salted.block_hashes == chain(tokens, "tenant-a", lora=alpha)
     every = [set(ev.block_hashes) for ev in (base, a, b, a_salted)]
     for i in range(len(every)):
         for j in range(i + 1, len(every)):
             assert every[i].isdisjoint(every[j]), (i, j)
-    assert base.block_hashes == chain(tokens)  # the base model's hashes are unchanged
+    assert base.block_hashes == chain(tokens)
     assert a.parent_block_hash is None and a.token_ids == tokens
     assert all(ev.medium == "GPU" for ev in (base, a, b, a_salted))
-    # Its wire map: lora_id and lora_name set, extra_keys after them.
+    # Its wire map: vLLM's field order, lora_id and lora_name set.
     wire = a.to_wire()
     assert list(wire) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                          "medium", "lora_name", "extra_keys"]
+                          "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"]
     assert (wire["lora_id"], wire["lora_name"]) == (3, "alpha")
-
-
-def test_adapter_name_and_salt_never_alias_in_the_hash():
-    tokens = [1, 2, 3, 4]
-    # An adapter called "s" differs from the salt "s", and (adapter, salt) pairs differ.
-    hashes = {block_hash(None, tokens, salt, name)
-              for name, salt in ((None, None), (None, "s"), ("s", None), ("s", "s"), ("a", "s"), ("s", "a"),
-                                 ("", None), (None, ""))}
-    assert len(hashes) == 8
-    assert block_hash(None, tokens, None, None) == block_hash(None, tokens, None)
 
 
 def test_eviction_emits_block_removed_for_the_lru_leaves():
@@ -247,8 +299,9 @@ def test_eviction_emits_block_removed_for_the_lru_leaves():
     kv.free(a)  # 2 cached blocks, 4 free
     b = make_request("b", list(range(100, 121)))  # 21 tokens: 6 blocks -> evicts both of a's
     run(kv, b)
-    removed, stored_b = events.drain()
-    assert removed == BlockRemoved(stored_a[::-1])  # the leaf first, then its parent
+    *removed, stored_b = events.drain()
+    # One BlockRemoved per block, as vLLM sends them: the leaf first, then its parent.
+    assert removed == [BlockRemoved([h]) for h in stored_a[::-1]]
     assert stored_b.block_hashes == chain(list(range(100, 120)))
     kv.check_integrity([b])
 
@@ -263,6 +316,24 @@ def test_reset_with_nothing_in_use_is_all_blocks_cleared():
     assert events.drain() == [AllBlocksCleared()]
 
 
+def test_the_positional_encoding_sends_a_reset_as_removals_first():
+    """llm-d's indexer v0.3.0 ignores AllBlocksCleared: the positional ("array") batch
+    removes the dropped blocks first; the map batch is vLLM's bare AllBlocksCleared."""
+    kv, events = manager()
+    a = make_request("a", list(range(1, 13)))
+    run(kv, a)
+    stored = events.drain()[0].block_hashes
+    kv.free(a)
+    kv.reset_prefix_cache()
+    [cleared] = events.drain()
+    assert cleared == AllBlocksCleared() and sorted(cleared.removed) == sorted(stored)
+    _, arrays, _ = msgpack.unpackb(encode_batch(1.0, [cleared], 0, "array"))
+    assert arrays[0][0] == "BlockRemoved" and sorted(arrays[0][1]) == sorted(stored)
+    assert arrays[1:] == [["AllBlocksCleared"]]
+    assert msgpack.unpackb(encode_batch(1.0, [cleared], 0))[1] == [{"type": "AllBlocksCleared"}]
+    assert msgpack.unpackb(encode_batch(1.0, [AllBlocksCleared()], 0, "array"))[1] == [["AllBlocksCleared"]]
+
+
 def test_reset_while_blocks_are_in_use_reports_only_what_was_dropped():
     kv, events = manager()
     a = make_request("a", [*range(1, 9), 0])
@@ -272,7 +343,7 @@ def test_reset_while_blocks_are_in_use_reports_only_what_was_dropped():
     stored_a, _ = events.drain()
     kv.free(a)
     assert kv.reset_prefix_cache() == 2  # a's blocks go, b's are in use and stay
-    assert events.drain() == [BlockRemoved(stored_a.block_hashes[::-1])]
+    assert events.drain() == [BlockRemoved([h]) for h in stored_a.block_hashes[::-1]]
     kv.check_integrity([b])
 
 
@@ -287,8 +358,8 @@ def test_events_off_costs_no_hashing():
 
 
 def test_split_salted_keeps_order_and_never_puts_a_removal_with_salted_stores():
-    plain = BlockStored([1], None, [0] * BS, BS)
-    salted = BlockStored([2], None, [0] * BS, BS, extra_keys=[("s",)])
+    plain = BlockStored([1], None, [0] * BS, BS, extra_keys=[None])
+    salted = BlockStored([2], None, [0] * BS, BS, extra_keys=[None], isolated=True)  # a salted chain's 2nd block
     removed = BlockRemoved([3])
     runs = split_salted([removed, salted, salted, plain, removed, salted, AllBlocksCleared()])
     assert runs == [[removed], [salted, salted], [plain, removed], [salted], [AllBlocksCleared()]]
@@ -305,9 +376,7 @@ def test_split_salted_puts_adapter_stores_in_batches_of_their_own():
     removed = BlockRemoved([base.block_hashes[0]])
     runs = split_salted([base, a, base2, removed])
     assert runs == [[base], [a], [base2, removed]]
-    # An adapter store without extra keys (as some producers send it) still travels alone.
-    bare = BlockStored([9], None, [0] * BS, BS, lora_id=2, lora_name="beta")
-    assert split_salted([base, bare, removed]) == [[base], [bare], [removed]]
+    assert a.isolated and not base.isolated
 
 
 # ------------------------------------------------------------------ publisher
@@ -386,7 +455,8 @@ def publisher():
 
 def stored(hashes, parent=None, salt=None) -> BlockStored:
     return BlockStored(list(hashes), parent, [7] * (BS * len(hashes)), BS,
-                       extra_keys=None if salt is None else [(salt,)] * len(hashes))
+                       extra_keys=[(salt,) if salt is not None and i == 0 else None for i in range(len(hashes))],
+                       isolated=salt is not None)
 
 
 def test_wire_format_is_an_array_batch_of_type_tagged_maps(publisher):
@@ -401,8 +471,9 @@ def test_wire_format_is_an_array_batch_of_type_tagged_maps(publisher):
         assert isinstance(ts, float) and abs(ts - time.time()) < 60 and rank == 0
         assert events == [
             {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": 10, "token_ids": [7] * 8,
-             "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None},
-            {"type": "BlockRemoved", "block_hashes": [9], "medium": "GPU"},
+             "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": [None, None],
+             "group_idx": 0, "kv_cache_spec_kind": "full_attention"},
+            {"type": "BlockRemoved", "block_hashes": [9], "medium": "GPU", "group_idx": 0},
             {"type": "AllBlocksCleared"},
         ]
         # A full 64-bit hash goes out as an unsigned msgpack int.
@@ -424,8 +495,8 @@ def test_sequence_is_monotonic_and_salted_stores_travel_alone(publisher):
         assert kinds == [
             [("BlockRemoved", None)],
             [("BlockStored", [["t"]])],  # msgpack has no tuples: the key is an array
-            [("BlockStored", None)],
-            [("BlockStored", None)],
+            [("BlockStored", [None])],
+            [("BlockStored", [None])],
         ]
         assert pub.published_batches == sub.probe_seq + 5
     finally:
@@ -510,10 +581,11 @@ def test_shutdown_closes_everything_and_a_restart_starts_at_seq_0(publisher):
     assert first.published_batches == 3  # what was queued was sent before stopping
     first.publish([stored([9])])  # after shutdown: ignored
     first.shutdown()  # idempotent
-    # The same addresses bind again at once (linger 0), and numbering restarts at 0.
-    again = publisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint,
-                                     replay_endpoint=replay_endpoint, topic="kv"))
-    assert again.endpoint == endpoint
+    # The same ports bind again at once (linger 0), and numbering restarts at 0.
+    port, replay_port = endpoint.rpartition(":")[2], replay_endpoint.rpartition(":")[2]
+    again = publisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}",
+                                     replay_endpoint=f"tcp://*:{replay_port}", topic="kv"))
+    assert again.endpoint == f"tcp://0.0.0.0:{port}"
     sub = Subscriber(again)
     try:
         assert sub.probe_seq >= 0
@@ -522,10 +594,79 @@ def test_shutdown_closes_everything_and_a_restart_starts_at_seq_0(publisher):
         sub.close()
 
 
+@pytest.mark.parametrize(("endpoint", "bind"), [
+    ("tcp://*:5557", True), ("tcp://[::]:5557", True), ("ipc:///tmp/kv", True), ("inproc://kv", True),
+    ("tcp://127.0.0.1:0", True), ("tcp://0.0.0.0:5557", True),
+    ("tcp://indexer.ns.svc:5557", False), ("tcp://10.0.0.7:5557", False), ("tcp://127.0.0.1:5557", False),
+])
+def test_wildcards_bind_and_other_hosts_are_connected_to_as_in_vllm(endpoint, bind):
+    assert binds(endpoint) is bind
+
+
+def test_a_publisher_connects_to_a_subscriber_that_binds_and_extra_sockets_get_the_same_batches(publisher):
+    """llm-d's indexer binds its SUB socket and engines connect to it with topic
+    ``kv@<pod>@<model>``; an extra publisher sends the same batches (same seq) in
+    vLLM 0.10's positional encoding beside the main map-encoded socket."""
+    ctx = zmq.Context()
+    indexer = ctx.socket(zmq.SUB)
+    indexer.setsockopt(zmq.LINGER, 0)
+    indexer.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    indexer.bind("tcp://127.0.0.1:0")
+    address = indexer.getsockopt(zmq.LAST_ENDPOINT).decode()
+    try:
+        pub = publisher(loopback(extra_publishers=[
+            {"endpoint": address, "topic": "kv@pod-a@m", "event_encoding": "array"}]))
+        assert pub.extra_endpoints == [address]
+        main = Subscriber(pub)
+        try:
+            deadline = time.monotonic() + 10
+            while not indexer.poll(50):  # a connect completes in the background
+                assert time.monotonic() < deadline, "the bound SUB socket never received a batch"
+                pub.publish([AllBlocksCleared()])
+            while indexer.poll(200):
+                indexer.recv_multipart()
+            while main.sock.poll(200):
+                main.sock.recv_multipart()
+            pub.publish([stored([11, 12], parent=10), BlockRemoved([9])])
+            topic, seq, payload = indexer.recv_multipart()
+            _, main_seq, main_batch = main.recv()
+            assert topic == b"kv@pod-a@m" and seq == main_seq.to_bytes(8, "big")
+            _, events, rank = msgpack.unpackb(payload)
+            assert events == [["BlockStored", [11, 12], 10, [7] * 8, BS, None], ["BlockRemoved", [9]]]
+            assert main_batch[1][0]["type"] == "BlockStored" and rank == 0
+        finally:
+            main.close()
+    finally:
+        indexer.close(linger=0)
+        ctx.term()
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ("7", "extra_publishers must be a list"),
+    ('[{"topic": "t"}]', "extra_publishers[0]: endpoint is required"),
+    ('[{"endpoint": "tcp://x:1", "port": 2}]', "extra_publishers[0]: unknown key 'port'; allowed keys: endpoint"),
+    ('[{"endpoint": "udp://x:1"}]', "extra_publishers[0].endpoint must be tcp://HOST:PORT"),
+    ('[{"endpoint": "tcp://x:1", "event_encoding": "json"}]',
+     "extra_publishers[0].event_encoding must be 'map' or 'array'; got 'json'"),
+    ('[{"endpoint": "tcp://*:5557"}]', "extra_publishers[0].endpoint must be an address no other socket uses"),
+    ('[3]', "extra_publishers[0] must be an object"),
+])
+def test_extra_publishers_are_validated_by_name(extra, expected):
+    with pytest.raises(KVEventsConfigError) as e:
+        KVEventsConfig.from_json(f'{{"enable_kv_cache_events": true, "extra_publishers": {extra}}}')
+    assert expected in str(e.value)
+    with pytest.raises(KVEventsConfigError, match="event_encoding must be 'map' or 'array'; got 'cbor'"):
+        KVEventsConfig.from_json('{"event_encoding": "cbor"}')
+    ok = KVEventsConfig.from_json('{"extra_publishers": [{"endpoint": "tcp://idx:5557"}]}')
+    assert ok.extra_publishers == (ExtraPublisher("tcp://idx:5557"),)
+    assert ok.to_dict()["extra_publishers"] == [{"endpoint": "tcp://idx:5557", "topic": "", "event_encoding": "map"}]
+
+
 def test_binding_a_used_address_fails_naming_the_field(publisher):
-    pub = publisher()
-    clash = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=pub.endpoint))
-    with pytest.raises(KVEventsConfigError, match=f"cannot bind endpoint '{pub.endpoint}'"):
+    pub = publisher(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0"))
+    taken = f"tcp://*:{pub.endpoint.rpartition(':')[2]}"
+    clash = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=taken))
+    with pytest.raises(KVEventsConfigError, match=re.escape(f"cannot bind endpoint '{taken}'")):
         clash.start()
     clash.shutdown()  # nothing started: a no-op
 
@@ -566,7 +707,8 @@ def test_engine_hands_each_steps_events_to_the_publisher_as_one_batch(smollm2):
     first, second = pub.batches[0][0], pub.batches[1][0]
     assert first.token_ids == prompt[:16] and first.parent_block_hash is None
     assert second.token_ids == prompt[16:32] and second.parent_block_hash == first.block_hashes[0]
-    assert first.block_hashes == [block_hash(None, prompt[:16], None)]
+    hasher = engine.kv_events.hasher
+    assert (hasher.algo, first.block_hashes) == ("sha256", [external_hash(hasher.hash_block(None, prompt[:16]))])
     assert engine.kv_events.events == []
     # Resetting the idle cache publishes at once.
     assert engine.reset_prefix_cache() == 2
@@ -595,8 +737,8 @@ def test_serve_exits_2_before_loading_when_the_event_port_is_taken(capsys):
     ctx = zmq.Context()
     taken = ctx.socket(zmq.PUB)
     taken.setsockopt(zmq.LINGER, 0)
-    taken.bind("tcp://127.0.0.1:0")
-    endpoint = taken.getsockopt(zmq.LAST_ENDPOINT).decode()
+    taken.bind("tcp://*:0")
+    endpoint = f"tcp://*:{taken.getsockopt(zmq.LAST_ENDPOINT).decode().rpartition(':')[2]}"
     try:
         parser = argparse.ArgumentParser()
         cli.add_arguments(parser)

@@ -116,6 +116,11 @@ class EngineArgs:
         kv_events_config: vLLM's ``--kv-events-config``: publish the prefix cache's
             block stores and evictions on ZMQ for KV-aware routers
             (:mod:`kvpilot.engine.kv_events`); a JSON string or a dict is parsed.
+        prefix_caching_hash_algo: vLLM's ``--prefix-caching-hash-algo``: the block hash
+            the events carry (:class:`~kvpilot.engine.core.kv_events.BlockHasher`), one of
+            :data:`~kvpilot.flags.serve.PREFIX_CACHING_HASH_ALGOS`, seeded as vLLM seeds it
+            (``PYTHONHASHSEED``). The radix tree matches prefixes by token ids, so the
+            algorithm changes only what consumers of the events see.
         tensor_parallel_size: vLLM's ``--tensor-parallel-size``: ranks the model is split
             over (:mod:`kvpilot.engine.distributed`), one process and device each.
         disable_sliding_window: vLLM's flag of that name: run a sliding-window model's
@@ -162,6 +167,7 @@ class EngineArgs:
     calculate_kv_scales: bool = _DEFAULT["calculate_kv_scales"]
     skip_tokenizer_init: bool = _DEFAULT["skip_tokenizer_init"]
     kv_events_config: KVEventsConfig | None = _DEFAULT["kv_events_config"]
+    prefix_caching_hash_algo: str = _DEFAULT["prefix_caching_hash_algo"]
     disable_sliding_window: bool = _DEFAULT["disable_sliding_window"]
     tensor_parallel_size: int = _DEFAULT["tensor_parallel_size"]
     enable_lora: bool = _DEFAULT["enable_lora"]
@@ -176,6 +182,7 @@ class EngineArgs:
         _choice("--kv-cache-dtype", self.kv_cache_dtype, ["auto", *KV_CACHE_DTYPES])
         _choice("--device", self.device, DEVICES)
         _choice("--load-format", self.load_format, LOAD_FORMATS)
+        _choice("--prefix-caching-hash-algo", self.prefix_caching_hash_algo, flags.PREFIX_CACHING_HASH_ALGOS)
         if self.quantization is not None:
             _choice("--quantization", self.quantization, flags.QUANTIZATIONS)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvpilot.engine.config import EngineArgs, ResolvedConfig
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
-from kvpilot.engine.core.kv_events import KVEventCollector
+from kvpilot.engine.core.kv_events import BlockHasher, KVEventCollector
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpilot.engine.errors import InvalidRequestError
@@ -105,7 +105,9 @@ class LLMEngine:
         kv_cfg = args.kv_events_config
         if kv_cfg is not None and kv_cfg.enable_kv_cache_events:
             # Bound before the weights load: a port in use fails start-up at once.
-            self.kv_events = KVEventCollector(args.block_size)
+            hasher = BlockHasher(args.prefix_caching_hash_algo)
+            logger.info("KV events: block hashes %s, NONE_HASH seed from %s", hasher.algo, hasher.seed_source)
+            self.kv_events = KVEventCollector(args.block_size, hasher)
             if kv_event_publisher is None:
                 own = make_publisher(kv_cfg)
                 own.start()
@@ -132,6 +134,9 @@ class LLMEngine:
         self.runner = ModelRunner(args, self.loaded)
         cfg: ResolvedConfig = self.runner.resolved
         self.config = cfg
+        window = self.model_config.sliding_window if self.model_config.all_layers_slide else None
+        if self.kv_events is not None:
+            self.kv_events.set_sliding_window(window)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=args.max_num_batched_tokens,
@@ -141,8 +146,7 @@ class LLMEngine:
                 max_loras=args.max_loras if args.enable_lora else 0,
             ),
             KVCacheManager(cfg.num_blocks, cfg.block_size, args.enable_prefix_caching, self.kv_events,
-                           sliding_window=(self.model_config.sliding_window
-                                           if self.model_config.all_layers_slide else None)),
+                           sliding_window=window),
             clock,
         )
         self.lora: LoRAManager | None = self.runner.lora

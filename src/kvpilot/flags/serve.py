@@ -26,7 +26,7 @@ from typing import Any
 
 __all__ = ["ATTENTION_BACKENDS", "CHAT", "DEFAULT_MAX_NUM_SEQS", "DEVICES", "DTYPES", "ENGINE",
            "FLAGS", "KV_CACHE_DTYPES", "LOAD_FORMATS", "LOG_LEVELS", "LORA", "MANAGED_FLAGS",
-           "MAX_LORA_RANKS", "QUANTIZATIONS", "SERVER", "Flag", "Kind", "LoRAModulePath", "add_arguments",
+           "MAX_LORA_RANKS", "PREFIX_CACHING_HASH_ALGOS", "QUANTIZATIONS", "SERVER", "Flag", "Kind", "LoRAModulePath", "add_arguments",
            "engine_defaults", "option_strings", "parse_layer_list", "parse_lora_module"]
 
 # --dtype values besides "auto" (float32 on CPU, bfloat16 on CUDA).
@@ -45,6 +45,9 @@ QUANTIZATIONS = ("compressed-tensors", "gptq", "awq", "fp8", "gguf", "gptq_marli
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # --max-num-seqs when not given, lowered to --max-num-batched-tokens when that is smaller.
 DEFAULT_MAX_NUM_SEQS = 256
+# --prefix-caching-hash-algo values: vLLM 0.32's four (sha256 its default), then vLLM
+# 0.10's sha256_cbor_64bit, the one llm-d's KV cache indexer v0.3.0 recomputes.
+PREFIX_CACHING_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor", "sha256_cbor_64bit")
 # --max-lora-rank values (vLLM's LoRAConfig.max_lora_rank; 16 by default).
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -245,6 +248,9 @@ ENGINE: tuple[Flag, ...] = (
          help="publish KV cache events for KV-aware routers (vLLM's flag), e.g. "
          '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
          '"replay_endpoint": "tcp://*:5558"}\''),
+    Flag("--prefix-caching-hash-algo", default="sha256", choices=PREFIX_CACHING_HASH_ALGOS,
+         help="the block hash KV cache events carry, vLLM's: sha256 (pickle), sha256_cbor, xxhash, "
+         "xxhash_cbor, or vLLM 0.10's sha256_cbor_64bit (llm-d's indexer); seeded by PYTHONHASHSEED"),
     Flag("--tensor-parallel-size", type=int, default=1, metavar="N", aliases=("-tp",), managed=True,
          help="split the model over N devices (GPUs: NCCL; CPU: gloo), one process each; N must "
          "divide the attention heads"),

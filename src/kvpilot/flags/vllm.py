@@ -288,7 +288,6 @@ FLAGS: tuple[VLLMFlag, ...] = (
     _refused("--hf-token", ONE, _NO_HUB),
     _refused("--kv-cache-memory-bytes", ONE,
              "use --num-gpu-blocks-override (KV blocks) or, on CPU, --kv-cache-memory (GiB)"),
-    _refused("--prefix-caching-hash-algo", ONE, "the prefix cache's hash cannot be chosen"),
     _refused("--kv-offloading-size", ONE, "KV cache offloading is not supported"),
     _refused("--kv-offloading-backend", ONE, "KV cache offloading is not supported"),
     _refused("--long-prefill-token-threshold", ONE,

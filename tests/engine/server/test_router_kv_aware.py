@@ -372,12 +372,13 @@ def stores(ids: list[int], block_size: int, lora: tuple[str, int] | None = None,
     blocks (one chain), for the base model or for adapter ``(name, lora_int_id)``, with
     an optional cache salt."""
     from kvpilot.engine.core.kv_events import KVEventCollector
+    from kvpilot.engine.lora.request import LoRARequest
 
     c = KVEventCollector(block_size)
+    adapter = LoRARequest(lora[0], lora[1], f"/adapters/{lora[0]}") if lora else None
     parent = None
     for i in range(0, len(ids) - block_size + 1, block_size):
-        parent = c.block_stored(parent, ids[i:i + block_size], salt,
-                                lora_name=lora[0] if lora else None, lora_id=lora[1] if lora else None)
+        parent = c.block_stored(parent, ids[i:i + block_size], salt, adapter)
     return c.drain()
 
 

@@ -205,11 +205,10 @@ class KVCacheManager:
             num_full = min(num_full, request.num_prompt_tokens // bs)
         parent = request.last_node
         assert parent is not None
-        lora_id = request.lora_int_id or None
+        lora = request.lora_request
         for i in range(request.num_published_blocks, num_full):
             own = request.block_ids[i]
-            node, inserted = radix.insert(parent, tuple(request.token_ids[i * bs : (i + 1) * bs]), own, lora_id,
-                                          request.lora_name)
+            node, inserted = radix.insert(parent, tuple(request.token_ids[i * bs : (i + 1) * bs]), own, lora)
             if not inserted and node.block_id != own:
                 if self.pool.incref(node.block_id) == 1:
                     radix.on_referenced(node.block_id)

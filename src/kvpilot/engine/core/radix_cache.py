@@ -25,10 +25,9 @@ Contract:
 - Blocks are inserted only after their KV has been written (the scheduler publishes a
   block once ``num_computed_tokens`` covers it), so a match never returns unwritten KV.
 - With a :class:`~kvpilot.engine.core.kv_events.KVEventCollector` (KV cache events on), every
-  inserted block is reported as stored and gets its wire hash (``RadixNode.block_hash``,
-  chained from its parent's and mixed with its tree's adapter name and salt), and every
-  evicted block as
-  removed; emptying the tree in :meth:`RadixCache.reset` is reported as all cleared.
+  inserted block is reported as stored and gets its full block hash
+  (``RadixNode.block_hash``, vLLM's: chained from its parent's and mixed with its tree's
+  adapter and, in a prefix's first block, its salt), and every evicted block as removed; emptying the tree in :meth:`RadixCache.reset` is reported as all cleared.
   Without one (the default) the cost is one ``if`` per insert and per evicted block.
 
 Design after SGLang's ``RadixCache`` (lock counts, LRU leaf eviction) with vLLM's
@@ -42,8 +41,9 @@ import heapq
 from collections.abc import Sequence
 
 from kvpilot.engine.core.block_pool import BlockPool, CacheIntegrityError
-from kvpilot.engine.core.kv_events import KVEventCollector
+from kvpilot.engine.core.kv_events import ChainHash, KVEventCollector
 from kvpilot.engine.core.request import CacheNamespace
+from kvpilot.engine.lora.request import LoRARequest
 
 BASE_NAMESPACE: CacheNamespace = (None, None)
 """The namespace of base-model requests without a cache salt."""
@@ -53,8 +53,9 @@ class RadixNode:
     """One block of the tree: ``key`` is its ``block_size`` token ids.
 
     ``namespace`` is the ``(lora_name, cache_salt)`` of the tree the node is in (a root
-    holds it, its descendants copy it); ``block_hash`` is the block's KV-event hash, set
-    at insertion only when events are on (0 otherwise, and at roots).
+    holds it, its descendants copy it); ``block_hash`` is the block's full hash
+    (:class:`~kvpilot.engine.core.kv_events.BlockHasher`), set at insertion only when
+    events are on (0 otherwise, and at roots).
     """
 
     __slots__ = ("block_hash", "block_id", "children", "key", "last_access", "namespace", "parent")
@@ -67,7 +68,7 @@ class RadixNode:
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.last_access = 0
         self.namespace: CacheNamespace = parent.namespace if parent is not None else namespace
-        self.block_hash = 0
+        self.block_hash: ChainHash = 0
 
     @property
     def salt(self) -> str | None:
@@ -149,7 +150,7 @@ class RadixCache:
             self._maybe_push(node)
 
     def insert(self, parent: RadixNode, key: tuple[int, ...], block_id: int,
-               lora_id: int | None = None, lora_name: str | None = None) -> tuple[RadixNode, bool]:
+               lora: LoRARequest | None = None) -> tuple[RadixNode, bool]:
         """Publish ``block_id`` holding ``key`` under ``parent``.
 
         Returns ``(node, inserted)``. If ``parent`` already has a child with this key the
@@ -158,9 +159,12 @@ class RadixCache:
 
         The block must be referenced by the caller (it is the caller's own computed block).
         With events on, a new node is reported stored (its hash chained from ``parent``'s
-        and mixed with the tree's adapter key and salt); ``lora_id`` and ``lora_name`` are
-        the inserting request's adapter for the event (None for the base model; the name
-        defaults to the tree's adapter key).
+        and mixed with ``lora``, the inserting request's adapter, and the tree's salt).
+
+        Raises:
+            ValueError: ``key`` is not ``block_size`` tokens long.
+            AssertionError: the block is already in the tree or unreferenced, or an
+                adapter's tree gets a block without its adapter.
         """
         if len(key) != self.block_size:
             raise ValueError(f"key has {len(key)} tokens, block_size is {self.block_size}")
@@ -178,10 +182,10 @@ class RadixCache:
         self._node_of_block[block_id] = node
         if self.events is not None:
             lora_key, salt = node.namespace
+            if (lora_key is None) != (lora is None):
+                raise AssertionError(f"block {block_id} of namespace {node.namespace} inserted with adapter {lora}")
             node.block_hash = self.events.block_stored(
-                parent.block_hash if parent.block_id >= 0 else None, key, salt,
-                lora_name=lora_key, lora_id=lora_id if lora_key is not None else None,
-                event_lora_name=lora_name)
+                parent.block_hash if parent.block_id >= 0 else None, key, salt, lora)
         return node, True
 
     def on_unreferenced(self, block_id: int) -> bool:
@@ -209,10 +213,10 @@ class RadixCache:
             self.events.blocks_removed(hashes)
         return evicted
 
-    def _evict(self, n: int) -> tuple[list[int], list[int]]:
+    def _evict(self, n: int) -> tuple[list[int], list[ChainHash]]:
         """:meth:`evict` without the report: (block ids, their hashes when events are on)."""
         evicted: list[int] = []
-        hashes: list[int] = []
+        hashes: list[ChainHash] = []
         events_on = self.events is not None
         while len(evicted) < n and self._heap:
             last_access, block_id = heapq.heappop(self._heap)
@@ -246,7 +250,7 @@ class RadixCache:
             if self._node_of_block:
                 self.events.blocks_removed(hashes)
             else:
-                self.events.all_cleared()
+                self.events.all_cleared(hashes)
         return evicted
 
     # ---------------------------------------------------------------- helpers
