@@ -12,14 +12,19 @@ every engine's ``/metrics``:
 
 - fleet prefix hit rate = sum of ``kvpilot:prefix_cache_hits_total`` over sum of
   ``kvpilot:prefix_cache_queries_total`` across the engines;
-- requests per replica from ``kvpilot:request_success_total``.
+- requests per replica from ``kvpilot:request_success_total``;
+- failed and unsent requests from the bench result (``summary.requests_failed`` and
+  ``requests_not_sent`` of every class, ``kvpilot.bench.count_failures``).
 
 Fronts: ``single`` (one replica, no router: the ceiling), ``round_robin``,
 ``cache_aware`` (text prefix tree, default thresholds) and ``kv_aware`` (the engines' KV
 events plus load), all vllm-router 0.1.17. The goal (docs/operator.md, "Routing"):
 ``kv_aware`` keeps at least 90% of the single-replica hit rate with no replica taking more
 than half of the requests. Everything binds 127.0.0.1 on free ports and is stopped at the
-end.
+end. A front whose load had a failed or unsent request is still measured and written, with
+its counts; the script then exits 1 (its hit rates are not comparable). Cost: 20-26 s of
+load per front in the recorded run, plus each front's engine starts (three at once for a
+routed front); on two cores busy with other work those starts can exceed their 300 s bound.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import write_result
+
+from kvpilot.bench import count_failures
 
 BIN = Path(sys.executable).parent
 MODEL = "smollm2-135m-instruct"
@@ -118,6 +125,33 @@ def metric_sum(text: str, name: str) -> float:
     return total
 
 
+def failure_counts(bench_result: dict) -> dict:
+    """A front's failed and unsent requests, from ``kvpilot bench serve``'s result JSON
+    (``KeyError`` if it lacks the counts: never read as "none failed")."""
+    f = count_failures(bench_result)
+    return {"failed": f.failed, "not_sent": f.not_sent, "first_error": f.first_error}
+
+
+def run_load(front: str, base: str, args, result: Path) -> dict:
+    """The multi-turn load through ``base``: its seconds and failure counts. The bench may
+    report failed requests (``--max-failed-ratio 1``: the counts are recorded, ``main``
+    fails the run); a bench that completed nothing or could not start raises."""
+    bench = [str(BIN / "kvpilot"), "bench", "serve", "--base-url", base, "--model", MODEL,
+             "--dataset", "multi-turn", "--num-sessions", str(args.sessions),
+             "--num-turns", str(args.turns), "--system-prompt-len", str(args.system_prompt_len),
+             "--num-system-prompts", "1", "--turn-input-len", str(args.turn_input_len),
+             "--output-len", str(args.output_len), "--seed", str(args.seed),
+             "--temperature", "0", "--max-failed-ratio", "1", "--result-json", str(result)]
+    result.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    done = subprocess.run(bench, capture_output=True, text=True, timeout=args.timeout)
+    elapsed = time.monotonic() - t0
+    if done.returncode != 0 or not result.exists():
+        raise RuntimeError(f"{front}: the load failed (exit {done.returncode}):\n"
+                           f"{done.stdout[-3000:]}{done.stderr[-2000:]}")
+    return {"seconds": round(elapsed, 1), **failure_counts(json.loads(result.read_text()))}
+
+
 def run_front(front: str, args) -> dict:
     replicas = 1 if front == "single" else args.replicas
     procs: list[Proc] = []
@@ -133,18 +167,7 @@ def run_front(front: str, args) -> dict:
             procs.append(router)
             router.wait_http(f"{base}/health", 60)
             time.sleep(2)  # the router's first health round and, for kv_aware, its subscriptions
-        result = Path(tempfile.mkdtemp()) / "bench.json"
-        bench = [str(BIN / "kvpilot"), "bench", "serve", "--base-url", base, "--model", MODEL,
-                 "--dataset", "multi-turn", "--num-sessions", str(args.sessions),
-                 "--num-turns", str(args.turns), "--system-prompt-len", str(args.system_prompt_len),
-                 "--num-system-prompts", "1", "--turn-input-len", str(args.turn_input_len),
-                 "--output-len", str(args.output_len), "--seed", str(args.seed),
-                 "--temperature", "0", "--result-json", str(result)]
-        t0 = time.monotonic()
-        done = subprocess.run(bench, capture_output=True, text=True, timeout=args.timeout)
-        if done.returncode != 0:
-            raise RuntimeError(f"{front}: the load failed:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
-        elapsed = time.monotonic() - t0
+        load = run_load(front, base, args, Path(tempfile.mkdtemp()) / "bench.json")
         hits = queries = 0.0
         per_replica = []
         for u in urls:
@@ -152,10 +175,8 @@ def run_front(front: str, args) -> dict:
             hits += metric_sum(text, "kvpilot:prefix_cache_hits_total")
             queries += metric_sum(text, "kvpilot:prefix_cache_queries_total")
             per_replica.append(int(metric_sum(text, "kvpilot:request_success_total")))
-        bench_out = json.loads(result.read_text())
         return {"front": front, "replicas": replicas, "hit_rate": hits / queries if queries else 0.0,
-                "requests_per_replica": per_replica, "seconds": round(elapsed, 1),
-                "failed": bench_out.get("failed", bench_out.get("num_failed"))}
+                "requests_per_replica": per_replica, **load}
     finally:
         for p in reversed(procs):
             p.stop()
@@ -178,14 +199,26 @@ def main() -> None:
         args.fronts.insert(0, "single")  # the ceiling every ratio is against
     rows = [run_front(f, args) for f in args.fronts]
     ceiling = rows[0]["hit_rate"]
-    print(f"{'front':<12} {'hit rate':>8} {'x ceiling':>9}  requests per replica  seconds")
+    print(f"{'front':<12} {'hit rate':>8} {'x ceiling':>9}  requests per replica  seconds"
+          "  failed/not sent")
     for r in rows:
         r["ratio_to_single"] = r["hit_rate"] / ceiling if ceiling else 0.0
         share = max(r["requests_per_replica"]) / max(1, sum(r["requests_per_replica"]))
         r["largest_share"] = share
         print(f"{r['front']:<12} {r['hit_rate']:>8.3f} {r['ratio_to_single']:>9.2f}  "
-              f"{'/'.join(map(str, r['requests_per_replica'])):<20}  {r['seconds']}")
-    write_result("fleet_routing", {"args": vars(args), "rows": rows})
+              f"{'/'.join(map(str, r['requests_per_replica'])):<20}  {r['seconds']:>7}"
+              f"  {r['failed']}/{r['not_sent']}")
+    path = write_result("fleet_routing", {"args": vars(args), "rows": rows})
+    failing = failed_fronts(rows)
+    if failing:
+        sys.exit(f"fleet_routing: requests failed ({'; '.join(failing)}): the hit rates are "
+                 f"not comparable (counts written to {path})")
+
+
+def failed_fronts(rows: list[dict]) -> list[str]:
+    """``"front: N failed, M not sent, first error: ..."`` for each row that lost requests."""
+    return [f"{r['front']}: {r['failed']} failed, {r['not_sent']} not sent, first error: "
+            f"{r['first_error']}" for r in rows if r["failed"] or r["not_sent"]]
 
 
 if __name__ == "__main__":

@@ -5,14 +5,18 @@ from __future__ import annotations
 import copy
 import json
 import re
+import subprocess
 import urllib.request
+from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from e2e.cluster import REPO, Cluster
 from e2e.timeline import Recorder  # noqa: F401  (re-exported for the scenarios)
+from kvpilot.bench import count_failures
 
 SAMPLE = REPO / "crds" / "samples" / "smollm2-cpu.yaml"
 # Two cores for everything: a small KV pool per engine keeps memory and start time down.
@@ -182,3 +186,76 @@ def router_log(cluster: Cluster, namespace: str, name: str) -> str:
     """The logs of ``name``'s router pods (``kubectl logs``), ANSI colours removed."""
     return re.sub(r"\x1b\[[0-9;]*m", "", cluster.pod_logs(
         namespace, f"kvpilot.dev/inference-deployment={name},app.kubernetes.io/component=router"))
+
+
+@dataclass
+class BenchRun:
+    """One ``kvpilot bench serve`` run: its exit status, stderr and result JSON (None when
+    it wrote none)."""
+
+    returncode: int
+    stderr: str
+    result: dict[str, Any] | None
+
+    def problem(self) -> str | None:
+        """Why the run does not count (a failed or unsent request, a non-zero exit, no
+        result), or None. Reads the result's real fields (``summary.requests_failed``,
+        ``requests_not_sent``, per class); a result without them raises ``KeyError``."""
+        if self.result is None:
+            return (f"kvpilot bench serve wrote no result (exit {self.returncode}): "
+                    f"{self.stderr.strip()[-2000:]}")
+        problems = []
+        summary = self.result["summary"]
+        failed, not_sent = summary["requests_failed"], summary["requests_not_sent"]
+        failures = count_failures(self.result)  # every class, with the first error
+        if failed or not_sent or failures.unfinished:
+            problems.append(failures.describe())
+        if self.returncode != 0:
+            problems.append(f"kvpilot bench serve exited {self.returncode}: "
+                            f"{self.stderr.strip()[-2000:]}")
+        return "; ".join(problems) or None
+
+    def checked(self) -> dict[str, Any]:
+        """The result JSON; AssertionError when any request failed or the run failed."""
+        problem = self.problem()
+        assert problem is None, problem
+        assert self.result is not None
+        return self.result
+
+    def figures(self) -> dict[str, Any]:
+        """What a scenario keeps of the run: counts, first error, duration, throughput."""
+        out: dict[str, Any] = {"exit_status": self.returncode}
+        if self.result is None:
+            return out | {"error": self.stderr.strip()[-2000:]}
+        summary = self.result["summary"]
+        failures = count_failures(self.result)
+        ttft = summary.get("ttft_ms") or {}
+        return out | {
+            "requests_completed": summary["requests_completed"],
+            "requests_failed": summary["requests_failed"],
+            "requests_not_sent": summary["requests_not_sent"],
+            "first_error": failures.first_error,
+            "duration_s": self.result["duration_s"],
+            "request_throughput": summary.get("request_throughput"),
+            "ttft_ms_mean": ttft.get("mean"),
+        }
+
+
+def bench_serve(argv: list[str], result_json: Path, timeout: float = 900) -> BenchRun:
+    """Run ``kvpilot bench serve`` (``argv`` without ``--result-json``), unchecked: the
+    caller checks the run (``BenchRun.checked``) where a failed request must fail the test."""
+    result_json.unlink(missing_ok=True)  # never read an earlier run's file
+    proc = subprocess.run([*argv, "--result-json", str(result_json)], capture_output=True,
+                          text=True, timeout=timeout)
+    result = json.loads(result_json.read_text()) if result_json.exists() else None
+    return BenchRun(proc.returncode, proc.stderr, result)
+
+
+def keep_results(cluster: Cluster, file_name: str, key: str, value: Any) -> Path:
+    """Merge ``{key: value}`` into the JSON file ``file_name`` in the run's work directory
+    (where the e2e run keeps its logs, timelines and figures); returns its path."""
+    path = cluster.workdir / file_name
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[key] = value
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path

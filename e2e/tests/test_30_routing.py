@@ -6,14 +6,17 @@ sessions, and a pod added to the fleet takes traffic as soon as it is Ready.
 Measured in one run: the multi-turn agentic workload (8 sessions x 5 turns sharing a
 128-token system prompt, all sessions at once) on one replica (the ceiling) and on three;
 the fleet's prefix hit rate (sum of hits over sum of queries across the pods) must reach
-90% of the ceiling with no replica taking more than half of the requests.
+90% of the ceiling with no replica taking more than half of the requests, and no request
+of any bench run may fail. The figures (hit rates, the ceiling, requests per replica and
+their shares, each run's failures and duration) are kept in ``routing.json`` in the run's
+work directory, written before the assertions so a failing run's figures are kept too.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ from e2e.tests.conftest import delete_namespace
 
 NS = "routing"
 MODEL = "smollm2-135m-instruct"
+RESULTS = "routing.json"  # in cluster.workdir, beside the logs
 BENCH = [str(Path(sys.executable).parent / "kvpilot"), "bench", "serve", "--model", MODEL,
          "--dataset", "multi-turn", "--num-sessions", "8", "--num-turns", "5",
          "--system-prompt-len", "128", "--num-system-prompts", "1", "--turn-input-len", "48",
@@ -37,13 +41,11 @@ def manifest(name: str, replicas: int) -> dict:
     return doc
 
 
-def run_sessions(address: tuple[str, int], seed: int, tmp: Path) -> dict:
+def run_sessions(address: tuple[str, int], seed: int, tmp: Path, name: str) -> h.BenchRun:
+    """The multi-turn load through ``address``; the caller checks it (``.checked()``)."""
     ip, port = address
-    out = tmp / f"bench-{seed}.json"
-    subprocess.run([*BENCH, "--base-url", f"http://{ip}:{port}", "--seed", str(seed),
-                    "--result-json", str(out)], check=True, timeout=900,
-                   stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())
+    return h.bench_serve([*BENCH, "--base-url", f"http://{ip}:{port}", "--seed", str(seed)],
+                         tmp / f"bench-{name}.json")
 
 
 def fleet_counters(cluster, name: str) -> dict[str, dict[str, float]]:
@@ -91,20 +93,29 @@ def test_router_objects_and_endpoint(cluster, fleets):
 
 
 def test_fleet_keeps_the_cache_and_spreads(cluster, fleets, tmp_path):
-    single = run_sessions(h.wait_service(cluster, NS, "single-router"), seed=1, tmp=tmp_path)
-    fleet = run_sessions(h.wait_service(cluster, NS, "fleet-router"), seed=1, tmp=tmp_path)
-    for result in (single, fleet):
-        assert not result.get("failed"), result
+    runs = {name: run_sessions(h.wait_service(cluster, NS, f"{name}-router"), seed=1,
+                               tmp=tmp_path, name=name) for name in ("single", "fleet")}
     ceiling = hit_rate(fleet_counters(cluster, "single"))
     counters = fleet_counters(cluster, "fleet")
     rate = hit_rate(counters)
     requests = [c["requests"] for c in counters.values()]
+    total = sum(requests)
     report = f"ceiling {ceiling:.3f}, fleet {rate:.3f}, requests per replica {requests}"
     print(report)
-    (cluster.workdir / "routing-hit-rate.txt").write_text(report + "\n")
+    h.keep_results(cluster, RESULTS, "fleet_keeps_the_cache", {
+        "ceiling_hit_rate": ceiling, "fleet_hit_rate": rate,
+        "ratio_to_ceiling": rate / ceiling if ceiling else None,
+        "requests_per_replica": {pod: c["requests"] for pod, c in counters.items()},
+        "request_shares": {pod: c["requests"] / total if total else None
+                           for pod, c in counters.items()},
+        "largest_share": max(requests) / total if total else None,
+        "runs": {name: run.figures() for name, run in runs.items()},
+    })
+    for run in runs.values():
+        run.checked()  # no request failed or went unsent, the bench exited 0
     assert ceiling > 0.5, report  # the workload is mostly prefix hits on one replica
     assert rate >= 0.9 * ceiling, report
-    assert max(requests) <= 0.5 * sum(requests), report
+    assert max(requests) <= 0.5 * total, report
 
 
 def test_new_pod_takes_traffic_when_ready(cluster, fleets, tmp_path):
@@ -115,13 +126,28 @@ def test_new_pod_takes_traffic_when_ready(cluster, fleets, tmp_path):
     (new,) = [p for p in h.ready_pods(cluster, NS, "fleet") if p["metadata"]["name"] not in before]
     # The router discovers the pod through the API server once it is Ready.
     address = h.wait_service(cluster, NS, "fleet-router")
+    runs: list[h.BenchRun] = []
+    start = time.monotonic()
 
     def served() -> float | None:
-        run_sessions(address, seed=7, tmp=tmp_path)  # fresh sessions: no cached prefix yet
+        # fresh sessions: no cached prefix yet; every run is kept and checked below (the
+        # poll would retry past a failed one)
+        runs.append(run_sessions(address, seed=7, tmp=tmp_path, name=f"new-pod-{len(runs)}"))
         n = h.metric_sum(h.scrape(new["status"]["podIP"]), "kvpilot:request_success_total")
         return n or None
 
-    assert cluster.wait_for(served, 600, "the new pod serving requests", interval=1)
+    try:
+        served_requests = cluster.wait_for(served, 600, "the new pod serving requests",
+                                           interval=1)
+    finally:
+        h.keep_results(cluster, RESULTS, "new_pod_takes_traffic", {
+            "seconds_until_served": round(time.monotonic() - start, 1),
+            "new_pod": new["metadata"]["name"],
+            "runs": [run.figures() for run in runs],
+        })
+    assert served_requests
+    for run in runs:
+        run.checked()
 
 
 @pytest.mark.parametrize(("verb", "resource", "namespace", "allowed"), [

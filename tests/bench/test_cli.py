@@ -21,7 +21,8 @@ def test_help_lists_the_datasets_and_load_flags(capsys):
                  "--random-input-len", "--random-output-len", "--random-range-ratio",
                  "--num-groups", "--shared-prefix-len", "--num-sessions", "--num-turns",
                  "--turn-input-len", "--system-prompt-len", "--think-time",
-                 "--background-streams", "--result-json", "--timeout", "--api-key", "--seed"):
+                 "--background-streams", "--result-json", "--timeout", "--api-key", "--seed",
+                 "--max-failed-ratio"):
         assert flag in out
     assert "{random,shared-prefix,multi-turn}" in out
 
@@ -42,6 +43,12 @@ def test_bench_without_subcommand_is_an_error(capsys):
                                     "number in [0, 1), got 2.0"),
     (["--base-url", "127.0.0.1:8000"], "must be an http:// or https:// URL, "
                                        "got '127.0.0.1:8000'"),
+    (["--max-failed-ratio", "1.5"], "max_failed_ratio (--max-failed-ratio) must be a number "
+                                    "in [0, 1], got 1.5"),
+    (["--max-failed-ratio", "-0.1"], "max_failed_ratio (--max-failed-ratio) must be a number "
+                                     "in [0, 1], got -0.1"),
+    (["--max-failed-ratio", "nan"], "max_failed_ratio (--max-failed-ratio) must be a number "
+                                    "in [0, 1], got nan"),
 ])
 def test_bad_values_exit_2_with_a_message_naming_the_value(capsys, argv, message):
     assert main(["bench", "serve", *argv]) == 2
@@ -55,6 +62,7 @@ def test_bad_values_exit_2_with_a_message_naming_the_value(capsys, argv, message
     (["--extra-body", "[1]"], "must be a JSON object, got '[1]'"),
     (["--extra-body", "{oops"], "not valid JSON"),
     (["--percentiles", "50,x"], "must be comma-separated numbers such as 50,99, got '50,x'"),
+    (["--max-failed-ratio", "some"], "argument --max-failed-ratio: invalid float value: 'some'"),
 ])
 def test_unparsable_values_are_argparse_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
@@ -104,6 +112,55 @@ def test_all_requests_failing_exits_1(fake, capsys):
                 if line.startswith("requests failed")).split()[-1] == "3"
     for n in (1, 2, 3):  # distinct messages (each names its request number)
         assert f"error x1: HTTP 500: injected failure {n}" in out
+
+
+RANDOM_6 = ["--num-prompts", "6", "--random-input-len", "8", "--output-len", "2"]
+
+
+def test_one_failed_request_exits_1_and_says_why(fake, tmp_path, capsys):
+    """Five of six requests succeed: still a failed run, with the report and JSON kept."""
+    server = fake(fail_every=6)
+    out = tmp_path / "result.json"
+    assert main(["bench", "serve", "--base-url", server.url, *RANDOM_6,
+                 "--result-json", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "requests failed" in captured.out  # the report is printed first
+    assert captured.err == ("kvpilot bench serve: error: 1 of 6 requests failed (16.7%); first "
+                            "error: HTTP 500: injected failure 6 (--max-failed-ratio 0 "
+                            "allows 0%)\n")
+    summary = json.loads(out.read_text())["summary"]
+    assert (summary["requests_completed"], summary["requests_failed"]) == (5, 1)
+
+
+@pytest.mark.parametrize(("ratio", "code"), [("0.5", 0), ("0.34", 0), ("0.3", 1), ("1", 0)])
+def test_max_failed_ratio_allows_a_share(fake, capsys, ratio, code):
+    server = fake(fail_every=3)  # requests 3 and 6 fail: 2 of 6
+    assert main(["bench", "serve", "--base-url", server.url, *RANDOM_6,
+                 "--max-failed-ratio", ratio]) == code
+    err = capsys.readouterr().err
+    assert ("2 of 6 requests failed (33.3%)" in err) == bool(code), err
+
+
+def test_a_multi_turn_failure_counts_the_turns_it_left_unsent(fake, capsys):
+    server = fake(fail_every=2)  # one session: turn 1 fails, so turn 2 is never sent
+    argv = ["bench", "serve", "--base-url", server.url, "--dataset", "multi-turn",
+            "--num-sessions", "1", "--num-turns", "3", "--system-prompt-len", "8",
+            "--turn-input-len", "4", "--output-len", "2"]
+    assert main(argv) == 1
+    assert ("error: 1 of 3 requests failed and 1 was not sent (66.7%); first error: HTTP "
+            "500: injected failure 2" in capsys.readouterr().err)
+    fake(fail_every=2)  # the same again (the request count restarts)
+    assert main([*argv, "--max-failed-ratio", "0.5"]) == 1  # 2 of 3 unfinished
+    assert "1 of 3 requests failed and 1 was not sent" in capsys.readouterr().err
+    fake(fail_every=2)
+    assert main([*argv, "--max-failed-ratio", "0.7"]) == 0
+
+
+def test_no_request_completed_exits_1_whatever_the_ratio(fake, capsys):
+    server = fake(fail_every=1)
+    assert main(["bench", "serve", "--base-url", server.url, *RANDOM_6,
+                 "--max-failed-ratio", "1"]) == 1
+    assert "error: no request completed: 6 of 6 requests failed" in capsys.readouterr().err
 
 
 def test_bench_never_imports_the_engine_or_torch():

@@ -10,6 +10,7 @@ Module map:
 - ``cache_counters``: prefix-cache hit rate from ``/metrics`` counter deltas;
 - ``metrics``: percentiles and per-class summaries;
 - ``runner``: ``run_benchmark`` drives a workload -> ``BenchResult``;
+- ``failures``: ``count_failures`` of a result JSON (the exit status's rule);
 - ``report``, ``cli``: the ``kvpilot bench serve`` command.
 
 Python use::
@@ -23,6 +24,7 @@ Python use::
 from kvpilot.bench.client import BenchError, RequestRecord
 from kvpilot.bench.config import BenchConfig
 from kvpilot.bench.datasets import BACKGROUND, MAIN, RequestSpec, SessionSpec, build_workload
+from kvpilot.bench.failures import Failures, count_failures
 from kvpilot.bench.report import format_report
 from kvpilot.bench.runner import BenchResult, run_benchmark, run_benchmark_async
 from kvpilot.bench.text import random_text
@@ -33,10 +35,12 @@ __all__ = [
     "BenchConfig",
     "BenchError",
     "BenchResult",
+    "Failures",
     "RequestRecord",
     "RequestSpec",
     "SessionSpec",
     "build_workload",
+    "count_failures",
     "format_report",
     "random_text",
     "run_benchmark",

@@ -4,8 +4,11 @@ Registered in ``kvpilot.cli.COMMANDS``; provides ``add_arguments(parser)`` and
 ``run(args) -> int`` like every component's ``cli.py``.
 
 ``kvpilot bench serve``: flags -> ``BenchConfig`` -> run -> report and JSON. Exit status:
-0 when at least one request succeeded, 1 when none did or the run could not start (the
-reason is printed), 2 on a bad flag value (argparse's convention).
+0 when every request completed (or the share that failed or went unsent is at most
+``--max-failed-ratio``, default 0, and at least one completed); 1 otherwise, or when the
+run could not start (the reason, with the failure count and first error, on stderr; the
+report and ``--result-json`` are written either way); 2 on a bad flag value (argparse's
+convention).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from kvpilot.bench.client import BenchError
 from kvpilot.bench.config import DATASETS, BenchConfig
+from kvpilot.bench.failures import count_failures
 from kvpilot.bench.report import format_report
 from kvpilot.bench.runner import run_benchmark
 
@@ -139,6 +143,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds per request (default: bounded by --timeout only)")
     g.add_argument("--percentiles", type=percentile_list, default="50,99",
                    help="latency percentiles to report, comma-separated")
+    g.add_argument("--max-failed-ratio", type=float, default=D.max_failed_ratio,
+                   metavar="FRACTION",
+                   help="exit 0 even though this share (0..1) of the requests failed or "
+                        "was not sent; by default any failed request makes the exit status 1")
     g.add_argument("--label", default=None, help="free text stored with the result")
     g.add_argument("--result-json", type=Path, default=None,
                    help="write config, summaries and per-request records here")
@@ -166,11 +174,22 @@ def run_serve(args: argparse.Namespace) -> int:
         print("kvpilot bench serve: interrupted", file=sys.stderr)
         return 130
     print(format_report(result))
+    data = result.to_json()
     if args.result_json is not None:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        args.result_json.write_text(json.dumps(data, indent=2) + "\n")
         print(f"results written to {args.result_json}")
-    return 0 if result.summary.get("requests_completed") else 1
+    failures = count_failures(data)
+    if not result.summary.get("requests_completed"):
+        print(f"kvpilot bench serve: error: no request completed: {failures.describe()}",
+              file=sys.stderr)
+        return 1
+    if failures.exceeds(config.max_failed_ratio):
+        print(f"kvpilot bench serve: error: {failures.describe()} (--max-failed-ratio "
+              f"{config.max_failed_ratio:g} allows {100 * config.max_failed_ratio:g}%)",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],

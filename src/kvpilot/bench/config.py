@@ -58,6 +58,9 @@ class BenchConfig:
     request_timeout_s: float | None = None  # per request; None: bounded by timeout_s only
     percentiles: tuple[float, ...] = (50.0, 99.0)
     label: str | None = None  # free text stored with the result (e.g. "caching=on")
+    # The share of requests that may fail (or go unsent) with `kvpilot bench serve` still
+    # exiting 0 (``failures.py``); the run itself does not read it.
+    max_failed_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         base = self.base_url.strip().rstrip("/")
@@ -87,6 +90,10 @@ class BenchConfig:
             _fail("timeout_s", self.timeout_s, "a finite number of seconds > 0")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             _fail("request_timeout_s", self.request_timeout_s, "a number of seconds > 0")
+        if isinstance(self.max_failed_ratio, bool) or not (
+                isinstance(self.max_failed_ratio, (int, float))
+                and 0.0 <= self.max_failed_ratio <= 1.0):
+            _fail("max_failed_ratio", self.max_failed_ratio, "a number in [0, 1]")
         if not self.temperature >= 0:
             _fail("temperature", self.temperature, "a number >= 0")
         if not isinstance(self.extra_body, dict):
