@@ -39,7 +39,8 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
-# helm and promtool for the chart and alert tests, into .tools/bin (fast when present).
+# helm and promtool for the chart and alert tests, llmd-indexer for the llm-d interop tests
+# and the rest of scripts/install-tools.sh, into .tools/bin (fast when present).
 tools:
 	bash scripts/install-tools.sh
 
@@ -48,7 +49,7 @@ test: lint tools
 
 # The edit-test loop: every test but those marked (pyproject.toml, tests/conftest.py) as
 # loading the SmolLM2 weights or tokenizer, running Triton kernels under the interpreter,
-# starting a server, generating hypothesis examples, or needing helm/promtool. No lint.
+# starting a server, generating hypothesis examples, or needing `make tools`. No lint.
 # Measured: 642 of 911 tests, 1 min 22 s wall on two cores shared with other jobs (54 s CPU).
 UNIT_MARKERS := not slow and not triton_interpreter and not hypothesis and not server and not tools
 

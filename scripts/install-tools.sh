@@ -15,6 +15,11 @@
 #             moto needs, caps python-dateutil below what the kubernetes client needs, so it
 #             cannot live in the project's environment; `kvpilot fetch-model s3://` is tested
 #             against it
+#   llmd-indexer  llm-d's precise prefix-cache indexer (llm-d-kv-cache-manager, the version
+#             pinned in tests/interop/llmd_indexer/go.mod) behind a small HTTP API, built with
+#             cgo from that Go module against Debian's libzmq3-dev (apt, with gcc and
+#             pkg-config); rebuilt when the module's sources change (a content-hash stamp).
+#             The engine's KV cache events are tested against it (tests/interop)
 # Idempotent and fast when everything is already there (a version check per tool).
 # CI runs it as root on a clean machine, so apt-get is called directly when needed.
 # The Kubernetes JSON schemas used to validate rendered manifests come from the PyPI
@@ -37,7 +42,7 @@ log() { echo "install-tools: $*" >&2; }
 find_go() {
   if command -v go >/dev/null 2>&1; then command -v go
   elif [ -x /usr/local/go/bin/go ]; then echo /usr/local/go/bin/go
-  else log "Go is required to build helm (looked on PATH and /usr/local/go/bin)"; exit 1
+  else log "Go is required to build helm, the registry and llmd-indexer (looked on PATH and /usr/local/go/bin)"; exit 1
   fi
 }
 
@@ -112,9 +117,39 @@ install_node_packages() {
   if [ "$created" = 1 ]; then rm -f "$policy"; fi
 }
 
+# The helper links libzmq through cgo (github.com/pebbe/zmq4), found by pkg-config.
+LLMD_INDEXER_SRC="tests/interop/llmd_indexer"
+LLMD_INDEXER_PACKAGES=(libzmq3-dev pkg-config gcc)
+install_llmd_indexer() {
+  local bin="$TOOLS_BIN/llmd-indexer" stamp="$TOOLS_BIN/.llmd-indexer.sha256" sum
+  # The stamp is a hash of the module's sources (paths and contents), so an edit to
+  # main.go, go.mod or go.sum rebuilds; `-h` checks the binary still finds libzmq.
+  sum="$(cd "$LLMD_INDEXER_SRC" && find . -type f \( -name '*.go' -o -name go.mod -o -name go.sum \) \
+    | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1)"
+  if [ -x "$bin" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$sum" ] && "$bin" -h >/dev/null 2>&1; then
+    return
+  fi
+  local missing=()
+  for pkg in "${LLMD_INDEXER_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  done
+  if [ "${#missing[@]}" -gt 0 ]; then
+    log "installing Debian packages ${missing[*]} (llmd-indexer links libzmq)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  local go; go="$(find_go)"
+  log "building llmd-indexer from $LLMD_INDEXER_SRC (llm-d-kv-cache-manager; up to 8 minutes on a cold Go cache)"
+  rm -f "$stamp"
+  (cd "$LLMD_INDEXER_SRC" && CGO_ENABLED=1 "$go" build -trimpath -ldflags "-s -w" -o "$bin" .)
+  echo "$sum" >"$stamp"
+}
+
 install_helm
 install_prometheus
 install_registry
 install_moto
 install_node_packages
+install_llmd_indexer
 log "ok: $(containerd --version | awk '{print $3}') containerd, $(buildah --version | awk '{print $3}') buildah, $("$TOOLS_BIN/helm" version --template '{{.Version}}'), promtool $("$TOOLS_BIN/promtool" --version 2>&1 | head -1 | awk '{print $3}'), prometheus $("$TOOLS_BIN/prometheus" --version 2>&1 | head -1 | awk '{print $3}')"

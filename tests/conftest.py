@@ -10,8 +10,8 @@ Markers (registered in pyproject.toml; `make unit` deselects all five):
     hypothesis           a hypothesis property test: every ``@given`` test, here
     server               an HTTP server in a thread (fake OpenAI server, fake Kubernetes
                          API with a real Kopf loop): by fixture or an explicit mark
-    tools                helm, promtool or the node packages (buildah) from `make tools`:
-                         explicit marks
+    tools                helm, promtool, the node packages (buildah) or llmd-indexer (llm-d's
+                         KV cache indexer, tests/interop) from `make tools`: explicit marks
 """
 
 from __future__ import annotations

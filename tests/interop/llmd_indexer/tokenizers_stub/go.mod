@@ -1,0 +1,3 @@
+module github.com/daulet/tokenizers
+
+go 1.24.1
