@@ -23,14 +23,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ServerProcess:
     """``kvpilot serve`` with ``args`` on 127.0.0.1:<free port>."""
 
-    def __init__(self, *args: str, host: str = "127.0.0.1") -> None:
+    def __init__(self, *args: str, host: str = "127.0.0.1", env: dict[str, str] | None = None) -> None:
         self.host = host
         self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="kvpilot-serve-", suffix=".log", delete=False)  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "kvpilot.cli", "serve", "--host", host, "--port", str(self.port), *args]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
 
     def wait_ready(self, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout
