@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import shutil
 import signal
-import struct
 import subprocess
 import tempfile
 import time
@@ -45,37 +44,11 @@ PROBE_MODEL = "kvpilot-probe-model"
 
 
 # ------------------------------------------------------------------ block hashes
-def _cbor_head(major: int, value: int) -> bytes:
-    """A CBOR item head in its shortest form (canonical CBOR, RFC 8949 4.2.1)."""
-    if value < 24:
-        return bytes([major << 5 | value])
-    for info, fmt in ((24, ">B"), (25, ">H"), (26, ">I"), (27, ">Q")):
-        if value < 1 << (8 * struct.calcsize(fmt)):
-            return bytes([major << 5 | info]) + struct.pack(fmt, value)
-    raise ValueError(f"{value} does not fit in 64 bits")
-
-
-def cbor_canonical(value: Any) -> bytes:
-    """Canonical CBOR of the values a block hash covers: None, unsigned ints, str, lists."""
-    if value is None:
-        return b"\xf6"
-    if isinstance(value, bool):
-        raise TypeError("booleans are not part of a block hash")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError("negative ints are not part of a block hash")
-        return _cbor_head(0, value)
-    if isinstance(value, str):
-        data = value.encode()
-        return _cbor_head(3, len(data)) + data
-    if isinstance(value, (list, tuple)):
-        return _cbor_head(4, len(value)) + b"".join(cbor_canonical(v) for v in value)
-    raise TypeError(f"cannot encode {type(value).__name__} in a block hash")
-
-
 def sha256_cbor_64bit(value: Any) -> int:
     """vLLM's ``sha256_cbor_64bit``: the lower 64 bits of sha256 over canonical CBOR."""
-    return int.from_bytes(hashlib.sha256(cbor_canonical(value)).digest()[-8:], "big")
+    import cbor2
+
+    return int.from_bytes(hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()[-8:], "big")
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int = 16, seed: str = "") -> list[int]:
