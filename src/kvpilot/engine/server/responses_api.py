@@ -474,11 +474,15 @@ class ResponsesHandler:
                 output_tokens_details=ResponsesOutputTokensDetails(reasoning_tokens=self.reasoning_tokens(run, choice)),
                 total_tokens=u.total_tokens)
         tools = req.tools or []
+        # vLLM's echo: `auto` (the default) without tools is `none`.
+        tool_choice = req.tool_choice or "auto"
+        if not tools and tool_choice == "auto":
+            tool_choice = "none"
         return ResponsesResponse(
             id=public_id, created_at=created, incomplete_details=incomplete, instructions=req.instructions,
             metadata=req.metadata, model=self.ctx.model_name(run.prep.lora), object="response", output=output,
             parallel_tool_calls=req.parallel_tool_calls, temperature=params.temperature,
-            tool_choice=req.tool_choice or ("auto" if tools else "none"), tools=tools, top_p=params.top_p,
+            tool_choice=tool_choice, tools=tools, top_p=params.top_p,
             background=False, max_output_tokens=run.prep.max_tokens, previous_response_id=None, status=status,
             store=False, text=req.text, truncation="disabled", usage=result_usage, user=req.user)
 
@@ -489,9 +493,9 @@ class ResponsesHandler:
         parser = self.chat.reasoning
         if parser is None or not run.prep.reasoning:
             return 0
-        reasoning, answer = parser.extract(choice.text)
+        reasoning, _ = parser.extract(choice.text)
         ids = choice.token_ids
-        if reasoning is None and answer is not None:
+        if reasoning is None:
             return 0
         decode = self.ctx.tokenizer.decode
         if parser.end not in decode(ids):
