@@ -33,6 +33,7 @@ from kvpilot.engine.server.protocol import (  # noqa: E402
     CompletionRequest,
     DetokenizeRequest,
     LoadLoRAAdapterRequest,
+    ResponsesRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
@@ -46,6 +47,8 @@ REQUEST_MODELS = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions/render": CompletionRequest,
     "/v1/chat/completions/render": ChatCompletionRequest,
+    "/v1/responses": ResponsesRequest,
+    "/v1/responses/render": ResponsesRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
     "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
@@ -97,14 +100,17 @@ def bounded(case) -> None:
     """Keep valid generation requests short (and valid): at most 2 choices of 1 token
     (one engine step). Invalid ones are refused before anything runs."""
     body = case.body
-    if case.path not in ("/v1/completions", "/v1/chat/completions") or not isinstance(body, dict):
+    if case.path not in ("/v1/completions", "/v1/chat/completions", "/v1/responses") or not isinstance(body, dict):
         return
     if case.meta is None or not case.meta.generation.mode.is_positive:
         return
-    for key, most in (("n", 2), ("max_tokens", 1), ("max_completion_tokens", 1), ("min_tokens", 1)):
+    for key, most in (("n", 2), ("max_tokens", 1), ("max_completion_tokens", 1), ("min_tokens", 1),
+                      ("max_output_tokens", 1)):
         if isinstance(body.get(key), (int, float)):  # JSON Schema integers include 2.0
             body[key] = min(int(body[key]), most)
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    if case.path == "/v1/responses":
+        body["max_output_tokens"] = body.get("max_output_tokens") or 1  # not the rest of the context
+    elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = 1  # not the rest of the context
 
 

@@ -1,5 +1,6 @@
 """A server started with vLLM's `--reasoning-parser deepseek_r1` and `--chat-template`:
-reasoning goes to `reasoning_content` (streams: `delta.reasoning_content`), and a prompt
+reasoning goes to `reasoning_content` (streams: `delta.reasoning_content`; the Responses
+API: a `reasoning` output item), and a prompt
 whose template already closed the reasoning (thinking off) gets a plain answer that a
 structured-output constraint governs from the first token. Bad chat flags stop the
 server at start with a message naming the flag."""
@@ -58,6 +59,39 @@ def test_reasoning_goes_to_reasoning_content(reasoning_server):
         assert not any(c["delta"].get("content") for e in events for c in e["choices"])
         off = http.post("/v1/chat/completions", json={**body, "include_reasoning": False}).json()
         assert "reasoning_content" not in off["choices"][0]["message"]
+
+
+def test_responses_api_returns_the_reasoning_as_a_reasoning_item(reasoning_server):
+    question = MESSAGES[0]["content"]
+    with httpx.Client(base_url=reasoning_server.url, timeout=120) as http:
+        chat = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 12, "temperature": 0})
+        body = {"input": question, "max_output_tokens": 12, "temperature": 0}
+        r = http.post("/v1/responses", json=body).json()
+        # No </think> before the end: one reasoning item, no answer, every token reasoning.
+        assert [item["type"] for item in r["output"]] == ["reasoning"]
+        item = r["output"][0]
+        assert item["id"].startswith("rs_") and item["summary"] == []
+        assert item["content"] == [{"type": "reasoning_text",
+                                    "text": chat.json()["choices"][0]["message"]["reasoning_content"]}]
+        assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == r["usage"]["output_tokens"] > 0
+        with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+        deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+        assert [e["type"] for e in events] == (
+            ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+            + ["response.reasoning_text.delta"] * len(deltas)
+            + ["response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+               "response.completed"])
+        assert "".join(deltas) == item["content"][0]["text"]
+        assert events[-1]["response"]["output"][0]["content"] == item["content"]
+        assert events[-1]["response"]["usage"]["output_tokens_details"] == r["usage"]["output_tokens_details"]
+        off = http.post("/v1/responses", json={**body, "include_reasoning": False}).json()
+        assert off["output"][0]["type"] == "message" and off["output"][0]["content"] == []
+        plain = http.post("/v1/responses", json={**body, "max_output_tokens": 20,
+                                                 "chat_template_kwargs": {"enable_thinking": False}}).json()
+        assert [item["type"] for item in plain["output"]] == ["message"]
+        assert plain["output"][0]["content"][0]["text"]
+        assert plain["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
 
 
 def test_thinking_off_answers_plainly_and_the_constraint_applies_at_once(reasoning_server):

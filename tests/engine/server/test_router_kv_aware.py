@@ -52,16 +52,16 @@ def router_binary() -> str:
 
 class RouterProcess:
     """``vllm-router --policy kv_aware`` on 127.0.0.1 (free ports), debug log to a file,
-    always stopped."""
+    always stopped; ``extra`` are more router flags (``--api-key``)."""
 
-    def __init__(self, *worker_urls: str) -> None:
+    def __init__(self, *worker_urls: str, extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="vllm-router-", suffix=".log", delete=False)  # noqa: SIM115 - closed in stop()
         cmd = [router_binary(), "--host", "127.0.0.1", "--port", str(self.port),
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                "--policy", "kv_aware", "--log-level", "debug", "--worker-startup-timeout-secs", "60",
-               "--worker-urls", *worker_urls]
+               *extra, "--worker-urls", *worker_urls]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 60.0) -> None:

@@ -3,8 +3,9 @@
 Each case sends one request to the session's ``kvpilot serve`` (embedded SmolLM2, greedy)
 and compares the response (status line, content type and the exact body bytes; an SSE
 stream as it arrived) with ``golden/<case>.http``. Only values that differ from run to
-run are replaced by fixed tokens before the comparison: request and tool-call ids,
-``created``, ``instance_id`` and, where ``n`` > 1, ``cached_tokens``. Nothing else is normalised: key order, separators,
+run are replaced by fixed tokens before the comparison: request, response, output item
+and tool-call ids, ``created`` (``created_at``), ``instance_id`` and, where ``n`` > 1,
+``cached_tokens``. Nothing else is normalised: key order, separators,
 escaping, floats and event framing must all stay what they are.
 
 Every generation case starts its prompt with its own name, so no case hits a prefix-cache
@@ -41,7 +42,8 @@ MODEL = "SmolLM2-135M-Instruct"
 NORMALISE: list[tuple[re.Pattern[bytes], bytes]] = [
     (re.compile(rb"chatcmpl-tool-[0-9a-f]{32}"), b"chatcmpl-tool-ID"),
     (re.compile(rb"(chatcmpl|cmpl)-[0-9a-f]{32}"), rb"\1-ID"),
-    (re.compile(rb'("created":\s*)\d+'), rb"\g<1>0"),
+    (re.compile(rb"\b(resp|msg|fc|rs)([-_])[0-9a-f]{32}"), rb"\1\2ID"),
+    (re.compile(rb'("created(?:_at)?":\s*)\d+'), rb"\g<1>0"),
     (re.compile(rb'("instance_id":\s*")[^"]*"'), rb'\g<1>ID"'),
 ]
 
@@ -70,6 +72,10 @@ def chat(case: str, text: str, **kw: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "system", "content": f"Case {case}."},
                                          {"role": "user", "content": text}],
             "temperature": 0, **kw}
+
+
+def response(case: str, question: str, **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "instructions": f"Case {case}.", "input": question, "temperature": 0, **kw}
 
 
 def completion(case: str, text: str, **kw: Any) -> dict[str, Any]:
@@ -118,6 +124,33 @@ CASES: dict[str, tuple[str, str, Any, dict[str, str] | None]] = {
                         {"X-Request-Id": "golden-1"}),
     "chat_render": ("POST", "/v1/chat/completions/render",
                     chat("chat_render", "Hi.", max_tokens=3, seed=1), None),
+    # the Responses API
+    "resp_plain": ("POST", "/v1/responses", response("resp_plain", "What is 2+2?", max_output_tokens=12), None),
+    "resp_stream": ("POST", "/v1/responses", response("resp_stream", "Name three fruits.", max_output_tokens=8,
+                                                      stream=True), None),
+    "resp_tool_named": ("POST", "/v1/responses",
+                        response("resp_tool_named", "What is the weather in Paris?",
+                                 tools=[{"type": "function", **WEATHER["function"]}],
+                                 tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40),
+                        None),
+    "resp_tool_named_stream": ("POST", "/v1/responses",
+                               response("resp_tool_named_stream", "What is the weather in Rome?",
+                                        tools=[{"type": "function", **WEATHER["function"]}],
+                                        tool_choice={"type": "function", "name": "get_weather"},
+                                        max_output_tokens=40, stream=True), None),
+    "resp_json_schema": ("POST", "/v1/responses",
+                         response("resp_json_schema", "Invent a person.", max_output_tokens=40,
+                                  text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}}),
+                         None),
+    "resp_request_id": ("POST", "/v1/responses", response("resp_request_id", "Hi.", max_output_tokens=3),
+                        {"X-Request-Id": "golden-2"}),
+    "resp_render": ("POST", "/v1/responses/render", response("resp_render", "Hi.", max_output_tokens=3, seed=1),
+                    None),
+    "err_resp_background": ("POST", "/v1/responses", response("err", "Hi.", background=True), None),
+    "err_resp_previous_response_id": ("POST", "/v1/responses",
+                                      response("err", "Hi.", previous_response_id="resp_1"), None),
+    "err_resp_bad_item": ("POST", "/v1/responses",
+                          {"model": MODEL, "input": [{"type": "item_reference", "id": "msg_1"}]}, None),
     # completions
     "cmpl_plain": ("POST", "/v1/completions", completion("cmpl_plain", "The capital of France is", max_tokens=8),
                    None),

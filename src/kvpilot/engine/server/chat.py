@@ -132,17 +132,18 @@ def _arguments_as_objects(message: dict[str, Any]) -> None:
 
 def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
-                tools: list[dict[str, Any]] | None = None, chat_template: str | None = None) -> list[int]:
+                tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
+                param: str = "messages") -> list[int]:
     """Token ids of the conversation rendered with the chat template (``chat_template``
-    when given, else the tokenizer's). Raises InvalidRequestError when the messages'
-    text alone cannot fit the context (checked before rendering and tokenizing) or the
-    template refuses them."""
+    when given, else the tokenizer's). Raises InvalidRequestError naming ``param`` (the
+    request field the messages came from) when the messages' text alone cannot fit the
+    context (checked before rendering and tokenizing) or the template refuses them."""
     tok = ctx.tokenizer
     dicts = message_dicts(messages)
-    ctx.check_prompt_size(sum(len(d["content"]) for d in dicts), "messages")
+    ctx.check_prompt_size(sum(len(d["content"]) for d in dicts), param)
     if chat_template is None and not getattr(tok, "chat_template", None):
         raise InvalidRequestError("this model has no chat template; use /v1/completions or start the server "
-                                  "with --chat-template", "messages")
+                                  "with --chat-template", param)
     kwargs = dict(template_kwargs or {})
     if chat_template is not None:
         kwargs["chat_template"] = chat_template
@@ -158,7 +159,7 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
     except InvalidRequestError:
         raise
     except Exception as e:  # template errors (jinja raise_exception, bad roles) are the client's
-        raise InvalidRequestError(f"the chat template rejected the messages: {e}", "messages") from e
+        raise InvalidRequestError(f"the chat template rejected the messages: {e}", param) from e
     ids: list[int] = tok.encode(text, add_special_tokens=False)
     return ids
 
@@ -243,14 +244,22 @@ class ChatHandler:
         tail = self.ctx.tokenizer.decode(ids[-_CLOSED_REASONING_TAIL:])
         return self.reasoning.end not in tail
 
-    async def prepare(self, req: ChatCompletionRequest) -> Prepared:
+    async def prepare(self, req: ChatCompletionRequest, *, input_param: str = "messages",
+                      max_tokens_param: str | None = None,
+                      constraint: StructuredOutputsParams | None = None) -> Prepared:
         """Validate ``req`` and render its prompt. Raises InvalidRequestError (400),
-        ModelNotFound (404)."""
+        ModelNotFound (404).
+
+        Another API that speaks through the chat path (the Responses API) names its own
+        fields in the errors: ``input_param`` is the field the messages came from,
+        ``max_tokens_param`` the output limit's (default: ``max_completion_tokens`` or
+        ``max_tokens``, whichever ``req`` has), and ``constraint`` is its structured-output
+        constraint, used when ``req`` itself asks for none."""
         lora = self.ctx.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true", "top_logprobs")
         req.check_prompt_logprobs()
-        constraint = structured_outputs_of(req)
+        constraint = structured_outputs_of(req) or constraint
         tool_so, tool_mode = self._tool_mode(req)
         if tool_so is not None:
             if constraint is not None:
@@ -262,9 +271,11 @@ class ChatHandler:
         # The template and the tokenizer run in a worker thread (seconds for huge inputs).
         ids = await asyncio.to_thread(render_chat, self.ctx, req.messages, req.add_generation_prompt,
                                       req.continue_final_message, req.chat_template_kwargs, tools,
-                                      self.options.chat_template)
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self.ctx.resolve_max_tokens(len(ids), req.max_completion_tokens or req.max_tokens, param)
+                                      self.options.chat_template, input_param)
+        param = max_tokens_param or (
+            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        max_tokens = self.ctx.resolve_max_tokens(len(ids), req.max_completion_tokens or req.max_tokens, param,
+                                                 prompt_param=None if max_tokens_param is None else input_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         reasoning = self._reasoning_open(ids)
         grammar = None
@@ -376,7 +387,8 @@ class ChatHandler:
                                                  lora=prep.lora))
         return self._events(req, prep, public_id, deltas)
 
-    def _choice_stream(self, req: ChatCompletionRequest, prep: Prepared) -> ChoiceStream:
+    def choice_stream(self, req: ChatCompletionRequest, prep: Prepared) -> ChoiceStream:
+        """The streaming parsers (reasoning, then tool calls) of one choice of ``req``."""
         return ChoiceStream(
             reasoning=self.reasoning.streamer() if (self.reasoning is not None and prep.reasoning) else None,
             include_reasoning=req.include_reasoning,
@@ -402,7 +414,7 @@ class ChatHandler:
                 c = d.choice
                 cs = streams.get(c.index)
                 if cs is None:
-                    cs = streams[c.index] = self._choice_stream(req, prep)
+                    cs = streams[c.index] = self.choice_stream(req, prep)
                     yield chunk(ChatCompletionStreamChoice(index=c.index, delta=ChatDelta(role="assistant", content=""),
                                                            logprobs=None, finish_reason=None))
                 lp = chat_logprobs(self.ctx, d.logprobs) if (req.logprobs and d.logprobs) else None

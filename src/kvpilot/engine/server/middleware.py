@@ -16,7 +16,7 @@ from kvpilot.engine.server.error_handlers import error
 from kvpilot.engine.server.state import ServerState
 
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/openapi.json")
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 class BodyTooLarge(Exception):

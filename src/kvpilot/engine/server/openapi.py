@@ -17,6 +17,7 @@ from kvpilot.engine.server.protocol import (
     ChatCompletionChunk,
     CompletionStreamResponse,
     ErrorResponse,
+    ResponsesStreamEvent,
 )
 
 # When each error status is answered (all in the OpenAI body, ErrorResponse).
@@ -37,7 +38,9 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 # Models that only events of a stream reference (added to the document's components).
-STREAM_MODELS: tuple[type[BaseModel], ...] = (CompletionStreamResponse, ChatCompletionChunk)
+STREAM_MODELS: tuple[type[BaseModel], ...] = (CompletionStreamResponse, ChatCompletionChunk, ResponsesStreamEvent)
+REQUEST_ID_HEADER: dict[str, Any] = {"X-Request-Id": {
+    "description": "the request's `X-Request-Id`, when it sent one", "schema": {"type": "string"}}}
 
 
 def generated(model: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
@@ -50,8 +53,7 @@ def generated(model: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
     return {
         "model": model,
         "description": f"the answer; with `stream: true` an event stream of `{chunk.__name__}` chunks",
-        "headers": {"X-Request-Id": {"description": "the request's `X-Request-Id`, when it sent one",
-                                     "schema": {"type": "string"}}},
+        "headers": REQUEST_ID_HEADER,
         "content": {"text/event-stream": {"schema": {
             "type": "object",
             "required": ["data"],
@@ -59,6 +61,27 @@ def generated(model: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
                 {"const": "[DONE]"},
                 {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
             ]}},
+        }}},
+    }
+
+
+def generated_events(model: type[BaseModel], event: type[BaseModel]) -> dict[str, Any]:
+    """The 200 of ``POST /v1/responses``: the whole answer as JSON, or with ``stream:
+    true`` server-sent events in the Responses API's form: each names its ``event`` (the
+    type) and carries one ``event`` model as its ``data`` (a failure after the stream
+    started is its ``error`` event); no ``[DONE]`` follows the last."""
+    return {
+        "model": model,
+        "description": f"the answer; with `stream: true` an event stream of `{event.__name__}` events",
+        "headers": REQUEST_ID_HEADER,
+        "content": {"text/event-stream": {"schema": {
+            "type": "object",
+            "required": ["event", "data"],
+            "properties": {
+                "event": {"type": "string", "description": "the event's `type`"},
+                "data": {"type": "string", "contentMediaType": "application/json",
+                         "contentSchema": {"$ref": "#/components/schemas/" + event.__name__}},
+            },
         }}},
     }
 

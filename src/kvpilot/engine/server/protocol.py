@@ -18,14 +18,17 @@ bodies the handlers build, for the schema only (the handlers return plain dicts)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
     RootModel,
+    Tag,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -75,6 +78,17 @@ PROMPT_SCHEMA: dict[str, Any] = {
 SEED_SCHEMA: dict[str, Any] = {
     "anyOf": [{"type": "integer", "minimum": 0, "exclusiveMaximum": 2**63}, {"type": "null"}],
 }
+
+
+def check_stop(stop: str | list[str] | None) -> str | list[str] | None:
+    """``stop`` unchanged; raises ValueError (a 400 naming the field) for more than
+    MAX_STOP_STRINGS strings or an empty one."""
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+    if any(not s for s in stops):
+        raise ValueError("stop strings must be non-empty")
+    return stop
 
 
 class StrictModel(BaseModel):
@@ -201,12 +215,7 @@ class SamplingFields(StrictModel):
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        stops = [stop] if isinstance(stop, str) else (stop or [])
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        return stop
+        return check_stop(stop)
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -573,6 +582,473 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ------------------------------------------------- the Responses API (POST /v1/responses)
+# Request bodies: OpenAI's Responses API as vLLM serves it, stateless. Unions are picked by
+# a callable discriminator (the item's ``type``, or whether the value is text or a list),
+# so a bad value gets the one error of the member it meant, not one per member. Their tags
+# are written in brackets: error_handlers._field_path leaves such parts out of ``param``
+# (``input.0.content``, not ``input.[items].0.[message].content``).
+
+
+def _tagged(pick: Callable[[Any], str | None], allowed: str) -> Discriminator:
+    """A callable discriminator whose failure names what is ``allowed``."""
+    return Discriminator(pick, custom_error_type="invalid_union_member",
+                         custom_error_message=f"expected {allowed}")
+
+
+def _by_type(default: str | None = None) -> Callable[[Any], str | None]:
+    """The tag of a value by its ``type`` (``default`` when it has none)."""
+    def pick(value: Any) -> str | None:
+        kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
+        return f"[{kind}]" if isinstance(kind, str) else None
+    return pick
+
+
+def _text_or_list(value: Any) -> str | None:
+    return "[text]" if isinstance(value, str) else "[list]" if isinstance(value, list) else None
+
+
+class ResponsesTextPart(StrictModel):
+    """A text content part: ``input_text`` (what a client writes) or ``output_text`` (an
+    earlier answer sent back). Other parts (images, files, audio, refusals) are a 400."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[dict[str, Any]] | None = Field(default=None, description=(
+        "on `output_text` parts sent back: accepted, not used"))
+    logprobs: list[dict[str, Any]] | None = Field(default=None, description=(
+        "on `output_text` parts sent back: accepted, not used"))
+
+
+ResponsesContent = Annotated[
+    Annotated[str, Tag("[text]")] | Annotated[list[ResponsesTextPart], Tag("[list]")],
+    _tagged(_text_or_list, "a string or a list of text parts"),
+]
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponsesMessageItem(StrictModel):
+    """A message: the user's, the instructions' (``system``, ``developer``) or an earlier
+    answer (``assistant``; one with status ``in_progress`` or ``incomplete`` as the last
+    item is continued, not answered, as vLLM does)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: ResponsesContent
+    id: str | None = Field(default=None, description="accepted, not used")
+    status: ItemStatus | None = None
+
+
+class ResponsesFunctionCallItem(StrictModel):
+    """An earlier function call of the model (an output item sent back)."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str = Field(description="the arguments, a JSON object as text")
+    id: str | None = Field(default=None, description="accepted, not used")
+    status: ItemStatus | None = None
+
+
+class ResponsesFunctionCallOutputItem(StrictModel):
+    """A function call's result, given to the model as a ``tool`` message."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: ResponsesContent
+    id: str | None = Field(default=None, description="accepted, not used")
+    status: ItemStatus | None = None
+
+
+class ResponsesSummaryText(StrictModel):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ResponsesReasoningText(StrictModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ResponsesReasoningItem(StrictModel):
+    """Earlier reasoning (an output item sent back): given to the chat template as the
+    next assistant message's ``reasoning_content`` (and ``reasoning``), as vLLM does; its
+    ``content`` text, else its first summary."""
+
+    type: Literal["reasoning"]
+    id: str | None = Field(default=None, description="accepted, not used")
+    summary: list[ResponsesSummaryText] = Field(default_factory=list)
+    content: list[ResponsesReasoningText] | None = None
+    encrypted_content: Annotated[None, WithJsonSchema({"type": "null"})] = Field(default=None, description=(
+        "not supported (kvpilot never encrypts reasoning): only null"))
+    status: ItemStatus | None = None
+
+
+ResponsesInputItem = Annotated[
+    Annotated[ResponsesMessageItem, Tag("[message]")] | Annotated[ResponsesFunctionCallItem, Tag("[function_call]")] | Annotated[ResponsesFunctionCallOutputItem, Tag("[function_call_output]")] | Annotated[ResponsesReasoningItem, Tag("[reasoning]")],
+    _tagged(_by_type("message"), "an item of type message (the default), function_call, function_call_output "
+            "or reasoning (item_reference needs stored responses, which kvpilot does not keep)"),
+]
+ResponsesInput = Annotated[
+    Annotated[str, Tag("[text]")] | Annotated[list[ResponsesInputItem], Field(min_length=1), Tag("[list]")],
+    _tagged(_text_or_list, "a string (one user message) or a list of input items"),
+]
+
+
+class ResponsesFunctionTool(StrictModel):
+    """A function the model may call (the Responses API's flat shape: no ``function``
+    wrapper)."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description=(
+        "a JSON schema of `type: object`; absent or null: no arguments"))
+    strict: bool | None = Field(default=None, description=(
+        "accepted; forced calls (`required`, a named function) follow the schema either way"))
+
+
+class ResponsesFunctionChoice(StrictModel):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormatText(StrictModel):
+    type: Literal["text"]
+
+
+class ResponsesTextFormatJsonObject(StrictModel):
+    type: Literal["json_object"]
+
+
+class ResponsesTextFormatJsonSchema(StrictModel):
+    type: Literal["json_schema"]
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(alias="schema", description="the JSON schema the output matches")
+    description: str | None = None
+    strict: bool | None = Field(default=None, description=(
+        "false still constrains to the schema; otherwise properties it does not list are refused too"))
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+ResponsesTextFormat = Annotated[
+    Annotated[ResponsesTextFormatText, Tag("[text]")] | Annotated[ResponsesTextFormatJsonObject, Tag("[json_object]")] | Annotated[ResponsesTextFormatJsonSchema, Tag("[json_schema]")],
+    _tagged(_by_type(), "a format of type text, json_object or json_schema"),
+]
+
+
+class ResponsesTextConfig(StrictModel):
+    format: ResponsesTextFormat | None = Field(default=None, description=(
+        "`json_object` or `json_schema` (`name`, `schema`, `strict`, `description`): the output is "
+        "constrained to match (xgrammar); `text` or absent: free text"))
+
+
+class ResponsesRequest(StrictModel):
+    """``POST /v1/responses``: OpenAI's Responses API, stateless (kvpilot stores nothing),
+    with vLLM's extensions (``previous_input_messages``, ``include_reasoning``, the
+    sampling fields). Fields it does not implement are refused by name."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"input": "What is 2+2?", "instructions": "Answer briefly.", "max_output_tokens": 16, "temperature": 0},
+        {"input": [{"role": "user", "content": "Weather in Paris?"}], "stream": True,
+         "tools": [{"type": "function", "name": "get_weather",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                   "required": ["city"]}}],
+         "tool_choice": "required", "max_output_tokens": 40},
+    ]})
+
+    model: str | None = Field(default=None, description=(
+        "the served model name, or a LoRA adapter's name (`GET /v1/models` lists both); any other name is a 404"))
+    input: ResponsesInput = Field(description=(
+        "a string (one user message) or a list of items: messages, and earlier `function_call`, "
+        "`function_call_output` and `reasoning` items; rendered with the chat template"))
+    instructions: str | None = Field(default=None, description="a system message before everything else")
+    max_output_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = Field(default=None, description=(
+        "default: the rest of the context; the prompt's tokens plus this must fit `max_model_len`, else 400"))
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0, description="0 is greedy; default 1")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="nucleus sampling; default 1 (off)")
+    tools: list[ResponsesFunctionTool] | None = Field(default=None, max_length=128, description=(
+        "functions the model may call (type `function` only); passed to the chat template"))
+    tool_choice: Annotated[Literal["none", "auto", "required"] | ResponsesFunctionChoice,
+                           Field(union_mode="left_to_right")] | None = Field(default=None, description=(
+        "`none`; `auto` (the default with tools: needs `--enable-auto-tool-choice`); `required` or "
+        "`{\"type\": \"function\", \"name\"}`: calls enforced by constrained decoding"))
+    parallel_tool_calls: bool = Field(True, description="false: at most one call (enforced with `required`)")
+    text: ResponsesTextConfig | None = Field(default=None, description="the output's format")
+    stream: bool = Field(False, description="answer with server-sent events, one per Responses event type")
+    store: bool = Field(True, description=(
+        "accepted, but nothing is stored: the answer says `\"store\": false`"))
+    background: Annotated[bool | None, WithJsonSchema({"anyOf": [{"const": False}, {"type": "null"}]})] = Field(
+        default=False, description="not supported (needs stored responses): true is a 400")
+    previous_response_id: Annotated[str | None, WithJsonSchema({"type": "null"})] = Field(
+        default=None, description=(
+            "not supported (kvpilot stores no responses): any id is a 400; send the conversation in "
+            "`input` or `previous_input_messages`"))
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        default=None, max_length=16, description="returned as given, not used")
+    user: str | None = Field(default=None, description="accepted, not used")
+    include_reasoning: bool = Field(True, description=(
+        "with `--reasoning-parser`: return the reasoning as a `reasoning` output item; false drops it"))
+    previous_input_messages: list[ChatMessage] | None = Field(default=None, description=(
+        "vLLM's: the earlier conversation as chat messages, rendered before `input` (system and developer "
+        "messages are left out: `instructions` are this request's); with it an empty `input` string adds "
+        "no user message"))
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="extra variables for the chat template")
+    seed: Annotated[Annotated[int, Field(ge=0, le=2**63 - 1), INTEGRAL] | None, WithJsonSchema(SEED_SCHEMA)] = (
+        Field(default=None))
+    stop: Annotated[str | list[str] | None, WithJsonSchema(STOP_SCHEMA)] = Field(
+        None, description=f"at most {MAX_STOP_STRINGS} non-empty stop strings")
+    top_k: Int = Field(0, ge=-1, description="keep the k most likely tokens; 0 or -1 is off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=100.0, description="1 is off")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0), INTEGRAL]] | None = Field(default=None, description=(
+        "token ids that end the answer; ids at or above the vocabulary size are refused (400)"))
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(default=None, description=(
+        "token id (as a string) -> bias added to its logit, in [-100, 100]"))
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256, description=(
+        "requests with different salts never share prefix-cache entries"))
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        return check_stop(stop)
+
+
+# Response bodies and stream events of the Responses API. Every field is set by the
+# handler (none has a default), so the wire carries each one, null included.
+class ResponsesOutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any] = Field(description="always empty")
+    logprobs: list[Any] = Field(description="always empty (output logprobs are not supported)")
+
+
+class ResponsesOutputMessage(BaseModel):
+    """The answer's text: one ``output_text`` part, none when the model wrote nothing."""
+
+    id: str = Field(description="`msg_` and 32 hex digits")
+    type: Literal["message"]
+    role: Literal["assistant"]
+    status: ItemStatus
+    content: list[ResponsesOutputText]
+
+
+class ResponsesOutputReasoning(BaseModel):
+    """With ``--reasoning-parser``: the model's reasoning, as ``reasoning_text`` content."""
+
+    id: str = Field(description="`rs_` and 32 hex digits")
+    type: Literal["reasoning"]
+    summary: list[ResponsesSummaryText] = Field(description="always empty")
+    content: list[ResponsesReasoningText]
+    status: ItemStatus
+
+
+class ResponsesOutputFunctionCall(BaseModel):
+    """A call the model made; answer it with a ``function_call_output`` item naming
+    ``call_id``."""
+
+    id: str = Field(description="`fc_` and 32 hex digits")
+    type: Literal["function_call"]
+    call_id: str = Field(description="`chatcmpl-tool-` and 32 hex digits (9 characters with `mistral`)")
+    name: str
+    arguments: str = Field(description="the arguments, a JSON object as text")
+    status: ItemStatus
+
+
+ResponsesOutputItem = Annotated[
+    ResponsesOutputMessage | ResponsesOutputReasoning | ResponsesOutputFunctionCall, Field(discriminator="type")]
+
+
+class ResponsesInputTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens served from the prefix cache")
+
+
+class ResponsesOutputTokensDetails(BaseModel):
+    reasoning_tokens: int = Field(description="output tokens up to the end of the reasoning (`--reasoning-parser`)")
+
+
+class ResponsesUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: ResponsesInputTokensDetails
+    output_tokens: int
+    output_tokens_details: ResponsesOutputTokensDetails
+    total_tokens: int
+
+
+class ResponsesIncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponsesResponse(BaseModel):
+    """A response object (vLLM's fields, plus ``store``): the request's settings as they
+    ran (``temperature``, ``top_p``, ``max_output_tokens`` resolved), the output items and
+    the usage. ``status`` is ``incomplete`` (with ``incomplete_details``) when
+    ``max_output_tokens`` cut the answer; ``in_progress`` (no output, no usage) only in
+    the first two stream events."""
+
+    id: str = Field(description="`resp_` and the request's `X-Request-Id`, or 32 hex digits")
+    created_at: int
+    incomplete_details: ResponsesIncompleteDetails | None
+    instructions: str | None
+    metadata: dict[str, str] | None
+    model: str
+    object: Literal["response"]
+    output: list[ResponsesOutputItem]
+    parallel_tool_calls: bool
+    temperature: float
+    tool_choice: Literal["none", "auto", "required"] | ResponsesFunctionChoice
+    tools: list[ResponsesFunctionTool]
+    top_p: float
+    background: Literal[False]
+    max_output_tokens: int
+    previous_response_id: None
+    status: Literal["completed", "incomplete", "in_progress", "cancelled"]
+    store: Literal[False] = Field(description="always false: kvpilot stores no responses")
+    text: ResponsesTextConfig | None
+    truncation: Literal["disabled"]
+    usage: ResponsesUsage | None
+    user: str | None
+
+
+# An event's number in its stream: 0 for the first, then +1 per event.
+SequenceNumber = Annotated[int, Field(description="0 for the first event of a stream, then +1 per event")]
+
+
+class ResponsesCreatedEvent(BaseModel):
+    type: Literal["response.created"]
+    sequence_number: SequenceNumber
+    response: ResponsesResponse
+
+
+class ResponsesInProgressEvent(BaseModel):
+    type: Literal["response.in_progress"]
+    sequence_number: SequenceNumber
+    response: ResponsesResponse
+
+
+class ResponsesCompletedEvent(BaseModel):
+    """The last event: the whole response, its output the items streamed."""
+
+    type: Literal["response.completed"]
+    sequence_number: SequenceNumber
+    response: ResponsesResponse
+
+
+class ResponsesOutputItemAddedEvent(BaseModel):
+    type: Literal["response.output_item.added"]
+    sequence_number: SequenceNumber
+    output_index: int
+    item: ResponsesOutputItem
+
+
+class ResponsesOutputItemDoneEvent(BaseModel):
+    type: Literal["response.output_item.done"]
+    sequence_number: SequenceNumber
+    output_index: int
+    item: ResponsesOutputItem
+
+
+class ResponsesContentPartAddedEvent(BaseModel):
+    type: Literal["response.content_part.added"]
+    sequence_number: SequenceNumber
+    item_id: str
+    output_index: int
+    content_index: int
+    part: ResponsesOutputText | ResponsesReasoningText
+
+
+class ResponsesContentPartDoneEvent(BaseModel):
+    type: Literal["response.content_part.done"]
+    sequence_number: SequenceNumber
+    item_id: str
+    output_index: int
+    content_index: int
+    part: ResponsesOutputText | ResponsesReasoningText
+
+
+class ResponsesTextDeltaEvent(BaseModel):
+    type: Literal["response.output_text.delta"]
+    sequence_number: SequenceNumber
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[Any]
+
+
+class ResponsesTextDoneEvent(BaseModel):
+    type: Literal["response.output_text.done"]
+    sequence_number: SequenceNumber
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[Any]
+
+
+class ResponsesReasoningTextDeltaEvent(BaseModel):
+    type: Literal["response.reasoning_text.delta"]
+    sequence_number: SequenceNumber
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ResponsesReasoningTextDoneEvent(BaseModel):
+    type: Literal["response.reasoning_text.done"]
+    sequence_number: SequenceNumber
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+
+
+class ResponsesFunctionCallArgumentsDeltaEvent(BaseModel):
+    type: Literal["response.function_call_arguments.delta"]
+    sequence_number: SequenceNumber
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ResponsesFunctionCallArgumentsDoneEvent(BaseModel):
+    type: Literal["response.function_call_arguments.done"]
+    sequence_number: SequenceNumber
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+
+
+class ResponsesErrorEvent(BaseModel):
+    """A failure after the stream started (an engine error, the drain deadline): the last
+    event (OpenAI's ``error`` event)."""
+
+    type: Literal["error"]
+    sequence_number: SequenceNumber
+    code: str = Field(description="`server_error`, `service_unavailable` or `invalid_value`")
+    message: str
+    param: str | None
+
+
+class ResponsesStreamEvent(RootModel[Annotated[
+    ResponsesCreatedEvent | ResponsesInProgressEvent | ResponsesCompletedEvent | ResponsesOutputItemAddedEvent
+    | ResponsesOutputItemDoneEvent | ResponsesContentPartAddedEvent | ResponsesContentPartDoneEvent
+    | ResponsesTextDeltaEvent | ResponsesTextDoneEvent | ResponsesReasoningTextDeltaEvent
+    | ResponsesReasoningTextDoneEvent | ResponsesFunctionCallArgumentsDeltaEvent
+    | ResponsesFunctionCallArgumentsDoneEvent | ResponsesErrorEvent,
+    Field(discriminator="type")]]):
+    """One event of a ``POST /v1/responses`` stream (``event: <type>``, then ``data:``
+    the event as JSON); no ``[DONE]`` follows the last."""
 
 
 # ------------------------------------------------- LoRA adapters at runtime

@@ -45,10 +45,12 @@ def json_response(body: BaseModel, headers: dict[str, str] | None = None) -> JSO
     return JSONResponse(wire(body), headers=headers)
 
 
-def sse_event(body: BaseModel, ensure_ascii: bool = True) -> str:
+def sse_event(body: BaseModel, ensure_ascii: bool = True, event: str | None = None) -> str:
     """One server-sent event carrying a response model (``json.dumps`` spacing; chat
-    chunks pass ``ensure_ascii=False`` and keep non-ASCII text as is)."""
-    return f"data: {json.dumps(wire(body), ensure_ascii=ensure_ascii)}\n\n"
+    chunks pass ``ensure_ascii=False`` and keep non-ASCII text as is). ``event`` adds an
+    ``event:`` line (the Responses API names each event by its type, as OpenAI and vLLM)."""
+    head = f"event: {event}\n" if event is not None else ""
+    return f"{head}data: {json.dumps(wire(body), ensure_ascii=ensure_ascii)}\n\n"
 
 
 async def respond(handler: Handler[B], body: B, request: Request) -> Response:

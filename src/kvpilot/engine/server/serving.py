@@ -160,15 +160,19 @@ class ServingContext:
         name (as vLLM)."""
         return self.served_model_name if lora is None else lora.lora_name
 
-    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, param: str = "max_tokens") -> int:
+    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, param: str = "max_tokens",
+                           prompt_param: str | None = None) -> int:
         """``None`` -> the rest of the context. Raises InvalidRequestError (400) when the
-        prompt alone, or prompt + max_tokens, exceeds ``max_model_len``, naming both."""
+        prompt alone, or prompt + max_tokens, exceeds ``max_model_len``, naming both
+        numbers; the error's ``param`` is ``param`` (the output limit's field) or, for a
+        prompt too long by itself, ``prompt_param`` (default: ``messages`` for
+        ``max_completion_tokens``, else ``prompt``)."""
         limit = self.max_model_len
         if prompt_len >= limit:
             raise InvalidRequestError(
                 f"This model's maximum context length is {limit} tokens, but the prompt has "
                 f"{prompt_len} tokens (at least one output token must fit)",
-                "messages" if param == "max_completion_tokens" else "prompt",
+                prompt_param or ("messages" if param == "max_completion_tokens" else "prompt"),
             )
         if max_tokens is None:
             return limit - prompt_len
@@ -321,9 +325,10 @@ async def started(deltas: AsyncGenerator[Delta, None]) -> AsyncGenerator[Delta, 
     return chain()
 
 
-def new_request_id(prefix: str, header_id: str | None) -> tuple[str, str]:
-    """(public id for the response, unique internal id for the engine)."""
-    public = f"{prefix}-{header_id}" if header_id else f"{prefix}-{uuid.uuid4().hex}"
+def new_request_id(prefix: str, header_id: str | None, sep: str = "-") -> tuple[str, str]:
+    """(public id for the response, unique internal id for the engine): ``prefix``,
+    ``sep`` and the ``X-Request-Id`` header's value, or 32 random hex digits."""
+    public = f"{prefix}{sep}{header_id}" if header_id else f"{prefix}{sep}{uuid.uuid4().hex}"
     return public, f"{public}-{uuid.uuid4().hex[:8]}"
 
 

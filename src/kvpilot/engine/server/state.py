@@ -18,6 +18,7 @@ from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.chat import ChatHandler, ChatOptions
 from kvpilot.engine.server.completions import CompletionHandler
 from kvpilot.engine.server.metrics import EngineMetrics
+from kvpilot.engine.server.responses_api import ResponsesHandler
 from kvpilot.engine.server.serving import ServingContext
 
 # vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter: the routes
@@ -76,11 +77,13 @@ class AppState:
     ctx: ServingContext
     completions: CompletionHandler
     chat: ChatHandler
+    responses: ResponsesHandler
 
     @classmethod
     def of(cls, server: ServerState) -> AppState:
         ctx = ServingContext(server.engine, server.served_model_name, server.metrics, server.enable_lora)
-        return cls(server, ctx, CompletionHandler(ctx), ChatHandler(ctx, server.chat_options))
+        chat = ChatHandler(ctx, server.chat_options)
+        return cls(server, ctx, CompletionHandler(ctx), chat, ResponsesHandler(chat))
 
 
 def attach(app: FastAPI, server: ServerState) -> None:

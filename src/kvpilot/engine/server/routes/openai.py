@@ -1,5 +1,5 @@
-"""The OpenAI API: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and
-vLLM's ``/tokenize``. A generation request enters its handler once
+"""The OpenAI API: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
+``/v1/responses`` and vLLM's ``/tokenize``. A generation request enters its handler once
 (:meth:`~kvpilot.engine.server.chat.ChatHandler.create`), which validates, renders the
 prompt, builds the sampling parameters, generates and answers."""
 
@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvpilot.engine.server.chat import render_chat
-from kvpilot.engine.server.openapi import errors, generated
+from kvpilot.engine.server.openapi import errors, generated, generated_events
 from kvpilot.engine.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -21,6 +21,9 @@ from kvpilot.engine.server.protocol import (
     CompletionStreamResponse,
     ModelCard,
     ModelList,
+    ResponsesRequest,
+    ResponsesResponse,
+    ResponsesStreamEvent,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -61,6 +64,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
              responses={200: generated(ChatCompletionResponse, ChatCompletionChunk), **GENERATION_ERRORS})
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     return await respond(app_state(request).chat, body, request)
+
+
+@router.post("/v1/responses", response_model=None,
+             responses={200: generated_events(ResponsesResponse, ResponsesStreamEvent), **GENERATION_ERRORS})
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    """OpenAI's Responses API, stateless: nothing is stored (`store` is answered false;
+    `background` and `previous_response_id` are a 400)."""
+    return await respond(app_state(request).responses, body, request)
 
 
 @router.post("/tokenize", response_model=None, responses={200: {"model": TokenizeResponse}, **TOKENIZE_ERRORS})

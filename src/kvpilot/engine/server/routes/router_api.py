@@ -1,9 +1,9 @@
 """What a KV-aware router (the vLLM project's ``vllm-router --policy kv_aware``) calls,
 in vLLM's shapes: ``/get_server_info`` (model, instance id, block size),
 ``/kv_event_sources`` (the ZMQ publisher of :mod:`kvpilot.engine.kv_events`),
-``/get_load``, the two render endpoints, which return the exact prompt token ids a
-request would run with, and ``/detokenize`` (last, so the OpenAPI document lists the
-paths in the order it always has)."""
+``/get_load``, the render endpoints (chat, completions, responses), which return the
+exact prompt token ids a request would run with, and ``/detokenize`` (last, so the
+OpenAPI document lists the paths in the order it always has)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from kvpilot.engine.server.protocol import (
     LoadResponse,
     RenderResponse,
     RenderResponseList,
+    ResponsesRequest,
     ServerInfoResponse,
     StreamOptions,
 )
@@ -66,9 +67,11 @@ def kv_event_sources_of(state: ServerState) -> KVEventSources | None:
 
 
 def rendered(prefix: str, ids: list[int], params: SamplingParams | None,
-             body: ChatCompletionRequest | CompletionRequest, served: str) -> RenderResponse:
+             body: ChatCompletionRequest | CompletionRequest | ResponsesRequest, served: str) -> RenderResponse:
     """One render result in vLLM's ``GenerateRequest`` shape. ``params`` None is an
-    echo-only completion (``max_tokens: 0``: nothing would be sampled)."""
+    echo-only completion (``max_tokens: 0``: nothing would be sampled). A Responses
+    request has no stream options (null)."""
+    options = None if isinstance(body, ResponsesRequest) else body.stream_options
     return RenderResponse(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         token_ids=ids,
@@ -77,7 +80,7 @@ def rendered(prefix: str, ids: list[int], params: SamplingParams | None,
         model=body.model or served,
         stream=body.stream,
         # every field of the request's stream options, defaults included
-        stream_options=StreamOptions(**body.stream_options.model_dump()) if body.stream_options is not None else None,
+        stream_options=StreamOptions(**options.model_dump()) if options is not None else None,
         cache_salt=body.cache_salt,
         priority=0,
     )
@@ -142,6 +145,18 @@ async def render_completion(body: CompletionRequest, request: Request) -> Respon
     runs = await app.completions.render(body)
     return json_response(RenderResponseList(
         [rendered("cmpl", ids, params, body, app.server.served_model_name) for ids, params in runs]))
+
+
+@router.post("/v1/responses/render", response_model=None,
+             responses={200: {"model": RenderResponse, "description": "the rendered request"}, **TOKENIZE_ERRORS})
+async def render_response(body: ResponsesRequest, request: Request) -> Response:
+    """What `POST /v1/responses` would run (vLLM's render endpoint, which
+    `vllm-router --policy kv_aware` calls before routing a Responses request): the
+    prompt token ids and sampling parameters; nothing is generated. Refuses what that
+    endpoint refuses, with the same errors."""
+    app = app_state(request)
+    ids, params = await app.responses.render(body)
+    return json_response(rendered("resp", ids, params, body, app.server.served_model_name))
 
 
 @router.post("/detokenize", response_model=None, responses={200: {"model": DetokenizeResponse}, **TOKENIZE_ERRORS})
