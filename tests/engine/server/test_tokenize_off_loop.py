@@ -32,7 +32,7 @@ class Context:
     def check_prompt_size(self, chars, param) -> None:
         return None
 
-    def resolve_max_tokens(self, prompt_len, max_tokens, param="max_tokens") -> int:
+    def resolve_max_tokens(self, prompt_len, max_tokens, param="max_tokens", prompt_param=None) -> int:
         return max_tokens or 4
 
 
