@@ -256,6 +256,27 @@ def test_items_render_as_the_equivalent_chat_messages(http):
     assert r.json()["usage"]["input_tokens"] == len(ids)
 
 
+def test_items_the_openai_sdk_dumps_are_accepted_back(client, http):
+    """``[o.model_dump() for o in r.output]`` carries the SDK's own null fields (``phase``,
+    ``async_``, ``caller``, ``namespace``) and ``truncation`` the answer's value: sent back,
+    they render as the items do without them."""
+    first = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER],
+                                    tool_choice="required", parallel_tool_calls=False, max_output_tokens=60,
+                                    temperature=0)
+    assert first.truncation == "disabled"
+    call_output = {"type": "function_call_output", "call_id": first.output[0].call_id, "output": "22 C"}
+    bodies = [{"model": MODEL, "tools": [WEATHER], "tool_choice": "none", "truncation": first.truncation,
+               "input": [{"role": "user", "content": "Weather in Paris?"},
+                         *items, call_output]}
+              for items in ([o.model_dump() for o in first.output],
+                            [o.model_dump(by_alias=True) for o in first.output],
+                            [o.model_dump(exclude_none=True) for o in first.output])]
+    rendered = [render(http, "/v1/responses/render", body) for body in bodies]
+    assert rendered[0] == rendered[1] == rendered[2]
+    answer = client.responses.create(**{**bodies[0], "max_output_tokens": 4})
+    assert answer.status in ("completed", "incomplete") and answer.output[0].type == "message"
+
+
 def test_previous_input_messages_come_before_the_input_without_their_system_messages(http):
     body = {"model": MODEL, "instructions": "Now.", "input": "And 3+3?",
             "previous_input_messages": [{"role": "system", "content": "Then."},
@@ -325,7 +346,11 @@ def test_a_stream_the_client_leaves_is_aborted(http, server):
         ({"background": True}, "background", "kvpilot stores no responses"),
         ({"previous_response_id": "resp_123"}, "previous_response_id", "'resp_123' cannot be used"),
         ({"reasoning": {"effort": "low"}}, "reasoning", "unknown or unsupported field"),
-        ({"truncation": "auto"}, "truncation", "unknown or unsupported field"),
+        ({"truncation": "auto"}, "truncation", "'disabled'"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "async": True}]},
+         "input.0.async", "False"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}",
+                     "namespace": "ns"}]}, "input.0.namespace", "None"),
         ({"no_such_field": 1}, "no_such_field", "unknown or unsupported field"),
         ({"input": 5}, "input", "a string (one user message) or a list of input items"),
         ({"input": []}, "input", "at least 1 item"),

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -639,6 +640,8 @@ class ResponsesMessageItem(StrictModel):
     content: ResponsesContent
     id: str | None = Field(default=None, description="accepted, not used")
     status: ItemStatus | None = None
+    phase: Literal["commentary", "final_answer"] | None = Field(default=None, description=(
+        "on an assistant message sent back (the OpenAI SDK's output items carry it): accepted, not used"))
 
 
 class ResponsesFunctionCallItem(StrictModel):
@@ -650,6 +653,15 @@ class ResponsesFunctionCallItem(StrictModel):
     arguments: str = Field(description="the arguments, a JSON object as text")
     id: str | None = Field(default=None, description="accepted, not used")
     status: ItemStatus | None = None
+    # Fields of the OpenAI SDK's ResponseFunctionToolCall that a model_dump() of an
+    # answer's items carries as null (async_ is the SDK's Python name of `async`).
+    async_: Annotated[Literal[False] | None, WithJsonSchema({"anyOf": [{"const": False}, {"type": "null"}]})] = Field(
+        default=None, validation_alias=AliasChoices("async", "async_"), description=(
+            "`async` (the SDK's `model_dump()` writes `async_`): null or false; asynchronous calls are not supported"))
+    caller: Annotated[None, WithJsonSchema({"type": "null"})] = Field(default=None, description=(
+        "null only (kvpilot's calls are the model's own)"))
+    namespace: Annotated[None, WithJsonSchema({"type": "null"})] = Field(default=None, description=(
+        "null only (tools have no namespaces here)"))
 
 
 class ResponsesFunctionCallOutputItem(StrictModel):
@@ -779,6 +791,9 @@ class ResponsesRequest(StrictModel):
     parallel_tool_calls: bool = Field(True, description="false: at most one call (enforced with `required`)")
     text: ResponsesTextConfig | None = Field(default=None, description="the output's format")
     stream: bool = Field(False, description="answer with server-sent events, one per Responses event type")
+    truncation: Literal["disabled"] | None = Field(default=None, description=(
+        "`disabled` (OpenAI's default, what the answer says): an input over the context is a 400; "
+        "`auto` (dropping the oldest input) is not supported"))
     store: bool = Field(True, description=(
         "accepted, but nothing is stored: the answer says `\"store\": false`"))
     background: Annotated[bool | None, WithJsonSchema({"anyOf": [{"const": False}, {"type": "null"}]})] = Field(
