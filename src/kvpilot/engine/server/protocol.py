@@ -655,11 +655,18 @@ class ResponsesFunctionCallItem(StrictModel):
     status: ItemStatus | None = None
     # Fields of the OpenAI SDK's ResponseFunctionToolCall that a model_dump() of an
     # answer's items carries as null (async_ is the SDK's Python name of `async`).
-    async_: Annotated[Literal[False] | None, WithJsonSchema({"anyOf": [{"const": False}, {"type": "null"}]})] = Field(
+    async_: Annotated[bool | None, WithJsonSchema({"anyOf": [{"const": False}, {"type": "null"}]})] = Field(
         default=None, validation_alias=AliasChoices("async", "async_"), description=(
             "`async` (the SDK's `model_dump()` writes `async_`): null or false; asynchronous calls are not supported"))
     caller: Annotated[None, WithJsonSchema({"type": "null"})] = Field(default=None, description=(
         "null only (kvpilot's calls are the model's own)"))
+
+    @field_validator("async_")
+    @classmethod
+    def _not_async(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("only null or false: asynchronous function calls are not supported")
+        return value
     namespace: Annotated[None, WithJsonSchema({"type": "null"})] = Field(default=None, description=(
         "null only (tools have no namespaces here)"))
 
