@@ -98,9 +98,12 @@ class Proc:
 
 
 def start_engine(args) -> tuple[Proc, str]:
-    port, pub, replay = free_port(), free_port(), free_port()
+    port = free_port()
+    # Port 0: bound on loopback, the port the OS picks reported by /kv_event_sources (where
+    # the router looks). An explicit tcp://127.0.0.1:PORT would be connected to, as vLLM
+    # connects to any endpoint that is not a wildcard.
     events = {"enable_kv_cache_events": True, "publisher": "zmq",
-              "endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+              "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0",
               "topic": "kv-events"}
     argv = [str(BIN / "kvpilot"), "serve", "--host", "127.0.0.1", "--port", str(port),
             "--num-gpu-blocks-override", str(args.cache_tokens // 16), "--block-size", "16",

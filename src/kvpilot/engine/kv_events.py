@@ -417,6 +417,11 @@ class ZmqEventPublisher:
             self._ctx.term()
             self._ctx = None
             raise
+        if not binds(self.config.endpoint):
+            logger.warning("KV events: connecting to %s, as vLLM connects to any endpoint that is not a wildcard: "
+                           "a consumer must bind there (llm-d's indexer does); a router that subscribes "
+                           "(vllm-router) cannot reach it. To bind, use tcp://*:PORT or port 0.",
+                           self.config.endpoint)
         self._thread = threading.Thread(target=self._run, name="kvpilot-kv-events", daemon=True)
         self._thread.start()
         logger.info("KV events: publishing on %s (%s, replay: %s, topic %r, %s events)%s",
