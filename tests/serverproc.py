@@ -20,6 +20,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> int:
+    """SIGTERM ``proc`` if it still runs, SIGKILL it after ``timeout`` s; its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
+
+
 class ServerProcess:
     """``kvpilot serve`` with ``args`` on 127.0.0.1:<free port>."""
 
@@ -51,12 +63,6 @@ class ServerProcess:
             return f.read()[-6000:]
 
     def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        code = stop_process(self.proc, timeout)
         self.log.close()
-        return self.proc.returncode
+        return code

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -31,7 +30,7 @@ import msgpack
 import pytest
 import zmq
 
-from tests.serverproc import free_port
+from tests.serverproc import free_port, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "tests" / "interop" / "llmd_indexer"
@@ -193,14 +192,7 @@ class LlmdIndexer:
         self.client.close()
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
     def __enter__(self) -> LlmdIndexer:
         return self.start()

@@ -272,16 +272,14 @@ def external_hash(h: ChainHash) -> int:
     return h if isinstance(h, int) else int.from_bytes(h, "big") & _MASK64
 
 
-def event_keys(lora: LoRARequest | None, salt: str | None, first: bool) -> tuple[str, ...] | None:
-    """One block's entry in ``BlockStored.extra_keys``: the keys of its hash untagged
-    (vLLM's ``to_event_extra_keys``): the adapter's name, then the salt in a prefix's
-    first block. None when there are none."""
-    keys: list[str] = []
-    if lora is not None:
-        keys.append(lora.lora_name)
-    if first and salt:
-        keys.append(salt)
-    return tuple(keys) if keys else None
+def event_keys(hash_keys: tuple[Any, ...] | None) -> tuple[str, ...] | None:
+    """One block's entry in ``BlockStored.extra_keys``: the keys of its hash
+    (:meth:`BlockHasher.hash_keys`) untagged, as vLLM's ``to_event_extra_keys`` publishes
+    them: the adapter's name, then the salt in a prefix's first block. None when there
+    are none."""
+    if hash_keys is None:
+        return None
+    return tuple(k[1] if isinstance(k, tuple) else k for k in hash_keys)
 
 
 class KVEventCollector:
@@ -328,10 +326,10 @@ class KVEventCollector:
         publishing several blocks) extends that event, as vLLM sends one ``BlockStored``
         per request and step; a chain has one adapter and one salt, so the event's
         ``lora_id`` and ``lora_name`` hold for every block."""
-        first = parent_hash is None
-        h = self.hasher.hash_block(parent_hash, token_ids, self.hasher.hash_keys(lora, salt, first))
+        hash_keys = self.hasher.hash_keys(lora, salt, parent_hash is None)
+        h = self.hasher.hash_block(parent_hash, token_ids, hash_keys)
         ext = external_hash(h)
-        keys = event_keys(lora, salt, first)
+        keys = event_keys(hash_keys)
         lora_id = lora.lora_int_id if lora is not None else None
         events = self.events
         last = events[-1] if events else None
