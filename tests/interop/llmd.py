@@ -17,7 +17,6 @@ event batches on ``kv@<pod>@<model>`` topics.
 from __future__ import annotations
 
 import hashlib
-import shutil
 import subprocess
 import tempfile
 import time
@@ -30,11 +29,11 @@ import msgpack
 import pytest
 import zmq
 
+from tests.operator.tools import TOOLS_BIN, tool
 from tests.serverproc import free_port, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "tests" / "interop" / "llmd_indexer"
-TOOLS_BIN = REPO / ".tools" / "bin"
 BINARY_NAME = "llmd-indexer"
 STAMP = TOOLS_BIN / ".llmd-indexer.sha256"
 START_TIMEOUT_SECONDS = 30.0
@@ -127,17 +126,12 @@ def source_hash() -> str:
 def indexer_binary() -> str:
     """.tools/bin/llmd-indexer, built from the current sources; else one on PATH. A missing
     or stale binary fails the test with the command that builds it: never a skip."""
-    local = TOOLS_BIN / BINARY_NAME
-    if local.exists():
+    found = tool(BINARY_NAME)
+    if found == str(TOOLS_BIN / BINARY_NAME):
         stamp = STAMP.read_text().strip() if STAMP.exists() else ""
         if stamp != source_hash():
-            pytest.fail(f"{local} was built from other sources than {SOURCE}: run `make tools` "
+            pytest.fail(f"{found} was built from other sources than {SOURCE}: run `make tools` "
                         "(scripts/install-tools.sh) to rebuild it", pytrace=False)
-        return str(local)
-    found = shutil.which(BINARY_NAME)
-    if found is None:
-        pytest.fail(f"{BINARY_NAME} not found in {TOOLS_BIN} or on PATH: run `make tools` "
-                    "(scripts/install-tools.sh) first", pytrace=False)
     return found
 
 
